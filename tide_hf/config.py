@@ -1,0 +1,151 @@
+"""Configuration: the router sidecar's `TideRouterConfig` and the per-attach runtime `TideOptions`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PretrainedConfig
+
+LABEL_KINDS = ("cosine", "top1", "kl")
+MODES = ("select",)
+
+
+def default_checkpoints(num_hidden_layers: int, interval: int) -> list[int]:
+    """Checkpoints as counts of executed layers: every `interval`, never the final layer.
+
+    A router after the last layer would compare the final state with itself, so its "converged"
+    label is trivially true and only inflates exit rates.
+    """
+    return list(range(interval, num_hidden_layers, interval))
+
+
+class TideRouterConfig(PretrainedConfig):
+    """Everything needed to rebuild, pair and audit a TIDE router.
+
+    Architecture: `hidden_size`, `router_bottleneck_dim`, `checkpoint_layers` (a checkpoint `k` scores
+    the output of the `k`-th decoder layer, 1-based). Provenance (what the router belongs to and how it
+    was made): the `base_*` fields, the label, the data and the training hyper-parameters. Defaults for
+    serving: `exit_threshold`, `min_layers`. Results: `metrics`, one dict per checkpoint, and
+    `calibration_seconds` (model body, labelling, training).
+    """
+
+    model_type = "tide_router"
+
+    def __init__(
+        self,
+        hidden_size: int = 4096,
+        num_hidden_layers: int = 32,
+        checkpoint_interval: int = 4,
+        checkpoint_layers: list[int] | None = None,
+        router_bottleneck_dim: int = 128,
+        label: str = "cosine",
+        convergence_threshold: float = 0.98,
+        kl_threshold: float = 0.1,
+        exit_threshold: float = 0.85,
+        min_layers: int | None = None,
+        base_model_name_or_path: str | None = None,
+        base_model_revision: str | None = None,
+        base_architecture: str | None = None,
+        base_model_type: str | None = None,
+        base_fingerprint: str | None = None,
+        dataset: str | None = None,
+        num_samples: int | None = None,
+        seq_len: int | None = None,
+        learning_rate: float = 1e-3,
+        num_epochs: int = 100,
+        train_batch_size: int = 1024,
+        max_train_tokens: int = 65536,
+        validation_fraction: float = 0.1,
+        seed: int = 0,
+        metrics: dict[str, dict[str, Any]] | None = None,
+        calibration_seconds: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.checkpoint_interval = checkpoint_interval
+        self.checkpoint_layers = (
+            list(checkpoint_layers)
+            if checkpoint_layers is not None
+            else default_checkpoints(num_hidden_layers, checkpoint_interval)
+        )
+        self.router_bottleneck_dim = router_bottleneck_dim
+        self.label = label
+        self.convergence_threshold = convergence_threshold
+        self.kl_threshold = kl_threshold
+        self.exit_threshold = exit_threshold
+        self.min_layers = min_layers if min_layers is not None else min(self.checkpoint_layers, default=1)
+        self.base_model_name_or_path = base_model_name_or_path
+        self.base_model_revision = base_model_revision
+        self.base_architecture = base_architecture
+        self.base_model_type = base_model_type
+        self.base_fingerprint = base_fingerprint
+        self.dataset = dataset
+        self.num_samples = num_samples
+        self.seq_len = seq_len
+        self.learning_rate = learning_rate
+        self.num_epochs = num_epochs
+        self.train_batch_size = train_batch_size
+        self.max_train_tokens = max_train_tokens
+        self.validation_fraction = validation_fraction
+        self.seed = seed
+        self.metrics = metrics or {}
+        self.calibration_seconds = calibration_seconds or {}
+        super().__init__(**kwargs)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise a `ValueError` naming the first inconsistent field."""
+        if self.label not in LABEL_KINDS:
+            raise ValueError(f"label must be one of {LABEL_KINDS}, got {self.label!r}")
+        if self.checkpoint_interval < 1:
+            raise ValueError(f"checkpoint_interval must be >= 1, got {self.checkpoint_interval}")
+        if not self.checkpoint_layers:
+            raise ValueError(
+                f"no checkpoint layers: a model with {self.num_hidden_layers} layers and checkpoint_interval="
+                f"{self.checkpoint_interval} has no layer before the last to exit at"
+            )
+        bad = [k for k in self.checkpoint_layers if not 1 <= k < self.num_hidden_layers]
+        if bad:
+            raise ValueError(
+                f"checkpoint_layers {bad} out of range: each must be in [1, {self.num_hidden_layers - 1}] "
+                "(the final layer gets no router)"
+            )
+        if sorted(set(self.checkpoint_layers)) != list(self.checkpoint_layers):
+            raise ValueError(f"checkpoint_layers must be strictly increasing, got {self.checkpoint_layers}")
+        if not 0.0 < self.validation_fraction < 1.0:
+            raise ValueError(f"validation_fraction must be in (0, 1), got {self.validation_fraction}")
+        _check_threshold(self.exit_threshold)
+        _check_min_layers(self.min_layers, self.num_hidden_layers)
+
+
+def _check_threshold(value: float) -> None:
+    if not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"exit_threshold must be in [0, 1], got {value}")
+
+
+def _check_min_layers(value: int, num_hidden_layers: int) -> None:
+    if not 1 <= int(value) <= num_hidden_layers:
+        raise ValueError(f"min_layers must be in [1, {num_hidden_layers}] for this model, got {value}")
+
+
+@dataclass(frozen=True)
+class TideOptions:
+    """Serving options of one attach: how eagerly tokens exit and what an exit saves.
+
+    `exit_threshold`: a row exits at the first checkpoint >= `min_layers` whose router score is at
+    least this (1.0 means "only on a certain score", i.e. practically never). `mode`: "select" runs every
+    layer and feeds the exit state to the head (the paper's system).
+    """
+
+    exit_threshold: float = 0.85
+    min_layers: int = 1
+    mode: str = "select"
+
+    def validate(self, num_hidden_layers: int) -> None:
+        """Raise before any work is done when an option cannot apply to this model."""
+        _check_threshold(self.exit_threshold)
+        _check_min_layers(self.min_layers, num_hidden_layers)
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")

@@ -14,7 +14,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -78,19 +78,35 @@ class _HeadTargets:
         return exit_logits.argmax(-1) == self.argmax, self.neg_entropy - _rowdot(self.prob, logq)
 
 
+def _document_chunks(tokenizer: Any, texts: list[str], seq_len: int, seed: int) -> Iterator[tuple[int, list[torch.Tensor]]]:
+    """Documents in a seeded order, each split into chunks of at most `seq_len` tokens."""
+    for i in torch.randperm(len(texts), generator=torch.Generator().manual_seed(seed)).tolist():
+        ids = tokenizer(texts[i], add_special_tokens=False)["input_ids"]
+        yield i, [torch.tensor(ids[s : s + seq_len]) for s in range(0, len(ids), seq_len)]
+
+
 def make_samples(tokenizer: Any, texts: list[str], num_samples: int, seq_len: int, seed: int) -> list[torch.Tensor]:
     """Split documents (in a seeded order) into chunks of at most `seq_len` tokens; take `num_samples`."""
-    order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(seed)).tolist()
     chunks: list[torch.Tensor] = []
-    for i in order:
-        ids = tokenizer(texts[i], add_special_tokens=False)["input_ids"]
-        chunks.extend(torch.tensor(ids[s : s + seq_len]) for s in range(0, len(ids), seq_len))
+    for _, doc in _document_chunks(tokenizer, texts, seq_len, seed):
+        chunks.extend(doc)
         if len(chunks) >= num_samples:
             break
     if len(chunks) < num_samples:
         warnings.warn(f"the dataset yields only {len(chunks)} samples of <= {seq_len} tokens, fewer than the "
                       f"{num_samples} asked for; calibrating on all {len(chunks)}", stacklevel=3)
     return chunks[:num_samples]
+
+
+def held_out_texts(tokenizer: Any, texts: list[str], cfg: TideRouterConfig) -> list[str]:
+    """The documents a calibration with `cfg` never read (for honest evaluation on the same corpus)."""
+    seen, used = 0, set()
+    for i, doc in _document_chunks(tokenizer, texts, cfg.seq_len, cfg.seed):
+        if seen >= cfg.num_samples:
+            break
+        used.add(i)
+        seen += len(doc)
+    return [t for i, t in enumerate(texts) if i not in used]
 
 
 def _pad(batch: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,12 +195,16 @@ def collect(
 
 
 def _auc(scores: torch.Tensor, labels: torch.Tensor) -> float | None:
-    """Area under the ROC curve via the rank-sum statistic (None when only one class is present)."""
+    """Area under the ROC curve via the rank-sum statistic (None when only one class is present).
+
+    Tied scores (e.g. sigmoids saturated at exactly 1.0) get their average rank, so a tie counts 1/2.
+    """
     pos, neg = int(labels.sum()), int((~labels).sum())
     if pos == 0 or neg == 0:
         return None
-    ranks = torch.empty_like(scores, dtype=torch.float64)
-    ranks[scores.argsort()] = torch.arange(1, len(scores) + 1, dtype=torch.float64)
+    _, inverse, counts = torch.unique(scores, return_inverse=True, return_counts=True)
+    ends = counts.cumsum(0).to(torch.float64)
+    ranks = (ends - (counts.to(torch.float64) - 1) / 2)[inverse]  # mid-rank of each group of equal scores
     return float((ranks[labels].sum() - pos * (pos + 1) / 2) / (pos * neg))
 
 
@@ -206,6 +226,11 @@ def train_routers(router: TideRouter, data: Collected, *, progress: bool = True)
     cfg = router.config
     gen = torch.Generator().manual_seed(cfg.seed)
     train, val = ~data.is_val, data.is_val
+    if not train.any() or not val.any():
+        raise ValueError(
+            f"calibration kept {int(train.sum())} training and {int(val.sum())} held-out tokens; both must be > 0 "
+            f"(raise max_train_tokens={cfg.max_train_tokens}, num_samples or validation_fraction={cfg.validation_fraction})"
+        )
     bar = tqdm(total=len(cfg.checkpoint_layers) * cfg.num_epochs, desc="tide_hf: training routers",
                disable=not progress, unit="epoch")
     for k in cfg.checkpoint_layers:

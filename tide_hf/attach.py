@@ -1,0 +1,245 @@
+"""attach / detach: forward hooks that make TIDE exit decisions inside the model's own forward pass.
+
+Per forward, a hook at each checkpoint layer scores the positions of the step with that checkpoint's
+router (on `final_norm(h)`, the representation the router was trained on) and records, per row and
+position, the first checkpoint whose score reaches `exit_threshold`. A hook on the last layer then
+replaces the output of the positions that exited by their exit hidden state, so the model's own final
+norm and LM head produce the exit logits, and every stock logits processor (repetition penalty,
+temperature, top-k/p...) and every stock decoding strategy acts on them. Nothing is asked of the model
+beyond its layers' outputs: no `output_hidden_states`, no second forward.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from .adapters import ModelAdapter, get_adapter, layer_output
+from .config import TideOptions
+from .router import TideRouter
+from .stats import ExitStats
+
+_HANDLES: weakref.WeakKeyDictionary[nn.Module, TideHandle] = weakref.WeakKeyDictionary()
+_LAST_STATS: weakref.WeakKeyDictionary[nn.Module, ExitStats] = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class _Step:
+    """Exit decisions of one forward pass: (rows, positions) of the tokens it processed."""
+
+    valid: torch.Tensor  # bool, False on padding
+    exit_layer: torch.Tensor  # long, num_layers where the token did not exit
+    exit_state: torch.Tensor | None = None  # hidden state at the exit checkpoint
+
+
+@dataclass
+class Session:
+    """State of one generate call or one plain forward; never shared between calls or threads."""
+
+    stats: ExitStats
+    generating: bool
+    eos: torch.Tensor | None = None  # the model's own EOS ids, to stop counting finished rows
+    pending: list[_Step] = field(default_factory=list)
+    started_decode: bool = False
+    finished: torch.Tensor | None = None
+
+
+class TideHandle:
+    """An attached router: options, hooks, and the stats of the last call (`last_stats`)."""
+
+    def __init__(self, model: nn.Module, router: TideRouter, options: TideOptions, adapter: ModelAdapter) -> None:
+        self.model, self.router, self.options, self.adapter = model, router, options, adapter
+        self.num_layers = adapter.num_layers
+        self.checkpoints = [k for k in router.checkpoint_layers if k >= options.min_layers]
+        self.enabled = True
+        self._local = threading.local()
+        for k in router.checkpoint_layers:  # routers sit on the device of their layer
+            device = next(adapter.layers[k - 1].parameters()).device
+            router.routers[str(k)].to(device)
+        self._hooks = [model.register_forward_pre_hook(self._begin, with_kwargs=True),
+                       model.register_forward_hook(self._end)]
+        self._hooks += [adapter.layers[k - 1].register_forward_hook(self._checkpoint_hook(k)) for k in self.checkpoints]
+        self._hooks.append(adapter.layers[-1].register_forward_hook(self._final_hook))
+
+    # -- per-call state -------------------------------------------------------------------------
+    @property
+    def last_stats(self) -> ExitStats | None:
+        """Exit statistics of the latest generate call or plain forward on this model."""
+        return _LAST_STATS.get(self.model)
+
+    def _new_stats(self) -> ExitStats:
+        return ExitStats(self.num_layers, list(self.router.checkpoint_layers))
+
+    @contextmanager
+    def session(self, *, generating: bool, eos: torch.Tensor | None = None) -> Iterator[Session]:
+        """Scope one call: fresh stats, published as `last_stats` when the call ends."""
+        outer = getattr(self._local, "session", None)
+        session = Session(self._new_stats(), generating, eos)
+        self._local.session = session
+        try:
+            yield session
+        finally:
+            self.commit(session, None)
+            self._local.session = outer
+            _LAST_STATS[self.model] = session.stats
+
+    @contextmanager
+    def disabled(self) -> Iterator[None]:
+        """Run the model as if TIDE were not attached (e.g. `generate(..., tide=False)`).
+
+        Per thread: a stock call in one thread does not turn TIDE off for a call running in another.
+        """
+        previous, self._local.disabled = getattr(self._local, "disabled", False), True
+        try:
+            yield
+        finally:
+            self._local.disabled = previous
+
+    def _bypassed(self) -> bool:
+        return not self.enabled or getattr(self._local, "disabled", False)
+
+    def _active(self) -> bool:
+        return not self._bypassed() and self.options.exit_threshold < 1.0 and bool(self.checkpoints)
+
+    # -- hooks ------------------------------------------------------------------------------------
+    def _begin(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._bypassed():  # a stock call: no exits and no stats (keeps `last_stats` of the last TIDE call)
+            self._local.step = None
+            return
+        session = getattr(self._local, "session", None)
+        if session is None or getattr(self._local, "auto", False):  # a plain forward is a call of its own
+            session = Session(self._new_stats(), generating=False)
+            self._local.session = session
+            self._local.auto = True
+        tokens = kwargs.get("input_ids", args[0] if args else None)
+        if tokens is None:
+            tokens = kwargs["inputs_embeds"]
+        batch, width = tokens.shape[:2]
+        mask = kwargs.get("attention_mask")
+        valid = mask[:, -width:].bool() if mask is not None and mask.dim() == 2 else torch.ones(
+            batch, width, dtype=torch.bool, device=tokens.device)
+        exit_layer = torch.full((batch, width), self.num_layers, dtype=torch.long, device=tokens.device)
+        self._local.step = _Step(valid, exit_layer)
+
+    def _end(self, _module: nn.Module, _args: tuple, _output: Any) -> None:
+        step, self._local.step = getattr(self._local, "step", None), None
+        if step is None:
+            return
+        session = self._local.session
+        session.pending.append(_Step(step.valid, step.exit_layer))
+        if getattr(self._local, "auto", False):
+            self._local.auto = False
+            self._local.session = None
+            self.commit(session, None)
+            _LAST_STATS[self.model] = session.stats
+
+    @torch.no_grad()
+    def score(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Router score in [0, 1] of each position of `hidden` (..., H) at checkpoint `layer`."""
+        return torch.sigmoid(self.router.logit(layer, self.adapter.normed(hidden).float()))
+
+    def _checkpoint_hook(self, layer: int):
+        def hook(_module: nn.Module, _args: tuple, output: Any) -> None:
+            step = getattr(self._local, "step", None)
+            if step is None or not self._active():
+                return
+            hidden = layer_output(output)
+            fresh = step.exit_layer == self.num_layers
+            exits = fresh & (self.score(layer, hidden) >= self.options.exit_threshold).to(fresh.device)
+            if not exits.any():
+                return
+            step.exit_layer[exits] = layer
+            if step.exit_state is None:
+                step.exit_state = hidden.detach().clone()
+            else:
+                step.exit_state[exits] = hidden[exits]
+        return hook
+
+    def _final_hook(self, _module: nn.Module, _args: tuple, output: Any) -> Any:
+        step = getattr(self._local, "step", None)
+        if step is None or step.exit_state is None:
+            return None
+        hidden = layer_output(output)
+        exited = (step.exit_layer < self.num_layers).unsqueeze(-1)
+        swapped = torch.where(exited.to(hidden.device), step.exit_state.to(hidden.device), hidden)
+        return (swapped, *output[1:]) if isinstance(output, tuple) else swapped
+
+    # -- accounting -------------------------------------------------------------------------------
+    def commit(self, session: Session, last_tokens: torch.Tensor | None) -> None:
+        """Move the pending forwards of `session` into its stats.
+
+        The first forwards of a generate call are prefill (every non-padding prompt position); later
+        ones are decode steps, of which only the newest position of rows still generating counts.
+        `last_tokens` is the token each row fed into the step (None outside generate).
+        """
+        for step in session.pending:
+            if not session.generating or not session.started_decode:
+                session.stats.prefill.add(step.exit_layer[step.valid])
+                continue
+            live = torch.ones(step.exit_layer.shape[0], dtype=torch.bool, device=step.exit_layer.device)
+            if last_tokens is not None and session.eos is not None:
+                ended = torch.isin(last_tokens, session.eos.to(last_tokens.device))
+                session.finished = ended if session.finished is None else session.finished | ended
+                live = ~session.finished
+            session.stats.decode.add(step.exit_layer[:, -1][live & step.valid[:, -1]])
+        session.pending.clear()
+
+    def detach(self) -> None:
+        """Remove every hook: the model is exactly as before `attach`."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        if _HANDLES.get(self.model) is self:
+            del _HANDLES[self.model]
+
+
+def attach(
+    model: nn.Module,
+    router: TideRouter,
+    *,
+    exit_threshold: float | None = None,
+    min_layers: int | None = None,
+    mode: str = "select",
+    ignore_fingerprint: bool = False,
+) -> TideHandle:
+    """Attach `router` to `model`; stock `generate()`, `pipeline()` and plain forwards then use TIDE.
+
+    `exit_threshold` and `min_layers` default to the router's calibrated values. Everything is checked
+    before the model is touched: options in range, and the router made for this model.
+    """
+    if model in _HANDLES:
+        raise ValueError("this model already has a TIDE router attached; call handle.detach() first")
+    adapter = get_adapter(model)
+    router.check_compatible(model, ignore_fingerprint=ignore_fingerprint)
+    options = TideOptions(
+        exit_threshold=router.config.exit_threshold if exit_threshold is None else exit_threshold,
+        min_layers=router.config.min_layers if min_layers is None else min_layers,
+        mode=mode,
+    )
+    options.validate(adapter.num_layers)
+    handle = TideHandle(model, router, options, adapter)
+    _HANDLES[model] = handle
+    return handle
+
+
+def get_handle(model: nn.Module) -> TideHandle | None:
+    """The handle of the router attached to `model`, if any."""
+    return _HANDLES.get(model)
+
+
+def detach(model: nn.Module) -> None:
+    """Detach the router attached to `model` (no-op when none is)."""
+    handle = _HANDLES.get(model)
+    if handle is not None:
+        handle.detach()
+
+
+def last_stats(model: nn.Module) -> ExitStats | None:
+    """Exit statistics of the latest TIDE call on `model`, also after an on-the-fly `tide=` attach."""
+    return _LAST_STATS.get(model)

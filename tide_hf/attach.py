@@ -23,6 +23,7 @@ from torch import nn
 from .adapters import ModelAdapter, get_adapter, layer_output
 from .config import TideOptions
 from .router import TideRouter
+from .skip import LayerSkipper
 from .stats import ExitStats
 
 _HANDLES: weakref.WeakKeyDictionary[nn.Module, TideHandle] = weakref.WeakKeyDictionary()
@@ -36,6 +37,8 @@ class _Step:
     valid: torch.Tensor  # bool, False on padding
     exit_layer: torch.Tensor  # long, num_layers where the token did not exit
     exit_state: torch.Tensor | None = None  # hidden state at the exit checkpoint
+    skip_after: int | None = None  # skip mode: every row exited here, later layers are not run
+    skipped: int = 0  # layers the skip wrappers did not run in this forward
 
 
 @dataclass
@@ -66,6 +69,11 @@ class TideHandle:
                        model.register_forward_hook(self._end)]
         self._hooks += [adapter.layers[k - 1].register_forward_hook(self._checkpoint_hook(k)) for k in self.checkpoints]
         self._hooks.append(adapter.layers[-1].register_forward_hook(self._final_hook))
+        self._skipper = LayerSkipper(self, self.checkpoints[0]) if options.mode == "skip" and self.checkpoints else None
+
+    def current_step(self) -> _Step | None:
+        """Exit decisions of the forward running in this thread (None outside a forward)."""
+        return getattr(self._local, "step", None)
 
     # -- per-call state -------------------------------------------------------------------------
     @property
@@ -132,7 +140,7 @@ class TideHandle:
         if step is None:
             return
         session = self._local.session
-        session.pending.append(_Step(step.valid, step.exit_layer))
+        session.pending.append(step)
         if getattr(self._local, "auto", False):
             self._local.auto = False
             self._local.session = None
@@ -159,12 +167,14 @@ class TideHandle:
                 step.exit_state = hidden.detach().clone()
             else:
                 step.exit_state[exits] = hidden[exits]
+            if self._skipper is not None and bool(((step.exit_layer < self.num_layers) | ~step.valid).all()):
+                step.skip_after = layer
         return hook
 
     def _final_hook(self, _module: nn.Module, _args: tuple, output: Any) -> Any:
         step = getattr(self._local, "step", None)
-        if step is None or step.exit_state is None:
-            return None
+        if step is None or step.exit_state is None or self.options.mode == "speculative":
+            return None  # speculative mode only drafts with exits; verification stays exact
         hidden = layer_output(output)
         exited = (step.exit_layer < self.num_layers).unsqueeze(-1)
         swapped = torch.where(exited.to(hidden.device), step.exit_state.to(hidden.device), hidden)
@@ -179,15 +189,16 @@ class TideHandle:
         `last_tokens` is the token each row fed into the step (None outside generate).
         """
         for step in session.pending:
+            executed = self.num_layers - step.skipped
             if not session.generating or not session.started_decode:
-                session.stats.prefill.add(step.exit_layer[step.valid])
+                session.stats.prefill.add(step.exit_layer[step.valid], executed)
                 continue
             live = torch.ones(step.exit_layer.shape[0], dtype=torch.bool, device=step.exit_layer.device)
             if last_tokens is not None and session.eos is not None:
                 ended = torch.isin(last_tokens, session.eos.to(last_tokens.device))
                 session.finished = ended if session.finished is None else session.finished | ended
                 live = ~session.finished
-            session.stats.decode.add(step.exit_layer[:, -1][live & step.valid[:, -1]])
+            session.stats.decode.add(step.exit_layer[:, -1][live & step.valid[:, -1]], executed)
         session.pending.clear()
 
     def detach(self) -> None:
@@ -195,6 +206,8 @@ class TideHandle:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        if self._skipper is not None:
+            self._skipper.restore()
         if _HANDLES.get(self.model) is self:
             del _HANDLES[self.model]
 
@@ -206,12 +219,15 @@ def attach(
     exit_threshold: float | None = None,
     min_layers: int | None = None,
     mode: str = "select",
+    kv: str = "propagate",
+    draft_layer: int | None = None,
     ignore_fingerprint: bool = False,
 ) -> TideHandle:
     """Attach `router` to `model`; stock `generate()`, `pipeline()` and plain forwards then use TIDE.
 
-    `exit_threshold` and `min_layers` default to the router's calibrated values. Everything is checked
-    before the model is touched: options in range, and the router made for this model.
+    `exit_threshold` and `min_layers` default to the router's calibrated values; `mode`, `kv` and
+    `draft_layer` are described in `TideOptions`. Everything is checked before the model is touched:
+    options in range, and the router made for this model.
     """
     if model in _HANDLES:
         raise ValueError("this model already has a TIDE router attached; call handle.detach() first")
@@ -221,8 +237,13 @@ def attach(
         exit_threshold=router.config.exit_threshold if exit_threshold is None else exit_threshold,
         min_layers=router.config.min_layers if min_layers is None else min_layers,
         mode=mode,
+        kv=kv,
+        draft_layer=draft_layer,
     )
     options.validate(adapter.num_layers)
+    eligible = [k for k in router.checkpoint_layers if k >= options.min_layers]
+    if options.mode == "skip" and eligible:
+        LayerSkipper.check(adapter.layers, eligible[0])
     handle = TideHandle(model, router, options, adapter)
     _HANDLES[model] = handle
     return handle

@@ -66,6 +66,7 @@ def perplexity(model: Any, chunks: list[torch.Tensor], batch_size: int) -> tuple
         if stats is not None:
             exits = exits or PhaseStats(stats.num_layers)
             exits.exits.update(stats.prefill.exits)
+            exits.executed.update(stats.prefill.executed)
     return math.exp(nll / count), exits
 
 

@@ -8,7 +8,8 @@ from typing import Any
 from transformers import PretrainedConfig
 
 LABEL_KINDS = ("cosine", "top1", "kl")
-MODES = ("select",)
+MODES = ("select", "skip", "speculative")
+KV_POLICIES = ("propagate",)
 
 
 def default_checkpoints(num_hidden_layers: int, interval: int) -> list[int]:
@@ -135,13 +136,18 @@ class TideOptions:
     """Serving options of one attach: how eagerly tokens exit and what an exit saves.
 
     `exit_threshold`: a row exits at the first checkpoint >= `min_layers` whose router score is at
-    least this (1.0 means "only on a certain score", i.e. practically never). `mode`: "select" runs every
-    layer and feeds the exit state to the head (the paper's system).
+    least this (1.0 disables exits). `mode`: "select" runs every layer and feeds the exit state to the
+    head (the paper's system); "skip" stops computing layers once every row of a step has exited;
+    "speculative" drafts with early exit while the routers say converged and verifies every draft at
+    full depth (lossless). `kv`: how skip mode fills the cache of the layers it did not run.
+    `draft_layer`: the checkpoint speculative mode drafts at (None: chosen from the router's metrics).
     """
 
     exit_threshold: float = 0.85
     min_layers: int = 1
     mode: str = "select"
+    kv: str = "propagate"
+    draft_layer: int | None = None
 
     def validate(self, num_hidden_layers: int) -> None:
         """Raise before any work is done when an option cannot apply to this model."""
@@ -149,3 +155,7 @@ class TideOptions:
         _check_min_layers(self.min_layers, num_hidden_layers)
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.kv not in KV_POLICIES:
+            raise ValueError(f"kv must be one of {KV_POLICIES}, got {self.kv!r}")
+        if self.draft_layer is not None and not 1 <= self.draft_layer < num_hidden_layers:
+            raise ValueError(f"draft_layer must be in [1, {num_hidden_layers - 1}], got {self.draft_layer}")

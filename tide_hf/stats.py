@@ -15,11 +15,14 @@ class PhaseStats:
 
     num_layers: int
     exits: Counter = field(default_factory=Counter)  # layer -> tokens that left after it
+    executed: Counter = field(default_factory=Counter)  # layers really run -> tokens
 
-    def add(self, exit_layers: torch.Tensor) -> None:
-        """Count a 1-D tensor of per-token exit layers."""
+    def add(self, exit_layers: torch.Tensor, executed: int) -> None:
+        """Count a 1-D tensor of per-token exit layers, each token having run `executed` layers."""
         values, counts = torch.unique(exit_layers.reshape(-1).cpu(), return_counts=True)
         self.exits.update(dict(zip(values.tolist(), counts.tolist())))
+        if exit_layers.numel():
+            self.executed[executed] += exit_layers.numel()
 
     @property
     def tokens(self) -> int:
@@ -32,11 +35,18 @@ class PhaseStats:
 
     @property
     def mean_layers(self) -> float:
-        """Mean depth a token's output came from (layers executed for it, in skip mode)."""
+        """Mean depth a token's output came from."""
         return sum(k * c for k, c in self.exits.items()) / self.tokens if self.tokens else float(self.num_layers)
+
+    @property
+    def mean_executed(self) -> float:
+        """Mean number of layers really computed per token (below `num_layers` only in skip mode)."""
+        total = sum(self.executed.values())
+        return sum(k * c for k, c in self.executed.items()) / total if total else float(self.num_layers)
 
     def as_dict(self) -> dict:
         return {"tokens": self.tokens, "exit_rate": self.exit_rate, "mean_layers": self.mean_layers,
+                "mean_executed": self.mean_executed,
                 "exits": {int(k): int(v) for k, v in sorted(self.exits.items())}}
 
 
@@ -64,7 +74,8 @@ class ExitStats:
             per_layer = ", ".join(f"L{k}: {phase.exits.get(k, 0)}" for k in self.checkpoints)
             lines.append(
                 f"{name:7s} {phase.tokens:6d} tokens  exit rate {phase.exit_rate:6.1%}  "
-                f"mean layers {phase.mean_layers:5.2f}/{self.num_layers}  exits [{per_layer}]"
+                f"mean layers {phase.mean_layers:5.2f}/{self.num_layers}  executed {phase.mean_executed:5.2f}  "
+                f"exits [{per_layer}]"
             )
         return "\n".join(lines)
 

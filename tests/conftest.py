@@ -1,0 +1,75 @@
+"""Shared fixtures: a byte-level tokenizer, tiny random Llamas and small local text datasets (all offline)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+WORDS = ("the", "state", "of", "union", "is", "strong", "we", "will", "build", "a", "nation", "people",
+         "work", "together", "for", "our", "children", "future", "and", "peace", "congress", "law")
+
+
+class ByteTokenizer:
+    """The tokenizer interface calibration uses: `tok(text, add_special_tokens=False)["input_ids"]`, `pad_token_id`."""
+
+    pad_token_id = 0
+    vocab_size = 256
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": list(text.encode("utf-8"))}
+
+
+def make_tiny_llama(num_layers: int = 9, hidden: int = 32, seed: int = 0, vocab: int = 256):
+    """A seeded random Llama in eval mode (fp32), its RMSNorm weights randomized (at init they are all 1,
+    which would make a norm indistinguishable from a per-token rescaling) and its head scaled up."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.copy_(torch.randn_like(param) * 0.5 + 1.0)
+        model.lm_head.weight.mul_(10.0)  # peaked next-token distributions: KL / top-1 labels are not trivial
+    return model
+
+
+def make_documents(count: int, words: int, seed: int = 0) -> list[str]:
+    """Deterministic pseudo-English documents of `words` words each."""
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, len(WORDS), (count, words), generator=gen).tolist()
+    return [" ".join(WORDS[i] for i in row) + "." for row in idx]
+
+
+@pytest.fixture
+def byte_tokenizer() -> ByteTokenizer:
+    return ByteTokenizer()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    return make_tiny_llama()
+
+
+@pytest.fixture
+def text_folder(tmp_path: Path) -> Path:
+    """A folder of 12 .txt documents (~300 bytes each), one document per file."""
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for i, doc in enumerate(make_documents(12, 60, seed=1)):
+        (folder / f"doc{i:02d}.txt").write_text(doc)
+    return folder
+
+
+@pytest.fixture
+def jsonl_file(tmp_path: Path) -> Path:
+    """A .jsonl file of 12 records with a `text` field."""
+    path = tmp_path / "texts.jsonl"
+    path.write_text("".join(json.dumps({"text": doc, "id": i}) + "\n"
+                            for i, doc in enumerate(make_documents(12, 60, seed=2))))
+    return path

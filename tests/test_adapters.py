@@ -1,0 +1,265 @@
+"""`get_adapter` against the model's own forward: the head applied to the last layer's output must give the
+model's logits exactly, for every registered family (norm, projection and soft-capping included)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+import tide_hf.adapters as adapters_mod
+from tide_hf import ModelAdapter, get_adapter, register_adapter
+from tide_hf.adapters import layer_output
+
+VOCAB = 160
+LAYERS = 5  # checkpoint interval 4 -> one checkpoint before the last layer
+IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+DECODER = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=LAYERS,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **IDS)
+OPT = dict(vocab_size=VOCAB, hidden_size=48, ffn_dim=96, num_hidden_layers=LAYERS, num_attention_heads=4,
+           max_position_embeddings=64, **IDS)
+SOFTCAP = 1.5  # small against the logits below, so tanh is far from the identity
+
+FAMILIES = {
+    "llama": lambda: tf.LlamaConfig(**DECODER),
+    "mistral": lambda: tf.MistralConfig(**DECODER),
+    "qwen2": lambda: tf.Qwen2Config(**DECODER),
+    "qwen3": lambda: tf.Qwen3Config(**DECODER, head_dim=12),
+    "gemma": lambda: tf.GemmaConfig(**DECODER, head_dim=12),
+    "gemma2": lambda: tf.Gemma2Config(**DECODER, head_dim=12, final_logit_softcapping=SOFTCAP),
+    "gemma3_text": lambda: tf.Gemma3TextConfig(**DECODER, head_dim=12, final_logit_softcapping=SOFTCAP),
+    "phi": lambda: tf.PhiConfig(**DECODER),
+    "phi3": lambda: tf.Phi3Config(**DECODER),
+    "gpt2": lambda: tf.GPT2Config(vocab_size=VOCAB, n_embd=48, n_layer=LAYERS, n_head=4, n_positions=64,
+                                  bos_token_id=1, eos_token_id=2),
+    "gpt_neox": lambda: tf.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=96,
+                                         num_hidden_layers=LAYERS, num_attention_heads=4,
+                                         max_position_embeddings=64, **IDS),
+    "opt": lambda: tf.OPTConfig(**OPT),
+    "opt_project_out": lambda: tf.OPTConfig(**OPT, word_embed_proj_dim=32),
+    # OPT-350m style: post-layer norm, no final norm at all (the adapter uses Identity), plus project_out
+    "opt_post_norm": lambda: tf.OPTConfig(**OPT, word_embed_proj_dim=32, do_layer_norm_before=False),
+    "falcon": lambda: tf.FalconConfig(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=LAYERS,
+                                      num_attention_heads=4, **IDS),
+    "falcon_new_arch": lambda: tf.FalconConfig(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=LAYERS,
+                                               num_attention_heads=4, num_kv_heads=2,
+                                               new_decoder_architecture=True, **IDS),
+}
+
+
+def build(config: PretrainedConfig, seed: int = 0) -> nn.Module:
+    """A seeded random model whose norms, biases and head are far from their init values.
+
+    At init every norm weight is 1 (or 0 for Gemma's 1 + w) and biases are 0, so a wrong or missing
+    final norm / projection could still match; random 1-D parameters and a scaled head rule that out.
+    """
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.copy_(torch.randn_like(param) * 0.5 + 1.0)
+        model.get_output_embeddings().weight.mul_(20.0)
+    return model
+
+
+def last_layer_output_and_logits(model: nn.Module, layer: nn.Module, ids: torch.Tensor):
+    captured = {}
+    handle = layer.register_forward_hook(lambda _m, _a, out: captured.__setitem__("h", layer_output(out)))
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+    finally:
+        handle.remove()
+    return captured["h"], logits
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_adapter_head_reproduces_model_logits(family: str) -> None:
+    config = FAMILIES[family]()
+    model = build(config)
+    adapter = get_adapter(model)
+    assert isinstance(adapter, ModelAdapter)
+    assert adapter.num_layers == config.num_hidden_layers == LAYERS
+    assert adapter.lm_head is model.get_output_embeddings()
+    assert adapter.embeddings is model.get_input_embeddings()
+
+    ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
+    hidden, logits = last_layer_output_and_logits(model, adapter.layers[-1], ids)
+    with torch.no_grad():
+        mine = adapter.logits(hidden)
+    assert mine.shape == logits.shape == (2, 7, VOCAB)
+    torch.testing.assert_close(mine, logits, atol=1e-5, rtol=1e-5)
+    if not isinstance(adapter.final_norm, nn.Identity):
+        # the reference is sensitive: the raw last-layer state through the bare head is far off
+        with torch.no_grad():
+            bare = model.get_output_embeddings()(hidden if adapter.pre_head is None else adapter.pre_head(hidden))
+        assert (bare - logits).abs().max() > 1e-2
+
+    if family in ("gemma2", "gemma3_text"):
+        assert adapter.logit_softcap == SOFTCAP
+        assert logits.abs().max() <= SOFTCAP
+        adapter.logit_softcap = None  # without the cap the logits leave [-cap, cap]
+        with torch.no_grad():
+            uncapped = adapter.logits(hidden)
+        assert uncapped.abs().max() > 2 * SOFTCAP
+    else:
+        assert not adapter.logit_softcap
+    if family in ("opt_project_out", "opt_post_norm"):
+        assert adapter.pre_head is model.model.decoder.project_out is not None
+    if family == "opt_post_norm":
+        assert isinstance(adapter.final_norm, nn.Identity)
+
+
+# --- custom models: register_adapter, probing fallback, error messages ---------------------------------
+
+
+class TinyConfig(PretrainedConfig):
+    model_type = "tide_test_tiny"
+
+    def __init__(self, vocab_size: int = 40, hidden_size: int = 16, num_hidden_layers: int = 5, **kwargs) -> None:
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        super().__init__(**kwargs)
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (x + torch.tanh(self.fc(x)),)  # tuple output, like many HF decoder layers
+
+
+class Body(nn.Module):
+    def __init__(self, cfg: TinyConfig, *, sequential: bool, norm_name: str | None, extra_list: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        blocks = [Block(cfg.hidden_size) for _ in range(cfg.num_hidden_layers)]
+        self.stack = nn.Sequential(*blocks) if sequential else nn.ModuleList(blocks)
+        if extra_list:  # a second list of the same length makes the layer list ambiguous
+            self.adapters = nn.ModuleList(nn.Identity() for _ in range(cfg.num_hidden_layers))
+        self.norm_name = norm_name
+        if norm_name:
+            setattr(self, norm_name, nn.LayerNorm(cfg.hidden_size))
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size // 2, bias=False)
+
+
+class TinyLM(nn.Module):
+    """A causal-LM-shaped module with configurable attribute names (not a transformers model)."""
+
+    def __init__(self, *, sequential: bool = False, norm_name: str | None = "out_ln", extra_list: bool = False,
+                 head: bool = True) -> None:
+        super().__init__()
+        self.config = TinyConfig()
+        self.body = Body(self.config, sequential=sequential, norm_name=norm_name, extra_list=extra_list)
+        self.head = nn.Linear(self.config.hidden_size // 2, self.config.vocab_size, bias=False) if head else None
+        with torch.no_grad():
+            for param in self.parameters():
+                if param.dim() == 1:
+                    param.copy_(torch.randn_like(param) * 0.5 + 1.0)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.body.embed
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        return self.head
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.body.embed(ids)
+        for block in self.body.stack:
+            x = block(x)[0]
+        if self.body.norm_name:
+            x = getattr(self.body, self.body.norm_name)(x)
+        return self.head(self.body.proj(x))
+
+
+@pytest.fixture
+def registry(monkeypatch: pytest.MonkeyPatch) -> dict:
+    """An isolated copy of the adapter registry, so registrations in a test do not leak."""
+    paths = dict(adapters_mod._PATHS)
+    monkeypatch.setattr(adapters_mod, "_PATHS", paths)
+    return paths
+
+
+def last_layer_output_and_logits_tiny(model: TinyLM, layer: nn.Module, ids: torch.Tensor):
+    captured = {}
+    handle = layer.register_forward_hook(lambda _m, _a, out: captured.__setitem__("h", layer_output(out)))
+    try:
+        with torch.no_grad():
+            logits = model(ids)
+    finally:
+        handle.remove()
+    return captured["h"], logits
+
+
+def test_register_adapter_for_custom_model_type(registry: dict) -> None:
+    torch.manual_seed(0)
+    model = TinyLM(norm_name="out_ln").eval()
+    # before registration: the probe finds the layers but not a norm called `out_ln`, and says so
+    with pytest.raises(ValueError, match=r"no final norm") as info:
+        get_adapter(model)
+    assert "body.stack" in str(info.value) and "register_adapter" in str(info.value)
+
+    register_adapter("tide_test_tiny", layers="body.stack", norm="body.out_ln", pre_head="body.proj")
+    adapter = get_adapter(model)
+    assert adapter.num_layers == 5
+    assert adapter.final_norm is model.body.out_ln and adapter.pre_head is model.body.proj
+    ids = torch.randint(0, 40, (3, 6), generator=torch.Generator().manual_seed(0))
+    hidden, _ = last_layer_output_and_logits_tiny(model, adapter.layers[-1], ids)
+    torch.testing.assert_close(adapter.logits(hidden), model(ids), atol=1e-6, rtol=1e-6)
+
+
+def test_register_adapter_wrong_layers_path_is_named(registry: dict) -> None:
+    register_adapter("tide_test_tiny", layers="body.no_such_stack", norm="body.out_ln")
+    with pytest.raises(ValueError, match=r"'body\.no_such_stack' is not the list of decoder layers"):
+        get_adapter(TinyLM())
+
+
+def test_probe_finds_layers_and_norm_of_unregistered_hf_model(registry: dict) -> None:
+    model = build(FAMILIES["llama"]())
+    model.config.model_type = "tide_test_unregistered_llama"
+    assert model.config.model_type not in registry
+    adapter = get_adapter(model)
+    assert adapter.layers is model.model.layers and adapter.final_norm is model.model.norm
+    ids = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(2))
+    hidden, logits = last_layer_output_and_logits(model, adapter.layers[-1], ids)
+    torch.testing.assert_close(adapter.logits(hidden), logits, atol=1e-5, rtol=1e-5)
+
+
+def test_probe_finds_known_norm_name_on_custom_module(registry: dict) -> None:
+    model = TinyLM(norm_name="ln_f")
+    adapter = get_adapter(model)
+    assert adapter.layers is model.body.stack and adapter.final_norm is model.body.ln_f
+    assert adapter.num_layers == 5
+
+
+def test_probe_error_names_missing_layer_list(registry: dict) -> None:
+    with pytest.raises(ValueError) as info:
+        get_adapter(TinyLM(sequential=True))
+    message = str(info.value)
+    assert "cannot find the decoder layers" in message and "TinyLM" in message
+    assert "tide_test_tiny" in message and "nn.ModuleList of 5 layers" in message and "found: none" in message
+    assert "register_adapter" in message
+
+
+def test_probe_error_names_ambiguous_layer_lists(registry: dict) -> None:
+    with pytest.raises(ValueError, match=r"found: body\.stack, body\.adapters"):
+        get_adapter(TinyLM(extra_list=True))
+
+
+def test_probe_error_names_missing_norm(registry: dict) -> None:
+    with pytest.raises(ValueError) as info:
+        get_adapter(TinyLM(norm_name=None))
+    message = str(info.value)
+    assert "'body.stack'" in message and "no final norm" in message
+    assert all(name in message for name in adapters_mod._NORM_NAMES)
+
+
+def test_missing_lm_head_is_named(registry: dict) -> None:
+    with pytest.raises(ValueError, match=r"TinyLM has no output embeddings"):
+        get_adapter(TinyLM(norm_name="ln_f", head=False))

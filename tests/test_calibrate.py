@@ -1,0 +1,423 @@
+"""Calibration: provenance, reproducibility, labels against an independent forward pass, class balancing,
+best-epoch selection, AUC, bad input, the silent-label warning, the memory bound, and one real-model run."""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_tiny_llama
+
+from tide_hf import TideCompatibilityError, TideRouter, TideRouterConfig, get_adapter, model_fingerprint
+from tide_hf.calibrate import Collected, _auc, calibrate, collect, train_routers
+from tide_hf.data import TideDataError
+
+calibrate_mod = importlib.import_module("tide_hf.calibrate")  # `tide_hf.calibrate` the attribute is the function
+
+FAST = dict(seq_len=32, num_epochs=3, router_bottleneck_dim=16, progress=False)
+METRIC_KEYS = {"positive_rate", "predicted_rate", "precision", "recall", "auc", "best_epoch", "val_loss",
+               "n_train", "n_val", "label_rates"}
+
+
+def tide_warnings(record: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in record if "TIDE calibration" in str(w.message)]
+
+
+# --- calibrate() end to end on a tiny random Llama ------------------------------------------------------
+
+
+@pytest.mark.parametrize("source", ["text_folder", "jsonl_file"])
+def test_calibrate_records_provenance_and_metrics(source, request, tiny_llama, byte_tokenizer) -> None:
+    path = request.getfixturevalue(source)
+    tiny_llama.train()  # calibrate runs in eval mode and restores the caller's mode
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        router = calibrate(tiny_llama, byte_tokenizer, str(path), num_samples=24, label="top1", **FAST)
+    assert tiny_llama.training
+    tiny_llama.eval()
+    assert tide_warnings(record) == []  # top1 fires on this model: no silent-label warning
+
+    assert isinstance(router, TideRouter)
+    cfg = router.config
+    assert cfg.base_architecture == "LlamaForCausalLM" and cfg.base_model_type == "llama"
+    assert (cfg.num_hidden_layers, cfg.hidden_size) == (9, 32)
+    assert cfg.base_fingerprint == model_fingerprint(tiny_llama)
+    assert (cfg.dataset, cfg.num_samples, cfg.seq_len, cfg.label) == (str(path), 24, 32, "top1")
+    assert cfg.checkpoint_layers == [4, 8]
+    assert sorted(router.routers) == ["4", "8"]  # no router after the final (9th) layer
+    assert tuple(router.routers["4"].fc1.weight.shape) == (16, 32)
+    assert set(cfg.calibration_seconds) == {"forward", "label", "train"}
+    assert sorted(cfg.metrics) == ["4", "8"]
+    for m in cfg.metrics.values():
+        assert METRIC_KEYS <= set(m)
+        assert 0.0 < m["positive_rate"] < 1.0 and m["auc"] is not None and 0.0 <= m["auc"] <= 1.0
+        assert m["n_train"] > 0 and m["n_val"] > 0
+        # 24 samples, validation_fraction 0.1: the last ceil(2.4) = 3 samples are held out, <= 32 tokens each
+        assert m["n_val"] <= 3 * 32 and m["n_train"] + m["n_val"] <= 24 * 32
+        assert set(m["label_rates"]) == {"cosine", "top1", "kl"}
+        assert m["label_rates"]["top1"] > 0.0
+
+
+def test_calibrate_is_reproducible(tiny_llama, byte_tokenizer, text_folder) -> None:
+    def run(seed: int) -> TideRouter:
+        return calibrate(tiny_llama, byte_tokenizer, str(text_folder), num_samples=16, label="top1", seed=seed,
+                         **FAST)
+
+    first, second, other = run(0), run(0), run(1)
+    a, b, c = first.state_dict(), second.state_dict(), other.state_dict()
+    assert a.keys() == b.keys() == c.keys()
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    assert first.config.metrics == second.config.metrics
+    assert any(not torch.equal(a[name], c[name]) for name in a)
+
+
+# --- collect(): labels against an independent forward pass ----------------------------------------------
+
+
+def reference(model, samples: list[torch.Tensor], layers: list[int]):
+    """Per-sample, unpadded, through the full CausalLM: hidden_states[k] is the k-th layer's output
+    (pre-norm); the last entry of hidden_states is AFTER model.norm, so the pre-norm final output is
+    taken with a hook on the last layer. Exit logits use the model's own norm and lm_head."""
+    captured = []
+    handle = model.model.layers[-1].register_forward_hook(
+        lambda _m, _a, out: captured.append(out[0] if isinstance(out, tuple) else out))
+    ref = {k: {"features": [], "cosine": [], "top1": [], "kl": [], "margin": []} for k in layers}
+    try:
+        with torch.no_grad():
+            for s in samples:
+                out = model(input_ids=s[None], output_hidden_states=True, use_cache=False)
+                h_final = captured.pop()[0]
+                assert torch.allclose(out.hidden_states[-1][0], model.model.norm(h_final), atol=1e-6)
+                final_logits = out.logits[0]
+                p_final = final_logits.log_softmax(-1)
+                for k in layers:
+                    h = out.hidden_states[k][0]
+                    exit_logits = model.lm_head(model.model.norm(h))
+                    q = exit_logits.log_softmax(-1)
+                    top2_exit = exit_logits.topk(2).values
+                    top2_final = final_logits.topk(2).values
+                    r = ref[k]
+                    r["features"].append(model.model.norm(h))
+                    r["cosine"].append((h * h_final).sum(-1) / (h.norm(dim=-1) * h_final.norm(dim=-1)))
+                    r["top1"].append(exit_logits.argmax(-1) == final_logits.argmax(-1))
+                    r["kl"].append((p_final.exp() * (p_final - q)).sum(-1))
+                    r["margin"].append(torch.minimum(top2_exit[:, 0] - top2_exit[:, 1],
+                                                     top2_final[:, 0] - top2_final[:, 1]))
+    finally:
+        handle.remove()
+    return {k: {name: torch.cat(v) for name, v in r.items()} for k, r in ref.items()}
+
+
+@pytest.fixture(scope="module")
+def ragged_samples() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 256, (n,), generator=gen) for n in (5, 32, 17, 9, 28, 12, 3, 21)]
+
+
+def test_collect_labels_match_independent_forward(tiny_llama, ragged_samples) -> None:
+    cfg = TideRouterConfig(hidden_size=32, num_hidden_layers=9, label="top1", max_train_tokens=10**6)
+    data = collect(tiny_llama, get_adapter(tiny_llama), ragged_samples, cfg, batch_size=3, pad_id=0, progress=False)
+    total = sum(len(s) for s in ragged_samples)
+    # every real token kept, in order; no padding token (batches of 3 ragged samples are right-padded)
+    assert data.is_val.shape == (total,) and bool(data.labelled.all())
+    # validation: the last ceil(0.1 * 8) = 1 sample
+    assert data.is_val.tolist() == [False] * (total - len(ragged_samples[-1])) + [True] * len(ragged_samples[-1])
+    ref = reference(tiny_llama, ragged_samples, [4, 8])
+    for k in (4, 8):
+        r = ref[k]
+        assert data.features[k].shape == (total, 32)
+        torch.testing.assert_close(data.features[k], r["features"], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(data.cosine[k], r["cosine"], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(data.kl[k], r["kl"], atol=2e-5, rtol=1e-3)  # fp32 cancellation on tiny KLs
+        clear = r["margin"] > 1e-4  # argmax is ill-defined under near-ties
+        assert clear.float().mean() > 0.9
+        assert torch.equal(data.top1[k][clear], r["top1"][clear])
+        assert 0 < int(r["top1"].sum()) < total  # both classes present: the comparison is not vacuous
+    # the label compares with the PRE-norm final state: the normed one (hidden_states[-1]) gives other values
+    normed_final = reference_normed_final_cosine(tiny_llama, ragged_samples, 4)
+    assert (normed_final - data.cosine[4]).abs().max() > 1e-3
+
+
+def reference_normed_final_cosine(model, samples: list[torch.Tensor], layer: int) -> torch.Tensor:
+    with torch.no_grad():
+        outs = [model(input_ids=s[None], output_hidden_states=True, use_cache=False).hidden_states for s in samples]
+    return torch.cat([F.cosine_similarity(hs[layer][0], hs[-1][0], dim=-1) for hs in outs])
+
+
+def test_collect_subsample_keeps_only_real_tokens(tiny_llama, ragged_samples) -> None:
+    total = sum(len(s) for s in ragged_samples)
+    cfg = TideRouterConfig(hidden_size=32, num_hidden_layers=9, label="top1", max_train_tokens=total // 3)
+    data = collect(tiny_llama, get_adapter(tiny_llama), ragged_samples, cfg, batch_size=4, pad_id=0, progress=False)
+    n = data.is_val.numel()
+    assert 0 < n < total
+    ref = reference(tiny_llama, ragged_samples, [4, 8])
+    # each kept row is one real token of the reference (matched by its features), in order, without repeats
+    dist = torch.cdist(data.features[8], ref[8]["features"], compute_mode="donot_use_mm_for_euclid_dist")
+    match = dist.argmin(1)
+    assert float(dist.min(1).values.max()) < 1e-4
+    assert bool((match[1:] > match[:-1]).all())
+    for k in (4, 8):
+        torch.testing.assert_close(data.cosine[k], ref[k]["cosine"][match], atol=2e-5, rtol=1e-4)
+        clear = ref[k]["margin"][match] > 1e-4
+        assert torch.equal(data.top1[k][clear], ref[k]["top1"][match][clear])
+
+
+def test_memory_bound_does_not_scale_with_samples(tiny_llama, byte_tokenizer, text_folder) -> None:
+    budget = 150
+    kept = {}
+    for num_samples in (16, 64):
+        router = calibrate(tiny_llama, byte_tokenizer, str(text_folder), num_samples=num_samples, label="top1",
+                           max_train_tokens=budget, **FAST)
+        assert router.config.num_samples == num_samples
+        m = router.config.metrics["8"]
+        kept[num_samples] = m["n_train"] + m["n_val"]
+    # 16 and 64 samples hold ~500 and ~2000 tokens; both keep ~budget (binomial, sd ~ 11)
+    assert all(0.6 * budget <= n <= 1.4 * budget for n in kept.values()), kept
+    # the unbounded run keeps everything: the bound is what makes the difference
+    samples = calibrate_mod.make_samples(byte_tokenizer, [p.read_text() for p in sorted(text_folder.iterdir())],
+                                         64, 32, seed=0)
+    cfg = TideRouterConfig(hidden_size=32, num_hidden_layers=9, label="cosine", max_train_tokens=budget)
+    data = collect(tiny_llama, get_adapter(tiny_llama), samples, cfg, batch_size=8, pad_id=0, progress=False)
+    assert sum(len(s) for s in samples) > 10 * budget
+    assert data.features[4].shape[0] == data.features[8].shape[0] == data.is_val.numel() <= 1.4 * budget
+    # cosine label: head-based labels computed only on held-out rows
+    assert torch.equal(data.labelled, data.is_val)
+
+
+# --- train_routers() on synthetic, known-answer features ------------------------------------------------
+
+
+def synthetic(features: torch.Tensor, labels: torch.Tensor, is_val: torch.Tensor) -> Collected:
+    n = len(labels)
+    return Collected(features={4: features}, cosine={4: torch.zeros(n)}, top1={4: labels},
+                     kl={4: torch.zeros(n)}, is_val=is_val, labelled=torch.ones(n, dtype=torch.bool),
+                     seconds={})
+
+
+def router_for(**kwargs) -> TideRouter:
+    torch.manual_seed(0)
+    cfg = TideRouterConfig(hidden_size=8, num_hidden_layers=5, checkpoint_interval=4, router_bottleneck_dim=16,
+                           label="top1", **kwargs)
+    assert cfg.checkpoint_layers == [4]
+    return TideRouter(cfg)
+
+
+def test_train_routers_balances_rare_positives() -> None:
+    """Linearly separable, ~5% positives: class-balanced BCE must reach high recall at exit threshold 0.85
+    (plain BCE predicts no positive at all at 0.85 with these settings: recall 0)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6000, 8, generator=gen)
+    x = x[(x[:, 0] - 1.5).abs() > 0.25][:3000]  # a margin around the boundary
+    y = x[:, 0] > 1.5
+    is_val = torch.arange(3000) >= 2400
+    assert 0.03 < float(y.float().mean()) < 0.07 and int(y[is_val].sum()) >= 15
+    router = router_for(num_epochs=10, learning_rate=1e-2, train_batch_size=256)
+    train_routers(router, synthetic(x, y, is_val), progress=False)
+    m = router.config.metrics["4"]
+    assert m["positive_rate"] == pytest.approx(float(y[is_val].float().mean()))
+    assert m["recall"] >= 0.9 and m["precision"] >= 0.9 and m["auc"] > 0.99, m
+    assert (m["n_train"], m["n_val"]) == (2400, 600)
+
+
+class RecordingF:
+    """torch.nn.functional, recording every no-grad BCE value (the per-epoch validation losses)."""
+
+    def __init__(self) -> None:
+        self.val_losses: list[float] = []
+
+    def __getattr__(self, name: str):
+        return getattr(F, name)
+
+    def binary_cross_entropy_with_logits(self, *args, **kwargs):
+        out = F.binary_cross_entropy_with_logits(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            self.val_losses.append(float(out))
+        return out
+
+
+def test_train_routers_keeps_best_epoch(monkeypatch) -> None:
+    """Validation labels follow x0 + x1, training labels x0: validation loss first falls, then rises as the
+    router grows confident, so the best epoch is early and the last epoch is clearly worse."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1000, 8, generator=gen)
+    is_val = torch.arange(1000) >= 800
+    y = torch.where(is_val, x[:, 0] + x[:, 1] > 0, x[:, 0] > 0)
+    recorder = RecordingF()
+    monkeypatch.setattr(calibrate_mod, "F", recorder)
+    epochs = 12
+    router = router_for(num_epochs=epochs, learning_rate=1e-2, train_batch_size=64)
+    train_routers(router, synthetic(x, y, is_val), progress=False)
+    losses = recorder.val_losses
+    assert len(losses) == epochs
+    best = min(range(epochs), key=losses.__getitem__)
+    assert 0 < best < epochs - 1 and losses[-1] > losses[best] + 0.1  # the data is built so this can fail
+    m = router.config.metrics["4"]
+    assert m["best_epoch"] == best and m["val_loss"] == losses[best]
+    # the weights returned are the best epoch's: recompute its validation loss from them
+    mlp = router.routers["4"]
+    y_tr = y[~is_val].float()
+    pos_weight = torch.tensor(float((1 - y_tr).sum() / y_tr.sum()))
+    with torch.no_grad():
+        again = F.binary_cross_entropy_with_logits(mlp(x[is_val]), y[is_val].float(), pos_weight=pos_weight)
+    assert float(again) == pytest.approx(losses[best], abs=1e-6)
+
+
+def test_train_routers_needs_held_out_tokens() -> None:
+    x, y = torch.randn(50, 8), torch.rand(50) > 0.5
+    with pytest.raises(ValueError, match=r"0 held-out tokens"):
+        train_routers(router_for(num_epochs=1), synthetic(x, y, torch.zeros(50, dtype=torch.bool)), progress=False)
+
+
+# --- _auc ----------------------------------------------------------------------------------------------
+
+
+def brute_force_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """P(score of a positive > score of a negative), ties counting 1/2, over all pairs."""
+    diff = scores[labels][:, None] - scores[~labels][None, :]
+    return float((diff > 0).double().mean() + 0.5 * (diff == 0).double().mean())
+
+
+@pytest.mark.parametrize("levels", [None, 5, 1], ids=["continuous", "ties", "all-equal"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_auc_matches_brute_force(levels: int | None, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    labels = torch.rand(257, generator=gen) < 0.3
+    scores = torch.rand(257, generator=gen) + 0.3 * labels  # informative but overlapping
+    if levels is not None:
+        scores = (scores * levels).floor() / levels  # many exact ties (like sigmoids saturated at 1.0)
+    assert _auc(scores, labels) == pytest.approx(brute_force_auc(scores, labels), abs=1e-12)
+
+
+def test_auc_edge_cases() -> None:
+    assert _auc(torch.rand(10), torch.zeros(10, dtype=torch.bool)) is None
+    assert _auc(torch.rand(10), torch.ones(10, dtype=torch.bool)) is None
+    assert _auc(torch.tensor([0.1, 0.2, 0.8, 0.9]), torch.tensor([False, False, True, True])) == 1.0
+    assert _auc(torch.tensor([0.9, 0.8, 0.2, 0.1]), torch.tensor([False, False, True, True])) == 0.0
+
+
+# --- bad input ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def offline(monkeypatch) -> None:
+    """Offline Hub for this test: the environment, and the constants libraries read at import time."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True, raising=False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True, raising=False)
+
+
+@pytest.mark.parametrize("name", ["missing_dir", "tide-test-org/no-such-dataset"])
+def test_unloadable_dataset_raises_naming_it(name, offline, tmp_path, tiny_llama, byte_tokenizer) -> None:
+    dataset = str(tmp_path / name) if name == "missing_dir" else name
+    with pytest.raises(TideDataError) as info:
+        calibrate(tiny_llama, byte_tokenizer, dataset, num_samples=4, label="top1", **FAST)
+    assert repr(dataset) in str(info.value)
+
+
+def test_empty_or_wrong_local_dataset_raises(tmp_path, tiny_llama, byte_tokenizer) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(TideDataError, match=r"no text files"):
+        calibrate(tiny_llama, byte_tokenizer, str(empty), num_samples=4, **FAST)
+    records = tmp_path / "records.jsonl"
+    records.write_text('{"body": "some words here"}\n')
+    with pytest.raises(TideDataError, match=r"no column 'text'"):
+        calibrate(tiny_llama, byte_tokenizer, str(records), num_samples=4, **FAST)
+
+
+def test_invalid_label_raises(tiny_llama, byte_tokenizer, text_folder) -> None:
+    with pytest.raises(ValueError, match=r"label must be one of \('cosine', 'top1', 'kl'\), got 'entropy'"):
+        calibrate(tiny_llama, byte_tokenizer, str(text_folder), num_samples=4, label="entropy", **FAST)
+
+
+def test_too_shallow_model_raises(byte_tokenizer, text_folder) -> None:
+    shallow = make_tiny_llama(num_layers=4)
+    with pytest.raises(ValueError, match=r"no checkpoint layers: a model with 4 layers and checkpoint_interval=4"):
+        calibrate(shallow, byte_tokenizer, str(text_folder), num_samples=4, **FAST)
+    # the same model calibrates with a finer interval
+    router = calibrate(shallow, byte_tokenizer, str(text_folder), num_samples=8, checkpoint_interval=2,
+                       label="top1", **FAST)
+    assert router.config.checkpoint_layers == [2]
+
+
+# --- the silent-label warning ---------------------------------------------------------------------------
+
+
+def test_silent_label_warns_and_suggests_another(tiny_llama, byte_tokenizer, text_folder) -> None:
+    with pytest.warns(UserWarning, match=r"TIDE calibration") as record:
+        router = calibrate(tiny_llama, byte_tokenizer, str(text_folder), num_samples=16, label="cosine",
+                           convergence_threshold=1.0, **FAST)
+    rates = {k: m["label_rates"] for k, m in router.config.metrics.items()}
+    assert all(r["cosine"] == 0.0 for r in rates.values())
+    message = tide_warnings(record.list)
+    assert len(message) == 1
+    message = message[0]
+    assert "label 'cosine' (threshold 1.0)" in message and "EVERY checkpoint" in message
+    top1 = max(r["top1"] for r in rates.values())
+    assert top1 > 0 and f"label='top1' fires for up to {top1:.1%}" in message
+    assert "label='kl'" in message and "recalibrate" in message
+
+
+# --- the real model -------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smollm2_sotu_end_to_end(tmp_path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tide_hf.assets import smollm2_path, sotu_path
+
+    path = smollm2_path()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        router = calibrate(model, tokenizer, str(sotu_path()), num_samples=24, seq_len=64, num_epochs=3,
+                           label="top1", progress=False)
+    assert tide_warnings(record) == []
+    cfg = router.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size) == (30, 576)
+    assert cfg.checkpoint_layers == [4, 8, 12, 16, 20, 24, 28]
+    top1 = [cfg.metrics[str(k)]["label_rates"]["top1"] for k in cfg.checkpoint_layers]
+    cosine = [cfg.metrics[str(k)]["label_rates"]["cosine"] for k in cfg.checkpoint_layers]
+    # top-1 agreement with the final layer grows with depth; the pre-norm cosine never reaches 0.98 before
+    # the last layer on this model (its residual stream keeps growing)
+    assert all(rate > 0 for rate in top1), top1
+    assert all(b >= a - 0.02 for a, b in zip(top1, top1[1:])), top1
+    assert top1[-1] > 2 * top1[0] and top1[-1] > 0.3, top1
+    assert cosine == [0.0] * len(cosine), cosine
+    # the routers learn something real: held-out AUC well above chance at the middle checkpoints
+    assert max(cfg.metrics[str(k)]["auc"] for k in (12, 16, 20)) > 0.75, cfg.metrics
+
+    router.save_pretrained(tmp_path / "router")
+    loaded = TideRouter.from_pretrained(tmp_path / "router")
+    a, b = router.state_dict(), loaded.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert loaded.config.metrics == cfg.metrics and loaded.config.base_fingerprint == cfg.base_fingerprint
+    loaded.check_compatible(model)
+
+    with pytest.raises(TideCompatibilityError) as info:
+        loaded.check_compatible(make_tiny_llama())
+    assert "number of layers: router 30, model 9" in str(info.value)
+    assert "hidden size: router 576, model 32" in str(info.value)
+
+    weight = model.get_input_embeddings().weight
+    with torch.no_grad():
+        original = float(weight.view(-1)[0])
+        weight.view(-1)[0] += 1.0  # a fingerprinted (sampled) value
+    try:
+        with pytest.raises(TideCompatibilityError, match=r"weights fingerprint: router [0-9a-f]{16}, model"):
+            loaded.check_compatible(model)
+        loaded.check_compatible(model, ignore_fingerprint=True)
+    finally:
+        with torch.no_grad():
+            weight.view(-1)[0] = original
+    loaded.check_compatible(model)

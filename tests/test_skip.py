@@ -1,0 +1,170 @@
+"""Skip mode: layers after an all-row exit are really not run, and the KV cache stays sound."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+from transformers import (AutoModelForCausalLM, DynamicCache, GPT2Config, LlamaConfig, MistralConfig, Qwen3Config,
+                          StaticCache)
+
+import tide_hf
+from tide_hf.kv import propagate_kv
+
+NUM_LAYERS = 9  # router checkpoints [4, 8]
+
+
+def make(config_cls=LlamaConfig, seed: int = 0, **extra):
+    torch.manual_seed(seed)
+    config = config_cls(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=NUM_LAYERS,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                        pad_token_id=0, eos_token_id=2, **extra)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def router_for(model, logit: float) -> tide_hf.TideRouter:
+    """A router whose score is sigmoid(logit) everywhere: +30 always exits, -30 never."""
+    cfg = model.config
+    router = tide_hf.TideRouter(tide_hf.TideRouterConfig(
+        hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers, router_bottleneck_dim=8,
+        base_architecture=type(model).__name__, base_fingerprint=tide_hf.model_fingerprint(model)))
+    with torch.no_grad():
+        for mlp in router.routers.values():
+            mlp.fc2.weight.zero_()
+            mlp.fc2.bias.fill_(logit)
+    return router
+
+
+def truncated(model, layers: int):
+    """The same model with only its first `layers` layers: the speed and output skip mode must reach."""
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = layers
+    small = AutoModelForCausalLM.from_config(config).eval()
+    small.load_state_dict(model.state_dict(), strict=False)
+    return small
+
+
+def prompts():
+    ids = torch.randint(3, 128, (3, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding
+    mask[2, :4] = 0
+    return ids, mask
+
+
+def count_mlp_calls(model) -> list[int]:
+    calls = [0] * NUM_LAYERS
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    return calls
+
+
+@pytest.mark.parametrize("exit_at", [4, 8])
+def test_all_rows_exit_equals_truncated_model_and_layers_are_not_run(exit_at):
+    model = make()
+    ids, mask = prompts()
+    expected = truncated(model, exit_at).generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    calls = count_mlp_calls(model)
+    handle = tide_hf.attach(model, router_for(model, 30.0), exit_threshold=0.5, min_layers=exit_at, mode="skip")
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, expected)
+    forwards = 6  # prefill + 5 decode steps
+    assert calls[:exit_at] == [forwards] * exit_at and calls[exit_at:] == [0] * (NUM_LAYERS - exit_at)
+    stats = handle.last_stats
+    assert stats.decode.mean_executed == exit_at and stats.prefill.mean_executed == exit_at
+    handle.detach()
+
+
+def test_mixed_rows_run_every_layer_like_select_mode():
+    model = make()
+    ids, mask = prompts()
+    router = router_for(model, 0.0)
+    with torch.no_grad():  # score depends on the state: rows differ, so not every row exits
+        for mlp in router.routers.values():
+            mlp.fc2.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(3))
+    handle = tide_hf.attach(model, router, exit_threshold=0.5, mode="select")
+    select = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    select_stats = handle.last_stats
+    handle.detach()
+    handle = tide_hf.attach(model, router, exit_threshold=0.5, mode="skip")
+    skip = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    assert 0 < select_stats.decode.exit_rate < 1  # a real mix
+    assert torch.equal(skip, select)
+    handle.detach()
+
+
+def test_threshold_one_in_skip_mode_is_stock():
+    model = make()
+    ids, mask = prompts()
+    stock = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    handle = tide_hf.attach(model, router_for(model, 30.0), exit_threshold=1.0, mode="skip")
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False), stock)
+    assert handle.last_stats.decode.mean_executed == NUM_LAYERS
+    handle.detach()
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_every_layer_cache_has_the_same_length_after_every_step(cache):
+    model = make()
+    ids, mask = prompts()
+    tide_hf.attach(model, router_for(model, 30.0), exit_threshold=0.5, min_layers=4, mode="skip")
+    past = DynamicCache(config=model.config) if cache == "dynamic" else StaticCache(config=model.config, max_cache_len=32)
+    lengths = []
+
+    def record(*_):
+        lengths.append([int((layer.keys.abs().sum(dim=(0, 1, 3)) != 0).sum()) if cache == "static"
+                        else layer.keys.shape[2] for layer in past.layers])
+    model.register_forward_hook(record)
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, past_key_values=past)
+    assert len(lengths) == 4
+    for step, per_layer in enumerate(lengths):
+        assert len(set(per_layer)) == 1, f"step {step}: cache lengths differ across layers: {per_layer}"
+        assert per_layer[0] == ids.shape[1] + step
+    tide_hf.detach(model)
+
+
+@pytest.mark.parametrize("config_cls,extra", [(LlamaConfig, {}), (MistralConfig, {"sliding_window": 4}),
+                                              (Qwen3Config, {"head_dim": 16})])
+def test_propagated_kv_equals_what_the_layer_itself_writes(config_cls, extra):
+    """kv='propagate' must write exactly the K/V the layer's own attention computes for the exit state."""
+    model = make(config_cls, **extra)
+    layer = model.model.layers[6]
+    hidden = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(5))
+    position_ids = torch.arange(3).expand(2, 3)
+    kwargs = {"position_embeddings": model.model.rotary_emb(hidden, position_ids), "use_cache": True}
+    own, ours = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    with torch.no_grad():
+        layer(hidden, past_key_values=own, position_ids=position_ids, **kwargs)
+        propagate_kv(layer, hidden, {**kwargs, "past_key_values": ours})
+    torch.testing.assert_close(ours.layers[6].keys, own.layers[6].keys)
+    torch.testing.assert_close(ours.layers[6].values, own.layers[6].values)
+
+
+def test_detach_restores_forward_and_keeps_accelerate_hooks():
+    model = make()
+    ids, mask = prompts()
+    stock = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    layer = model.model.layers[6]
+    add_hook_to_module(layer, ModelHook())  # what accelerate's dispatch does: forward wraps _old_forward
+    accelerate_forward = layer.forward
+    handle = tide_hf.attach(model, router_for(model, 30.0), exit_threshold=0.5, min_layers=4, mode="skip")
+    assert layer.forward is accelerate_forward  # accelerate's wrapper untouched, its _old_forward replaced
+    expected = truncated(model, 4).generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False), expected)
+    handle.detach()
+    assert layer.forward is accelerate_forward and hasattr(layer, "_old_forward")
+    assert layer._old_forward.__func__ is type(layer).forward  # accelerate's saved forward is the original again
+    remove_hook_from_module(layer)
+    assert all(m.forward.__func__ is type(m).forward for m in model.model.layers)
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False), stock)
+
+
+def test_unsupported_attention_is_refused_before_any_patch():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=64, n_embd=32, n_layer=NUM_LAYERS, n_head=2)).eval()
+    with pytest.raises(NotImplementedError, match="kv='propagate'"):
+        tide_hf.attach(model, router_for(model, 30.0), mode="skip")
+    assert tide_hf.get_handle(model) is None
+    assert all(not m._forward_hooks and not m._forward_pre_hooks and "forward" not in m.__dict__ for m in model.modules())

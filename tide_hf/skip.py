@@ -1,0 +1,66 @@
+"""Skip mode: layers after an exit are not computed.
+
+The forward of every layer after the first checkpoint is replaced on the instance (on accelerate's
+`_old_forward` when the model is dispatched, so accelerate's device hooks keep running). Once every row
+of a step has exited, the replaced forwards pass the hidden state through untouched and keep the KV
+cache sound (see `kv.py`); otherwise they call the original forward. `restore()` puts the original
+attributes back, leaving the layers exactly as they were.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from torch import nn
+
+from .kv import propagate_kv, propagate_support
+
+if TYPE_CHECKING:
+    from .attach import TideHandle
+
+_MISSING = object()
+
+
+class LayerSkipper:
+    """Owns the replaced forwards of the layers after `first_checkpoint` (1-based layer numbers)."""
+
+    @staticmethod
+    def check(layers: nn.ModuleList, first_checkpoint: int) -> None:
+        """Raise before anything is patched when a layer that may be skipped cannot keep its cache sound."""
+        for number in range(first_checkpoint + 1, len(layers) + 1):
+            reason = propagate_support(layers[number - 1])
+            if reason is not None:
+                raise NotImplementedError(f"mode='skip' with kv='propagate' on layer {number}: {reason}")
+
+    def __init__(self, handle: TideHandle, first_checkpoint: int) -> None:
+        self.handle = handle
+        self._saved: list[tuple[nn.Module, str, Any]] = []
+        self._returns_tuple: dict[int, bool] = {}
+        layers = handle.adapter.layers
+        for number in range(first_checkpoint + 1, len(layers) + 1):
+            layer = layers[number - 1]
+            attr = "_old_forward" if hasattr(layer, "_old_forward") else "forward"
+            self._saved.append((layer, attr, layer.__dict__.get(attr, _MISSING)))
+            setattr(layer, attr, self._wrap(number, layer, getattr(layer, attr)))
+
+    def _wrap(self, number: int, layer: nn.Module, original: Callable) -> Callable:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            step = self.handle.current_step()
+            if step is None or step.skip_after is None or number <= step.skip_after:
+                out = original(*args, **kwargs)
+                self._returns_tuple[number] = isinstance(out, tuple)
+                return out
+            hidden = args[0] if args else kwargs["hidden_states"]
+            propagate_kv(layer, hidden, kwargs)
+            step.skipped += 1
+            return (hidden,) if self._returns_tuple.get(number) else hidden
+        return forward
+
+    def restore(self) -> None:
+        """Put back the layers' own forward attributes."""
+        for layer, attr, saved in self._saved:
+            if saved is _MISSING:
+                delattr(layer, attr)
+            else:
+                setattr(layer, attr, saved)
+        self._saved.clear()

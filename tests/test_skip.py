@@ -168,3 +168,47 @@ def test_unsupported_attention_is_refused_before_any_patch():
         tide_hf.attach(model, router_for(model, 30.0), mode="skip")
     assert tide_hf.get_handle(model) is None
     assert all(not m._forward_hooks and not m._forward_pre_hooks and "forward" not in m.__dict__ for m in model.modules())
+
+
+def test_recompute_fills_the_exact_deep_cache_in_the_next_full_step():
+    """kv='recompute': a skipped token's deep K/V are later computed from its exit state, which is its true
+    layer-k output, so after the next full-depth step every layer's cache equals the stock model's."""
+    model = make()
+    prompt = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(1))
+    t1, t2 = torch.tensor([[7], [9]]), torch.tensor([[11], [13]])
+    stock_cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        for ids in (prompt, t1):
+            model(input_ids=ids, past_key_values=stock_cache, use_cache=True)
+        stock_logits = model(input_ids=t2, past_key_values=stock_cache, use_cache=True).logits
+    handle = tide_hf.attach(model, router_for(model, 30.0), exit_threshold=0.5, min_layers=4, mode="skip",
+                            kv="recompute")
+    calls = count_mlp_calls(model)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        with handle.disabled():
+            model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        model(input_ids=t1, past_key_values=cache, use_cache=True)  # every row exits at 4: layers 5-9 skipped
+        assert [layer.keys.shape[2] for layer in cache.layers] == [6] * 4 + [5] * 5  # deep layers wait for t1
+        with handle.disabled():
+            logits = model(input_ids=t2, past_key_values=cache, use_cache=True).logits
+    assert calls == [3] * 4 + [2] * 5  # layers 5-9 ran for the prompt and once for [t1, t2] together
+    assert [layer.keys.shape[2] for layer in cache.layers] == [7] * NUM_LAYERS
+    for ours, theirs in zip(cache.layers, stock_cache.layers):
+        torch.testing.assert_close(ours.keys, theirs.keys)
+        torch.testing.assert_close(ours.values, theirs.values)
+    torch.testing.assert_close(logits, stock_logits)
+    handle.detach()
+
+
+def test_recompute_generate_matches_select_outputs_and_keeps_lengths_consistent():
+    """In generate, recompute skips whole steps yet every step's tokens equal an exact recomputation:
+    with an always-exit router, outputs equal the truncated model (the deep cache never changes outputs)."""
+    model = make()
+    ids, mask = prompts()
+    expected = truncated(model, 4).generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    handle = tide_hf.attach(model, router_for(model, 30.0), exit_threshold=0.5, min_layers=4, mode="skip",
+                            kv="recompute")
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False), expected)
+    assert handle.last_stats.decode.mean_executed == 4
+    handle.detach()

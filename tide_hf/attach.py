@@ -22,6 +22,8 @@ from torch import nn
 
 from .adapters import ModelAdapter, get_adapter, layer_output
 from .config import TideOptions
+from .kernels import gather_rows, norm_router_scores, norm_spec, scatter_rows_
+from .kv import KVRecompute
 from .router import TideRouter
 from .skip import LayerSkipper
 from .stats import ExitStats
@@ -39,6 +41,7 @@ class _Step:
     exit_state: torch.Tensor | None = None  # hidden state at the exit checkpoint
     skip_after: int | None = None  # skip mode: every row exited here, later layers are not run
     skipped: int = 0  # layers the skip wrappers did not run in this forward
+    mask2d: torch.Tensor | None = None  # the call's (batch, length) attention mask, when it has one
 
 
 @dataclass
@@ -62,6 +65,8 @@ class TideHandle:
         self.checkpoints = [k for k in router.checkpoint_layers if k >= options.min_layers]
         self.enabled = True
         self._local = threading.local()
+        self._pending: weakref.WeakKeyDictionary[Any, KVRecompute] = weakref.WeakKeyDictionary()
+        self._norm_spec = norm_spec(adapter.final_norm)
         for k in router.checkpoint_layers:  # routers sit on the device of their layer
             device = next(adapter.layers[k - 1].parameters()).device
             router.routers[str(k)].to(device)
@@ -74,6 +79,20 @@ class TideHandle:
     def current_step(self) -> _Step | None:
         """Exit decisions of the forward running in this thread (None outside a forward)."""
         return getattr(self._local, "step", None)
+
+    def recompute_state(self, cache: Any) -> KVRecompute | None:
+        """Tokens of `cache` still awaiting their deep layers (skip mode with kv="recompute" only).
+
+        Kept per cache object: the pending tokens belong to that cache, whatever call uses it next.
+        """
+        if self.options.kv != "recompute" or cache is None:
+            return None
+        if cache not in self._pending:
+            self._pending[cache] = KVRecompute(self.num_layers)
+        return self._pending[cache]
+
+    def _new_session(self, generating: bool, eos: torch.Tensor | None = None) -> Session:
+        return Session(self._new_stats(), generating, eos)
 
     # -- per-call state -------------------------------------------------------------------------
     @property
@@ -88,7 +107,7 @@ class TideHandle:
     def session(self, *, generating: bool, eos: torch.Tensor | None = None) -> Iterator[Session]:
         """Scope one call: fresh stats, published as `last_stats` when the call ends."""
         outer = getattr(self._local, "session", None)
-        session = Session(self._new_stats(), generating, eos)
+        session = self._new_session(generating, eos)
         self._local.session = session
         try:
             yield session
@@ -122,7 +141,7 @@ class TideHandle:
             return
         session = getattr(self._local, "session", None)
         if session is None or getattr(self._local, "auto", False):  # a plain forward is a call of its own
-            session = Session(self._new_stats(), generating=False)
+            session = self._new_session(generating=False)
             self._local.session = session
             self._local.auto = True
         tokens = kwargs.get("input_ids", args[0] if args else None)
@@ -133,7 +152,7 @@ class TideHandle:
         valid = mask[:, -width:].bool() if mask is not None and mask.dim() == 2 else torch.ones(
             batch, width, dtype=torch.bool, device=tokens.device)
         exit_layer = torch.full((batch, width), self.num_layers, dtype=torch.long, device=tokens.device)
-        self._local.step = _Step(valid, exit_layer)
+        self._local.step = _Step(valid, exit_layer, mask2d=mask if mask is not None and mask.dim() == 2 else None)
 
     def _end(self, _module: nn.Module, _args: tuple, _output: Any) -> None:
         step, self._local.step = getattr(self._local, "step", None), None
@@ -149,8 +168,15 @@ class TideHandle:
 
     @torch.no_grad()
     def score(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        """Router score in [0, 1] of each position of `hidden` (..., H) at checkpoint `layer`."""
-        return torch.sigmoid(self.router.logit(layer, self.adapter.normed(hidden).float()))
+        """Router score in [0, 1] of each position of `hidden` (..., H) at checkpoint `layer`.
+
+        The fused norm + router kernel when the model's final norm is a known kind, else the model's own
+        norm module followed by the router MLP (the two agree; `tests/test_kernels.py` checks it).
+        """
+        if self._norm_spec is None:
+            return torch.sigmoid(self.router.logit(layer, self.adapter.normed(hidden).float()))
+        mlp = self.router.routers[str(layer)]
+        return norm_router_scores(hidden, self._norm_spec, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias)
 
     def _checkpoint_hook(self, layer: int):
         def hook(_module: nn.Module, _args: tuple, output: Any) -> None:
@@ -164,9 +190,10 @@ class TideHandle:
                 return
             step.exit_layer[exits] = layer
             if step.exit_state is None:
-                step.exit_state = hidden.detach().clone()
-            else:
-                step.exit_state[exits] = hidden[exits]
+                step.exit_state = torch.empty_like(hidden)
+            rows = exits.reshape(-1).nonzero().squeeze(1).to(hidden.device)
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            scatter_rows_(step.exit_state.view(-1, hidden.shape[-1]), rows, gather_rows(flat, rows))
             if self._skipper is not None and bool(((step.exit_layer < self.num_layers) | ~step.valid).all()):
                 step.skip_after = layer
         return hook
@@ -176,8 +203,11 @@ class TideHandle:
         if step is None or step.exit_state is None or self.options.mode == "speculative":
             return None  # speculative mode only drafts with exits; verification stays exact
         hidden = layer_output(output)
-        exited = (step.exit_layer < self.num_layers).unsqueeze(-1)
-        swapped = torch.where(exited.to(hidden.device), step.exit_state.to(hidden.device), hidden)
+        rows = (step.exit_layer < self.num_layers).reshape(-1).nonzero().squeeze(1).to(hidden.device)
+        in_place = not torch.is_grad_enabled() and hidden.is_contiguous()
+        flat = hidden.reshape(-1, hidden.shape[-1]) if in_place else hidden.reshape(-1, hidden.shape[-1]).clone()
+        states = step.exit_state.to(hidden.device).view(-1, hidden.shape[-1])
+        swapped = scatter_rows_(flat, rows, gather_rows(states, rows)).view_as(hidden)
         return (swapped, *output[1:]) if isinstance(output, tuple) else swapped
 
     # -- accounting -------------------------------------------------------------------------------
@@ -243,7 +273,7 @@ def attach(
     options.validate(adapter.num_layers)
     eligible = [k for k in router.checkpoint_layers if k >= options.min_layers]
     if options.mode == "skip" and eligible:
-        LayerSkipper.check(adapter.layers, eligible[0])
+        LayerSkipper.check(adapter.layers, eligible[0], options.kv)
     handle = TideHandle(model, router, options, adapter)
     _HANDLES[model] = handle
     return handle

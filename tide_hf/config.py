@@ -9,7 +9,7 @@ from transformers import PretrainedConfig
 
 LABEL_KINDS = ("cosine", "top1", "kl")
 MODES = ("select", "skip", "speculative")
-KV_POLICIES = ("propagate",)
+KV_POLICIES = ("propagate", "recompute")
 
 
 def default_checkpoints(num_hidden_layers: int, interval: int) -> list[int]:

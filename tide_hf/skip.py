@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from torch import nn
 
-from .kv import propagate_kv, propagate_support
+from .kv import propagate_kv, propagate_support, recompute_support
 
 if TYPE_CHECKING:
     from .attach import TideHandle
@@ -25,12 +25,13 @@ class LayerSkipper:
     """Owns the replaced forwards of the layers after `first_checkpoint` (1-based layer numbers)."""
 
     @staticmethod
-    def check(layers: nn.ModuleList, first_checkpoint: int) -> None:
+    def check(layers: nn.ModuleList, first_checkpoint: int, kv: str) -> None:
         """Raise before anything is patched when a layer that may be skipped cannot keep its cache sound."""
+        support = propagate_support if kv == "propagate" else recompute_support
         for number in range(first_checkpoint + 1, len(layers) + 1):
-            reason = propagate_support(layers[number - 1])
+            reason = support(layers[number - 1])
             if reason is not None:
-                raise NotImplementedError(f"mode='skip' with kv='propagate' on layer {number}: {reason}")
+                raise NotImplementedError(f"mode='skip' with kv={kv!r} on layer {number}: {reason}")
 
     def __init__(self, handle: TideHandle, first_checkpoint: int) -> None:
         self.handle = handle
@@ -46,12 +47,20 @@ class LayerSkipper:
     def _wrap(self, number: int, layer: nn.Module, original: Callable) -> Callable:
         def forward(*args: Any, **kwargs: Any) -> Any:
             step = self.handle.current_step()
+            recompute = self.handle.recompute_state(kwargs.get("past_key_values"))
             if step is None or step.skip_after is None or number <= step.skip_after:
-                out = original(*args, **kwargs)
+                if recompute is not None and len(args) == 1:
+                    out = recompute.run(number, layer, original, args[0], kwargs, step.mask2d if step else None)
+                else:
+                    out = original(*args, **kwargs)
                 self._returns_tuple[number] = isinstance(out, tuple)
                 return out
             hidden = args[0] if args else kwargs["hidden_states"]
-            propagate_kv(layer, hidden, kwargs)
+            if recompute is not None:
+                if number == step.skip_after + 1:
+                    recompute.park(hidden, step.skip_after, kwargs)
+            else:
+                propagate_kv(layer, hidden, kwargs)
             step.skipped += 1
             return (hidden,) if self._returns_tuple.get(number) else hidden
         return forward

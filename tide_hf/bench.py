@@ -146,25 +146,56 @@ def format_table(result: dict) -> str:
 
 
 def run(args: Any) -> dict:
-    """The `tide-hf bench` command: overhead and quality tables, JSON written to `args.output`."""
+    """The `tide-hf bench` command: writes JSON and Markdown tables to `args.output` and prints them.
+
+    Default: overhead and quality of TIDE vs stock. `--modes`: skip mode vs stock and ideal.
+    `--kernels`: fused kernels vs the PyTorch path.
+    """
     from .cli import default_dataset, load_model
 
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.kernels:
+        return _write(out, "kernels", {"rows": kernel_rows(args.dtype)}, format_kernels)
     model, tokenizer = load_model(args.model, args.dtype)
     routers = [TideRouter.from_pretrained(r) for r in args.router]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     prompts, chunks = evaluation_text(tokenizer, default_dataset(args.dataset), routers[0], args.num_prompts,
                                       args.prompt_len, args.num_chunks, args.chunk_len)
-    result = {
-        "model": args.model, "device": str(next(model.parameters()).device), "torch_threads": torch.get_num_threads(),
-        "settings": {k: v for k, v in vars(args).items() if k != "func"},
-        "overhead": overhead(model, routers[0], prompts, pad_id, args.batch_sizes, args.new_tokens, args.reps),
-        "quality": quality(model, routers, args.thresholds, prompts, chunks, pad_id, args.quality_batch_size,
-                           args.new_tokens),
-    }
-    out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(result, indent=2))
-    table = format_table(result)
-    (out / "bench.md").write_text(table + "\n")
+    result = {"model": args.model, "device": str(next(model.parameters()).device),
+              "torch_threads": torch.get_num_threads(),
+              "settings": {k: v for k, v in vars(args).items() if k != "func"}}
+    if args.modes:
+        from .bench_modes import format_modes, run_modes
+
+        result.update(run_modes(model, routers[-1], prompts, chunks, pad_id, args))
+        return _write(out, "modes", result, format_modes)
+    result["overhead"] = overhead(model, routers[0], prompts, pad_id, args.batch_sizes, args.new_tokens, args.reps)
+    result["quality"] = quality(model, routers, args.thresholds, prompts, chunks, pad_id, args.quality_batch_size,
+                                args.new_tokens)
+    return _write(out, "bench", result, format_table)
+
+
+def kernel_rows(dtype: str) -> list[dict]:
+    """Microbenchmark of the fused kernels at SmolLM2's and an 8B model's hidden size, on this machine."""
+    from .kernels import microbench
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shapes = [(1, 576, 128), (8, 576, 128), (64, 576, 128), (1, 4096, 128), (256, 4096, 128)]
+    return microbench(shapes, getattr(torch, dtype), device)
+
+
+def format_kernels(result: dict) -> str:
+    keys = ["rows", "hidden", "bottleneck", "dtype", "backend", "kernel_us", "torch_us", "speedup"]
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for r in result["rows"]:
+        lines.append("| " + " | ".join(f"{r[k]:.1f}" if isinstance(r[k], float) else str(r[k]) for k in keys) + " |")
+    return "\n".join(lines)
+
+
+def _write(out: Path, name: str, result: dict, formatter: Any) -> dict:
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2))
+    table = formatter(result)
+    (out / f"{name}.md").write_text(table + "\n")
     print(table)
     return result

@@ -139,6 +139,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     from .bench import run
 
+    if not args.kernels and not args.router:
+        raise SystemExit("tide-hf bench: --router is required (except with --kernels)")
     run(args)
 
 
@@ -163,7 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="stock generate vs TIDE in one run: overhead, exit rates, quality")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dataset", default="sotu", help="text for prompts and perplexity (documents the router never saw)")
-    p.add_argument("--router", nargs="+", required=True, help="router folders / Hub ids (e.g. one cosine, one top1)")
+    p.add_argument("--router", nargs="+", default=[], help="router folders / Hub ids (e.g. one cosine, one top1); "
+                   "--modes uses the last one")
+    p.add_argument("--modes", action="store_true", help="skip mode vs stock and vs the ideal truncated model")
+    p.add_argument("--depths", nargs="+", type=int, default=[8, 16, 24], help="--modes: forced exit depths")
+    p.add_argument("--kernels", action="store_true", help="microbenchmark the fused kernels vs the PyTorch path")
     p.add_argument("--thresholds", nargs="+", type=float, default=[0.95, 0.85, 0.7, 0.5])
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=64)

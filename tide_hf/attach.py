@@ -28,7 +28,9 @@ from .router import TideRouter
 from .skip import LayerSkipper
 from .stats import ExitStats
 
-_HANDLES: weakref.WeakKeyDictionary[nn.Module, TideHandle] = weakref.WeakKeyDictionary()
+# Handles are held weakly too: a handle references its model, so a strong value would keep every attached
+# model alive forever. The model's own hooks keep its handle alive while the model lives.
+_HANDLES: weakref.WeakKeyDictionary[nn.Module, weakref.ref[TideHandle]] = weakref.WeakKeyDictionary()
 _LAST_STATS: weakref.WeakKeyDictionary[nn.Module, ExitStats] = weakref.WeakKeyDictionary()
 
 
@@ -238,7 +240,7 @@ class TideHandle:
         self._hooks.clear()
         if self._skipper is not None:
             self._skipper.restore()
-        if _HANDLES.get(self.model) is self:
+        if get_handle(self.model) is self:
             del _HANDLES[self.model]
 
 
@@ -259,7 +261,7 @@ def attach(
     `draft_layer` are described in `TideOptions`. Everything is checked before the model is touched:
     options in range, and the router made for this model.
     """
-    if model in _HANDLES:
+    if get_handle(model) is not None:
         raise ValueError("this model already has a TIDE router attached; call handle.detach() first")
     adapter = get_adapter(model)
     router.check_compatible(model, ignore_fingerprint=ignore_fingerprint)
@@ -275,18 +277,19 @@ def attach(
     if options.mode == "skip" and eligible:
         LayerSkipper.check(adapter.layers, eligible[0], options.kv)
     handle = TideHandle(model, router, options, adapter)
-    _HANDLES[model] = handle
+    _HANDLES[model] = weakref.ref(handle)
     return handle
 
 
 def get_handle(model: nn.Module) -> TideHandle | None:
     """The handle of the router attached to `model`, if any."""
-    return _HANDLES.get(model)
+    ref = _HANDLES.get(model)
+    return ref() if ref is not None else None
 
 
 def detach(model: nn.Module) -> None:
     """Detach the router attached to `model` (no-op when none is)."""
-    handle = _HANDLES.get(model)
+    handle = get_handle(model)
     if handle is not None:
         handle.detach()
 

@@ -1,0 +1,439 @@
+"""attach / detach / TideHandle on plain forwards: identity, exit semantics, per-row decisions, stats, errors.
+
+Every expectation is computed a second way: from an `output_hidden_states=True` run of the stock model
+(hidden_states[k] is the output of layer k for k < num_layers) and the router applied by hand.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import tide_hf
+from tide_hf import TideCompatibilityError, TideRouter, TideRouterConfig
+
+HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+NUM_LAYERS = 9  # checkpoints every 4 layers: [4, 8]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread():
+    """These models are tiny: one intra-op thread is as fast, and on a small shared CPU box an OpenMP
+    pool competing with other jobs makes each op stall (minutes instead of seconds for this file)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+# -- helpers ------------------------------------------------------------------------------------------
+def make_model(seed: int = 0, hidden: int = 64, layers: int = NUM_LAYERS) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return LlamaForCausalLM(config).eval()
+
+
+def new_router(model, seed: int = 0, **config) -> TideRouter:
+    torch.manual_seed(seed)
+    return TideRouter(TideRouterConfig(
+        hidden_size=model.config.hidden_size, num_hidden_layers=model.config.num_hidden_layers,
+        router_bottleneck_dim=16, base_architecture=type(model).__name__,
+        base_fingerprint=tide_hf.model_fingerprint(model), **config))
+
+
+@torch.no_grad()
+def constant_router(model, logit: float) -> TideRouter:
+    """Score sigmoid(logit) at every position: +30 -> exactly 1.0 in fp32 (always exit), -30 -> never."""
+    router = new_router(model)
+    for mlp in router.routers.values():
+        mlp.fc2.weight.zero_()
+        mlp.fc2.bias.fill_(logit)
+    return router
+
+
+def batch(seed: int = 0, lengths=(7, 5, 3)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A left-padded batch: input_ids (pad 0), attention_mask, position_ids as generate builds them."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, width - n:] = torch.randint(3, 256, (n,), generator=gen)
+        mask[row, width - n:] = 1
+    return ids, mask, positions(mask)
+
+
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def reference(model, router, ids, mask=None, *, threshold: float, min_layers: int):
+    """(exit layer per position, TIDE logits) computed from a stock output_hidden_states run, router by hand."""
+    assert tide_hf.get_handle(model) is None, "the reference needs the stock model"
+    kwargs = {} if mask is None else {"attention_mask": mask, "position_ids": positions(mask)}
+    out = model(ids, output_hidden_states=True, **kwargs)
+    exit_layer = torch.full(ids.shape, NUM_LAYERS, dtype=torch.long)
+    logits = out.logits.clone()
+    for k in router.checkpoint_layers:
+        if k < min_layers:
+            continue
+        hidden = out.hidden_states[k]
+        score = torch.sigmoid(router.logit(k, model.model.norm(hidden).float()))
+        exits = (exit_layer == NUM_LAYERS) & (score >= threshold)
+        exit_layer[exits] = k
+        logits[exits] = model.lm_head(model.model.norm(hidden))[exits]
+    return exit_layer, logits
+
+
+@torch.no_grad()
+def mixed_router(model, ids, mask=None, seed: int = 1, quantiles=(0.6, 0.5)) -> TideRouter:
+    """A router whose scores are far from 0.5 nearly everywhere and whose decisions mix 4 / 8 / no exit.
+
+    Random weights scaled up so scores saturate; each checkpoint's bias puts the 0.5 threshold in the
+    middle of a gap between two sorted logits of the calibration batch (robust to float noise).
+    """
+    router = new_router(model, seed=seed)
+    kwargs = {} if mask is None else {"attention_mask": mask, "position_ids": positions(mask)}
+    out = model(ids, output_hidden_states=True, **kwargs)
+    valid = torch.ones(ids.shape, dtype=torch.bool) if mask is None else mask.bool()
+    for k, q in zip(router.checkpoint_layers, quantiles):
+        mlp = router.routers[str(k)]
+        mlp.fc2.weight.mul_(40.0)
+        mlp.fc2.bias.zero_()
+        logits = router.logit(k, model.model.norm(out.hidden_states[k]).float())[valid].sort().values
+        i = max(1, int(q * len(logits)))
+        mlp.fc2.bias.fill_(-float(logits[i - 1] + logits[i]) / 2)
+    return router
+
+
+def hooks(model) -> dict:
+    """Every hook dict of every module (copies), to compare before / after."""
+    return {name: {attr: dict(getattr(mod, attr)) for attr in HOOK_DICTS} for name, mod in model.named_modules()}
+
+
+def hook_count(model) -> int:
+    return sum(len(getattr(mod, attr)) for mod in model.modules() for attr in HOOK_DICTS)
+
+
+def by_hand(exit_layers: torch.Tensor) -> tuple[Counter, float, float]:
+    """Counter, exit rate and mean layers of a 1-D tensor of exit layers, computed directly."""
+    values = exit_layers.tolist()
+    rate = sum(v < NUM_LAYERS for v in values) / len(values)
+    return Counter(values), rate, sum(values) / len(values)
+
+
+def assert_phase(phase, exit_layers: torch.Tensor) -> None:
+    counter, rate, mean = by_hand(exit_layers)
+    assert phase.exits == counter
+    assert phase.tokens == len(exit_layers)
+    assert phase.exit_rate == pytest.approx(rate)
+    assert phase.mean_layers == pytest.approx(mean)
+
+
+# -- identity -----------------------------------------------------------------------------------------
+@torch.no_grad()
+def test_threshold_one_is_identity_even_for_a_saturated_router():
+    model = make_model()
+    ids, mask, pos = batch()
+    stock = model(ids, attention_mask=mask, position_ids=pos).logits
+    router = constant_router(model, 30.0)  # score == 1.0 exactly: exits if threshold 1.0 were not special
+    assert torch.sigmoid(torch.tensor(30.0)).item() == 1.0
+    handle = tide_hf.attach(model, router, exit_threshold=1.0)
+    try:
+        assert torch.equal(model(ids, attention_mask=mask, position_ids=pos).logits, stock)
+        assert handle.last_stats.prefill.exits == Counter({NUM_LAYERS: int(mask.sum())})
+    finally:
+        handle.detach()
+    handle = tide_hf.attach(model, router, exit_threshold=0.99)  # control: the same router does exit below 1.0
+    try:
+        assert not torch.allclose(model(ids, attention_mask=mask, position_ids=pos).logits, stock)
+    finally:
+        handle.detach()
+
+
+@torch.no_grad()
+def test_never_exit_router_leaves_logits_unchanged():
+    model = make_model()
+    ids, mask, pos = batch()
+    stock = model(ids, attention_mask=mask, position_ids=pos).logits
+    with_handle = tide_hf.attach(model, constant_router(model, -30.0), exit_threshold=0.5)
+    try:
+        assert torch.equal(model(ids, attention_mask=mask, position_ids=pos).logits, stock)
+        assert_phase(with_handle.last_stats.prefill, torch.full((int(mask.sum()),), NUM_LAYERS))
+    finally:
+        with_handle.detach()
+
+
+# -- exit semantics -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("min_layers, exit_at", [(1, 4), (4, 4), (5, 8), (8, 8)])
+@torch.no_grad()
+def test_always_exit_equals_head_on_checkpoint_hidden_state(min_layers, exit_at):
+    model = make_model()
+    ids, mask, pos = batch()
+    hidden = model(ids, attention_mask=mask, position_ids=pos, output_hidden_states=True).hidden_states
+    expected = model.lm_head(model.model.norm(hidden[exit_at]))
+    handle = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, min_layers=min_layers)
+    try:
+        got = model(ids, attention_mask=mask, position_ids=pos).logits
+        assert torch.equal(got, expected)
+        assert handle.last_stats.prefill.exits == Counter({exit_at: int(mask.sum())})  # padding not counted
+        assert handle.last_stats.decode.tokens == 0
+    finally:
+        handle.detach()
+
+
+@torch.no_grad()
+def test_min_layers_past_every_checkpoint_disables_exits():
+    model = make_model()
+    ids, mask, pos = batch()
+    stock = model(ids, attention_mask=mask, position_ids=pos).logits
+    handle = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, min_layers=NUM_LAYERS)
+    try:
+        assert torch.equal(model(ids, attention_mask=mask, position_ids=pos).logits, stock)
+    finally:
+        handle.detach()
+
+
+@torch.no_grad()
+def test_mixed_router_matches_per_position_reference():
+    model = make_model()
+    ids, mask, pos = batch()
+    router = mixed_router(model, ids, mask)
+    exit_layer, expected = reference(model, router, ids, mask, threshold=0.5, min_layers=4)
+    valid = mask.bool()
+    assert set(exit_layer[valid].tolist()) == {4, 8, NUM_LAYERS}, "the test needs every kind of decision"
+    handle = tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4)
+    try:
+        got = model(ids, attention_mask=mask, position_ids=pos).logits
+        assert torch.equal(got[valid], expected[valid])
+        assert_phase(handle.last_stats.prefill, exit_layer[valid])
+    finally:
+        handle.detach()
+
+
+@torch.no_grad()
+def test_decisions_are_per_row_not_batch_global():
+    model = make_model()
+    ids, mask, pos = batch(seed=3, lengths=(8, 6, 4, 7))
+    router = mixed_router(model, ids, mask)
+    exit_layer, _ = reference(model, router, ids, mask, threshold=0.5, min_layers=4)
+    last = exit_layer[:, -1]  # decision of each row's last prompt token
+    assert len(set(last.tolist())) > 1, "rows must get different decisions for the test to mean anything"
+    handle = tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4)
+    try:
+        batched = model(ids, attention_mask=mask, position_ids=pos).logits
+        batch_stats = handle.last_stats.prefill.exits
+        alone_total = Counter()
+        for row in range(ids.shape[0]):
+            valid = mask[row].bool()
+            alone = model(ids[row:row + 1, valid]).logits[0]
+            torch.testing.assert_close(batched[row, valid], alone, rtol=1e-4, atol=1e-5)
+            alone_total += handle.last_stats.prefill.exits
+            assert handle.last_stats.prefill.exits == Counter(exit_layer[row, valid].tolist())
+        assert batch_stats == alone_total
+    finally:
+        handle.detach()
+
+
+@torch.no_grad()
+def test_inputs_embeds_forward_exits_like_input_ids():
+    model = make_model()
+    ids, mask, pos = batch()
+    router = mixed_router(model, ids, mask)
+    handle = tide_hf.attach(model, router, exit_threshold=0.5)
+    try:
+        by_ids = model(ids, attention_mask=mask, position_ids=pos).logits
+        stats_ids = handle.last_stats.as_dict()
+        embeds = model.get_input_embeddings()(ids)
+        by_embeds = model(inputs_embeds=embeds, attention_mask=mask, position_ids=pos).logits
+        assert torch.equal(by_ids, by_embeds)
+        assert handle.last_stats.as_dict() == stats_ids
+    finally:
+        handle.detach()
+
+
+# -- detach -------------------------------------------------------------------------------------------
+@torch.no_grad()
+def test_detach_restores_the_model_exactly():
+    model = make_model()
+    ids, mask, pos = batch()
+    user_hook = model.model.layers[3].register_forward_hook(lambda *_: None)  # someone else's hook survives
+    before_hooks = hooks(model)
+    before_state = {k: v.clone() for k, v in model.state_dict().items()}
+    stock = model(ids, attention_mask=mask, position_ids=pos).logits
+    stock_gen = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+
+    handle = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5)
+    assert tide_hf.get_handle(model) is handle
+    assert hooks(model) != before_hooks
+    assert not torch.equal(model(ids, attention_mask=mask, position_ids=pos).logits, stock)
+    model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    handle.detach()
+
+    assert tide_hf.get_handle(model) is None
+    assert hooks(model) == before_hooks
+    after_state = model.state_dict()
+    assert after_state.keys() == before_state.keys()
+    assert all(torch.equal(after_state[k], v) for k, v in before_state.items())
+    assert torch.equal(model(ids, attention_mask=mask, position_ids=pos).logits, stock)
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False), stock_gen)
+    user_hook.remove()
+    assert hook_count(model) == 0
+
+    # module-level detach, detach without a router (no-op), and attaching again all work
+    handle = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5)
+    tide_hf.detach(model)
+    tide_hf.detach(model)
+    handle.detach()
+    assert hook_count(model) == 0 and tide_hf.get_handle(model) is None
+    tide_hf.attach(model, constant_router(model, 30.0)).detach()
+    assert hook_count(model) == 0
+
+
+def test_attached_model_can_be_garbage_collected_and_handle_lives_with_it():
+    import gc
+    import weakref
+
+    model = make_model()
+    handle = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5)
+    handle_ref = weakref.ref(handle)
+    del handle
+    gc.collect()
+    assert tide_hf.get_handle(model) is handle_ref(), "the model's hooks keep its handle alive"
+    with torch.no_grad():
+        model(torch.tensor([[5, 6, 7]]))
+    assert tide_hf.last_stats(model).prefill.exits == Counter({4: 3})
+    model_ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert model_ref() is None, "an attached model must not be kept alive by tide_hf's registry"
+    assert handle_ref() is None
+
+
+# -- errors before any work ---------------------------------------------------------------------------
+@pytest.mark.parametrize("options, message", [
+    ({"exit_threshold": -0.1}, "exit_threshold"),
+    ({"exit_threshold": 1.5}, "exit_threshold"),
+    ({"min_layers": 0}, "min_layers"),
+    ({"min_layers": NUM_LAYERS + 1}, "min_layers"),
+    ({"mode": "skip-everything"}, "mode"),
+])
+def test_bad_options_raise_before_hooks(options, message):
+    model = make_model()
+    with pytest.raises(ValueError, match=message):
+        tide_hf.attach(model, constant_router(model, 30.0), **options)
+    assert hook_count(model) == 0 and tide_hf.get_handle(model) is None
+
+
+@pytest.mark.parametrize("other, differs", [
+    ({"layers": 6}, ["number of layers: router 6, model 9"]),
+    ({"hidden": 32}, ["hidden size: router 32, model 64"]),
+    ({"layers": 6, "hidden": 32}, ["number of layers", "hidden size"]),
+])
+def test_router_of_another_model_is_refused(other, differs):
+    model = make_model()
+    router = new_router(make_model(**other))
+    with pytest.raises(TideCompatibilityError) as err:
+        tide_hf.attach(model, router)
+    for text in differs:
+        assert text in str(err.value)
+    assert hook_count(model) == 0 and tide_hf.get_handle(model) is None
+
+
+def test_router_for_other_weights_needs_ignore_fingerprint():
+    model = make_model(seed=0)
+    router = constant_router(make_model(seed=1), 30.0)
+    with pytest.raises(TideCompatibilityError, match="fingerprint"):
+        tide_hf.attach(model, router)
+    assert hook_count(model) == 0
+    tide_hf.attach(model, router, ignore_fingerprint=True).detach()
+    assert hook_count(model) == 0
+
+
+def test_attaching_twice_is_refused_and_keeps_the_first_router():
+    model = make_model()
+    first = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5)
+    try:
+        attached = hooks(model)
+        with pytest.raises(ValueError, match="already has a TIDE router"):
+            tide_hf.attach(model, constant_router(model, -30.0))
+        assert hooks(model) == attached and tide_hf.get_handle(model) is first
+    finally:
+        first.detach()
+    assert hook_count(model) == 0
+
+
+# -- stats --------------------------------------------------------------------------------------------
+@torch.no_grad()
+def test_each_plain_forward_has_its_own_stats():
+    model = make_model()
+    ids, mask, pos = batch()
+    handle = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5)
+    try:
+        model(ids, attention_mask=mask, position_ids=pos)
+        first = handle.last_stats
+        model(ids[:1])
+        second = handle.last_stats
+        assert first is not second and tide_hf.last_stats(model) is second
+        assert first.prefill.exits == Counter({4: int(mask.sum())})
+        assert second.prefill.exits == Counter({4: ids.shape[1]})
+    finally:
+        handle.detach()
+
+
+@torch.no_grad()
+def test_two_attached_models_keep_separate_stats():
+    model_a, model_b = make_model(seed=0), make_model(seed=1)
+    ids, mask, pos = batch()
+    handle_a = tide_hf.attach(model_a, constant_router(model_a, 30.0), exit_threshold=0.5, min_layers=5)
+    handle_b = tide_hf.attach(model_b, constant_router(model_b, -30.0), exit_threshold=0.5)
+    try:
+        model_a(ids, attention_mask=mask, position_ids=pos)
+        model_b(ids[:1])
+        model_a(ids[:1, :2])  # a later call on A replaces only A's stats
+        assert handle_a.last_stats.prefill.exits == Counter({8: 2})
+        assert handle_b.last_stats.prefill.exits == Counter({NUM_LAYERS: ids.shape[1]})
+        assert tide_hf.last_stats(model_b) is handle_b.last_stats
+    finally:
+        handle_a.detach()
+        handle_b.detach()
+
+
+@torch.no_grad()
+def test_summary_and_plot(tmp_path):
+    model = make_model()
+    ids, mask, pos = batch()
+    router = mixed_router(model, ids, mask)
+    exit_layer, _ = reference(model, router, ids, mask, threshold=0.5, min_layers=4)
+    handle = tide_hf.attach(model, router, exit_threshold=0.5)
+    try:
+        model(ids, attention_mask=mask, position_ids=pos)
+        stats = handle.last_stats
+    finally:
+        handle.detach()
+    counter, rate, mean = by_hand(exit_layer[mask.bool()])
+    lines = stats.summary().splitlines()
+    assert lines[0].startswith("prefill") and lines[1].startswith("decode")
+    assert f"{int(mask.sum())} tokens" in lines[0] and f"exit rate {rate:6.1%}" in lines[0]
+    assert f"mean layers {mean:5.2f}/{NUM_LAYERS}" in lines[0]
+    assert f"L4: {counter[4]}, L8: {counter[8]}" in lines[0]
+    assert stats.as_dict()["prefill"]["exits"] == dict(sorted(counter.items()))
+    pytest.importorskip("matplotlib")
+    path = stats.plot(tmp_path / "exits.png")
+    data = path.read_bytes()
+    assert data.startswith(PNG_SIGNATURE) and len(data) > 1000

@@ -28,6 +28,8 @@ from .router import TideRouter, model_fingerprint
 
 logger = logging.getLogger(__name__)
 
+LABEL_CHUNK_ROWS = 256  # tokens whose vocab-sized exit logits are held at once while labelling
+
 
 @dataclass
 class Collected:
@@ -175,15 +177,18 @@ def collect(
             # Head-based labels cost a vocab-sized matmul per token and checkpoint: compute them for every
             # kept token only when they are the training label, else on held-out tokens for the report.
             head = rows if cfg.label != "cosine" else rows[is_val[rows]]
-            local = (head - cursor).to(device)
             out.labelled[head] = True
-            final = _HeadTargets(adapter.logits(h_final[local]))
             for k in layers:
                 h = captured[k]
                 out.features[k][rows] = adapter.normed(h).float().cpu()
                 out.cosine[k][rows] = F.cosine_similarity(h.float(), h_final.float(), dim=-1).cpu()
-                top1, kl = final.compare(adapter.logits(h[local]))
-                out.top1[k][head], out.kl[k][head] = top1.cpu(), kl.cpu()
+            # vocab-sized logits in row chunks, so their memory does not grow with the batch
+            for part in head.split(LABEL_CHUNK_ROWS):
+                local = (part - cursor).to(device)
+                final = _HeadTargets(adapter.logits(h_final[local]))
+                for k in layers:
+                    top1, kl = final.compare(adapter.logits(captured[k][local]))
+                    out.top1[k][part], out.kl[k][part] = top1.cpu(), kl.cpu()
             cursor += m
             captured.clear()
             out.seconds["forward"] += t1 - t0

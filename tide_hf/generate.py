@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 from transformers import GenerationMixin, LogitsProcessorList
 
+from . import speculative
 from .attach import TideHandle, attach, get_handle
 from .processor import TideLogitsProcessor
 from .router import TideRouter
@@ -49,6 +50,8 @@ def _eos_ids(model: Any, kwargs: dict) -> torch.Tensor | None:
 
 def _run(handle: TideHandle, original: Callable, model: Any, args: tuple, kwargs: dict) -> Any:
     with handle.session(generating=True, eos=_eos_ids(model, kwargs)) as session:
+        if handle.options.mode == "speculative":  # drafts + full-depth verification in stock assisted decoding
+            return speculative.generate(handle, original, model, args, kwargs, session)
         processors = LogitsProcessorList(kwargs.get("logits_processor") or [])
         processors.append(TideLogitsProcessor(handle, session))
         return original(model, *args, **{**kwargs, "logits_processor": processors})

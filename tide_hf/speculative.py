@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -59,6 +60,7 @@ PRIOR_MARGIN = 0.05
 TIMING_EMA = 0.5  # weight of the newest plain step in the running plain-step time
 DEFAULT_DRAFT_FRACTION = 0.5  # without calibration metrics: the checkpoint nearest this fraction of depth
 _PATCHED = "_get_candidate_generator"
+_PARAM_COUNTS: weakref.WeakKeyDictionary[nn.Module, tuple[int, int]] = weakref.WeakKeyDictionary()
 _FALLBACK_KWARGS = ("assistant_model", "custom_generate", "past_key_values", "inputs_embeds", "stop_strings",
                     "negative_prompt_ids")
 
@@ -81,10 +83,13 @@ def expected_speedup(gate_rate: float, success_rate: float, cost: float, max_dra
 def draft_cost(adapter: ModelAdapter, layer: int) -> float:
     """Cost of a forward through `layer` layers + head relative to a full one, by parameter count
     (per-token FLOPs are proportional to it; the LM head is a sizeable share in small models)."""
-    per_layer = sum(p.numel() for p in adapter.layers.parameters()) / adapter.num_layers
-    head = sum(p.numel() for p in adapter.lm_head.parameters())
-    head += sum(p.numel() for p in adapter.pre_head.parameters()) if adapter.pre_head is not None else 0
-    return (layer * per_layer + head) / (adapter.num_layers * per_layer + head)
+    counts = _PARAM_COUNTS.get(adapter.layers)
+    if counts is None:  # walking every parameter takes milliseconds: once per model
+        head = sum(p.numel() for p in adapter.lm_head.parameters())
+        head += sum(p.numel() for p in adapter.pre_head.parameters()) if adapter.pre_head is not None else 0
+        counts = _PARAM_COUNTS[adapter.layers] = (sum(p.numel() for p in adapter.layers.parameters()), head)
+    layers, head = counts
+    return (layer * layers / adapter.num_layers + head) / (layers + head)
 
 
 def prior_speedup(router: TideRouter, adapter: ModelAdapter, layer: int) -> float | None:

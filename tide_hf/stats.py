@@ -58,6 +58,7 @@ class ExitStats:
     checkpoints: list[int]
     prefill: PhaseStats = None  # type: ignore[assignment]
     decode: PhaseStats = None  # type: ignore[assignment]
+    speculative: dict | None = None  # speculative mode: drafting counters of the call
 
     def __post_init__(self) -> None:
         self.prefill = self.prefill or PhaseStats(self.num_layers)
@@ -65,7 +66,8 @@ class ExitStats:
 
     def as_dict(self) -> dict:
         return {"num_layers": self.num_layers, "checkpoints": self.checkpoints,
-                "prefill": self.prefill.as_dict(), "decode": self.decode.as_dict()}
+                "prefill": self.prefill.as_dict(), "decode": self.decode.as_dict(),
+                **({"speculative": self.speculative} if self.speculative is not None else {})}
 
     def summary(self) -> str:
         """A few lines a person can read: exit rate and mean depth per phase, exits per checkpoint."""

@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+import tide_hf
+from tide_hf import TideRouter, TideRouterConfig
 
 WORDS = ("the", "state", "of", "union", "is", "strong", "we", "will", "build", "a", "nation", "people",
          "work", "together", "for", "our", "children", "future", "and", "peace", "congress", "law")
@@ -73,3 +76,37 @@ def jsonl_file(tmp_path: Path) -> Path:
     path.write_text("".join(json.dumps({"text": doc, "id": i}) + "\n"
                             for i, doc in enumerate(make_documents(12, 60, seed=2))))
     return path
+
+
+# -- tiny Llamas and routers for the attach / generate tests --------------------------------------
+NUM_LAYERS = 9  # checkpoints every 4 layers: [4, 8]
+
+
+@pytest.fixture(scope="module")
+def one_intra_op_thread():
+    """These models are tiny: one intra-op thread is as fast, and on a small shared CPU box an OpenMP
+    pool competing with other jobs makes each op stall (minutes instead of seconds for this file)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def make_model(seed: int = 0, hidden: int = 64, layers: int = NUM_LAYERS) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return LlamaForCausalLM(config).eval()
+
+
+def new_router(model, seed: int = 0, **config) -> TideRouter:
+    torch.manual_seed(seed)
+    return TideRouter(TideRouterConfig(
+        hidden_size=model.config.hidden_size, num_hidden_layers=model.config.num_hidden_layers,
+        router_bottleneck_dim=16, base_architecture=type(model).__name__,
+        base_fingerprint=tide_hf.model_fingerprint(model), **config))
+
+
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    return (mask.cumsum(-1) - 1).clamp(min=0)

@@ -10,10 +10,11 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import tide_hf
-from tide_hf import TideCompatibilityError, TideRouter, TideRouterConfig
+from tide_hf import TideCompatibilityError, TideRouter
+
+from conftest import NUM_LAYERS, make_model, new_router, positions
 
 HOOK_DICTS = (
     "_forward_hooks",
@@ -24,35 +25,11 @@ HOOK_DICTS = (
     "_backward_hooks",
     "_backward_pre_hooks",
 )
-NUM_LAYERS = 9  # checkpoints every 4 layers: [4, 8]
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    """These models are tiny: one intra-op thread is as fast, and on a small shared CPU box an OpenMP
-    pool competing with other jobs makes each op stall (minutes instead of seconds for this file)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 # -- helpers ------------------------------------------------------------------------------------------
-def make_model(seed: int = 0, hidden: int = 64, layers: int = NUM_LAYERS) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    return LlamaForCausalLM(config).eval()
-
-
-def new_router(model, seed: int = 0, **config) -> TideRouter:
-    torch.manual_seed(seed)
-    return TideRouter(TideRouterConfig(
-        hidden_size=model.config.hidden_size, num_hidden_layers=model.config.num_hidden_layers,
-        router_bottleneck_dim=16, base_architecture=type(model).__name__,
-        base_fingerprint=tide_hf.model_fingerprint(model), **config))
 
 
 @torch.no_grad()
@@ -75,10 +52,6 @@ def batch(seed: int = 0, lengths=(7, 5, 3)) -> tuple[torch.Tensor, torch.Tensor,
         ids[row, width - n:] = torch.randint(3, 256, (n,), generator=gen)
         mask[row, width - n:] = 1
     return ids, mask, positions(mask)
-
-
-def positions(mask: torch.Tensor) -> torch.Tensor:
-    return (mask.cumsum(-1) - 1).clamp(min=0)
 
 
 @torch.no_grad()

@@ -13,11 +13,13 @@ from collections import Counter
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList, pipeline
+from transformers import LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList, pipeline
 from transformers.generation.streamers import BaseStreamer
 
 import tide_hf
-from tide_hf import TideCompatibilityError, TideRouter, TideRouterConfig
+from tide_hf import TideCompatibilityError, TideRouter
+
+from conftest import NUM_LAYERS, make_model, new_router, positions
 
 HOOK_DICTS = (
     "_forward_hooks",
@@ -26,7 +28,7 @@ HOOK_DICTS = (
     "_forward_pre_hooks_with_kwargs",
     "_forward_hooks_always_called",
 )
-NUM_LAYERS = 9  # checkpoints [4, 8]
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 NEW = 8  # new tokens per generate call
 
 DECODING = {
@@ -38,23 +40,7 @@ DECODING = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    """These models are tiny: one intra-op thread is as fast, and on a small shared CPU box an OpenMP
-    pool competing with other jobs makes each op stall (minutes instead of seconds for this file)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 # -- helpers ------------------------------------------------------------------------------------------
-def make_model(seed: int = 0, hidden: int = 64, layers: int = NUM_LAYERS) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    return LlamaForCausalLM(config).eval()
 
 
 def truncated(model: LlamaForCausalLM, layers: int) -> LlamaForCausalLM:
@@ -69,14 +55,6 @@ def truncated(model: LlamaForCausalLM, layers: int) -> LlamaForCausalLM:
     return small
 
 
-def new_router(model, seed: int = 0, **config) -> TideRouter:
-    torch.manual_seed(seed)
-    return TideRouter(TideRouterConfig(
-        hidden_size=model.config.hidden_size, num_hidden_layers=model.config.num_hidden_layers,
-        router_bottleneck_dim=16, base_architecture=type(model).__name__,
-        base_fingerprint=tide_hf.model_fingerprint(model), **config))
-
-
 @torch.no_grad()
 def constant_router(model, logit: float, **config) -> TideRouter:
     """Score sigmoid(logit) everywhere: +30 -> 1.0 (always exit at the first eligible checkpoint), -30 -> never."""
@@ -85,10 +63,6 @@ def constant_router(model, logit: float, **config) -> TideRouter:
         mlp.fc2.weight.zero_()
         mlp.fc2.bias.fill_(logit)
     return router
-
-
-def positions(mask: torch.Tensor) -> torch.Tensor:
-    return (mask.cumsum(-1) - 1).clamp(min=0)
 
 
 def batch(seed: int = 0, lengths=(7, 5, 3)) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LogitsProcessor, LogitsPro
 
 import tide_hf
 from tide_hf import TideRouter, TideRouterConfig
-from tide_hf.speculative import MAX_DRAFT_TOKENS, choose_draft_layer, draft_cost, expected_speedup
+from tide_hf.draft import MAX_DRAFT_TOKENS, choose_draft_layer, draft_cost, expected_speedup
 
 NUM_LAYERS = 9  # router checkpoints [4, 8]
 HIDDEN = 64

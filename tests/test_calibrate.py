@@ -122,7 +122,9 @@ def test_collect_labels_match_independent_forward(tiny_llama, ragged_samples) ->
     data = collect(tiny_llama, get_adapter(tiny_llama), ragged_samples, cfg, batch_size=3, pad_id=0, progress=False)
     total = sum(len(s) for s in ragged_samples)
     # every real token kept, in order; no padding token (batches of 3 ragged samples are right-padded)
-    assert data.is_val.shape == (total,) and bool(data.labelled.all())
+    assert data.is_val.shape == (total,) and bool(data.labelled["top1"].all())
+    # the KL is not the label: only held-out tokens get it (it is reported, not trained on)
+    assert torch.equal(data.labelled["kl"], data.is_val) and bool(data.kl[4][~data.is_val].isnan().all())
     # validation: the last ceil(0.1 * 8) = 1 sample
     assert data.is_val.tolist() == [False] * (total - len(ragged_samples[-1])) + [True] * len(ragged_samples[-1])
     ref = reference(tiny_llama, ragged_samples, [4, 8])
@@ -131,7 +133,8 @@ def test_collect_labels_match_independent_forward(tiny_llama, ragged_samples) ->
         assert data.features[k].shape == (total, 32)
         torch.testing.assert_close(data.features[k], r["features"], atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(data.cosine[k], r["cosine"], atol=2e-5, rtol=1e-4)
-        torch.testing.assert_close(data.kl[k], r["kl"], atol=2e-5, rtol=1e-3)  # fp32 cancellation on tiny KLs
+        val = data.is_val
+        torch.testing.assert_close(data.kl[k][val], r["kl"][val], atol=2e-5, rtol=1e-3)  # fp32 cancellation
         clear = r["margin"] > 1e-4  # argmax is ill-defined under near-ties
         assert clear.float().mean() > 0.9
         assert torch.equal(data.top1[k][clear], r["top1"][clear])
@@ -139,6 +142,18 @@ def test_collect_labels_match_independent_forward(tiny_llama, ragged_samples) ->
     # the label compares with the PRE-norm final state: the normed one (hidden_states[-1]) gives other values
     normed_final = reference_normed_final_cosine(tiny_llama, ragged_samples, 4)
     assert (normed_final - data.cosine[4]).abs().max() > 1e-3
+
+
+def test_collect_kl_label_computes_kl_for_every_token(tiny_llama, ragged_samples) -> None:
+    cfg = TideRouterConfig(hidden_size=32, num_hidden_layers=9, label="kl", max_train_tokens=10**6)
+    data = collect(tiny_llama, get_adapter(tiny_llama), ragged_samples, cfg, batch_size=3, pad_id=0, progress=False)
+    assert bool(data.labelled["kl"].all()) and bool(data.labelled["top1"].all())
+    ref = reference(tiny_llama, ragged_samples, [4])
+    torch.testing.assert_close(data.kl[4], ref[4]["kl"], atol=2e-5, rtol=1e-3)
+    cfg.kl_threshold = float(ref[4]["kl"].median())  # a random model's KLs are large: put the bound among them
+    clear = (ref[4]["kl"] - cfg.kl_threshold).abs() > 1e-4  # rows on the bound may round either way
+    assert torch.equal(data.labels(4, cfg)[clear], (ref[4]["kl"] < cfg.kl_threshold)[clear])
+    assert 0 < int(data.labels(4, cfg).sum()) < len(clear)  # both classes: the comparison is not vacuous
 
 
 def reference_normed_final_cosine(model, samples: list[torch.Tensor], layer: int) -> torch.Tensor:
@@ -184,7 +199,7 @@ def test_memory_bound_does_not_scale_with_samples(tiny_llama, byte_tokenizer, te
     assert sum(len(s) for s in samples) > 10 * budget
     assert data.features[4].shape[0] == data.features[8].shape[0] == data.is_val.numel() <= 1.4 * budget
     # cosine label: head-based labels computed only on held-out rows
-    assert torch.equal(data.labelled, data.is_val)
+    assert torch.equal(data.labelled["top1"], data.is_val) and torch.equal(data.labelled["kl"], data.is_val)
 
 
 # --- train_routers() on synthetic, known-answer features ------------------------------------------------
@@ -193,7 +208,8 @@ def test_memory_bound_does_not_scale_with_samples(tiny_llama, byte_tokenizer, te
 def synthetic(features: torch.Tensor, labels: torch.Tensor, is_val: torch.Tensor) -> Collected:
     n = len(labels)
     return Collected(features={4: features}, cosine={4: torch.zeros(n)}, top1={4: labels},
-                     kl={4: torch.zeros(n)}, is_val=is_val, labelled=torch.ones(n, dtype=torch.bool),
+                     kl={4: torch.zeros(n)}, is_val=is_val,
+                     labelled={kind: torch.ones(n, dtype=torch.bool) for kind in ("top1", "kl")},
                      seconds={})
 
 
@@ -263,6 +279,29 @@ def test_train_routers_keeps_best_epoch(monkeypatch) -> None:
     with torch.no_grad():
         again = F.binary_cross_entropy_with_logits(mlp(x[is_val]), y[is_val].float(), pos_weight=pos_weight)
     assert float(again) == pytest.approx(losses[best], abs=1e-6)
+
+
+def test_train_routers_stops_early_after_patience(monkeypatch) -> None:
+    """Same data as above (best epoch early, later epochs worse): with patience p the router trains exactly
+    best + p + 1 epochs and still returns the best epoch's weights; patience 0 trains every epoch."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1000, 8, generator=gen)
+    is_val = torch.arange(1000) >= 800
+    y = torch.where(is_val, x[:, 0] + x[:, 1] > 0, x[:, 0] > 0)
+    runs = {}
+    for patience in (0, 2):
+        recorder = RecordingF()
+        monkeypatch.setattr(calibrate_mod, "F", recorder)
+        router = router_for(num_epochs=12, learning_rate=1e-2, train_batch_size=64, early_stopping_patience=patience)
+        train_routers(router, synthetic(x, y, is_val), progress=False)
+        runs[patience] = (recorder.val_losses, router.config.metrics["4"])
+    full, _ = runs[0]
+    assert len(full) == 12
+    losses, m = runs[2]
+    best = min(range(len(losses)), key=losses.__getitem__)
+    assert len(losses) == best + 3 < 12  # stopped: two epochs without improvement after the best
+    assert losses == full[: len(losses)]  # same seed, same trajectory up to the stop
+    assert m["best_epoch"] == best and m["val_loss"] == losses[best]
 
 
 def test_train_routers_needs_held_out_tokens() -> None:

@@ -7,11 +7,11 @@ import copy
 import pytest
 import torch
 from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
-from transformers import (AutoModelForCausalLM, DynamicCache, GPT2Config, LlamaConfig, MistralConfig, Qwen3Config,
-                          StaticCache)
+from transformers import (AutoModelForCausalLM, DynamicCache, GemmaConfig, GPT2Config, LlamaConfig, MistralConfig,
+                          Qwen2Config, Qwen3Config, StaticCache)
 
 import tide_hf
-from tide_hf.kv import propagate_kv
+from tide_hf.kv import FusedPropagation, propagate_kv
 
 NUM_LAYERS = 9  # router checkpoints [4, 8]
 
@@ -140,6 +140,41 @@ def test_propagated_kv_equals_what_the_layer_itself_writes(config_cls, extra):
         propagate_kv(layer, hidden, {**kwargs, "past_key_values": ours})
     torch.testing.assert_close(ours.layers[6].keys, own.layers[6].keys)
     torch.testing.assert_close(ours.layers[6].values, own.layers[6].values)
+
+
+@pytest.mark.parametrize("config_cls,extra", [(LlamaConfig, {}), (Qwen2Config, {}), (GemmaConfig, {"head_dim": 16})])
+def test_fused_propagation_writes_what_propagate_writes_layer_by_layer(config_cls, extra):
+    """Folding the input norms into one stacked K/V projection (Qwen2: K/V biases; Gemma: (1 + w) norms)
+    changes only rounding: every skipped layer's cache gets the same K/V as `propagate_kv` writes."""
+    model = make(config_cls, **extra)
+    with torch.no_grad():  # norm weights differ per layer, so a wrong fold cannot pass
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.normal_(0.5, 0.3)
+    layers = list(model.model.layers)[4:]
+    fused = FusedPropagation.build(layers, 5)
+    assert fused is not None
+    hidden = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(5))
+    position_ids = torch.arange(3).expand(2, 3)
+    kwargs = {"position_embeddings": model.model.rotary_emb(hidden, position_ids), "use_cache": True}
+    ours, reference = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    fused.write(6, hidden, {**kwargs, "past_key_values": ours})  # exit after layer 6: layers 7..9
+    with torch.no_grad():
+        for layer in model.model.layers[6:]:
+            propagate_kv(layer, hidden, {**kwargs, "past_key_values": reference})
+    for idx in range(NUM_LAYERS):
+        assert ours.layers[idx].get_seq_length() == (3 if idx >= 6 else 0)
+        if idx >= 6:
+            torch.testing.assert_close(ours.layers[idx].keys, reference.layers[idx].keys, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(ours.layers[idx].values, reference.layers[idx].values, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_propagation_declines_layers_it_cannot_fold():
+    qwen3 = make(Qwen3Config, head_dim=16)  # per-head K norm after the projection
+    assert FusedPropagation.build(list(qwen3.model.layers)[4:], 5) is None
+    llama = make()
+    layers = list(llama.model.layers)[4:]
+    layers[2].input_layernorm.variance_epsilon = 1e-3  # a different eps than the others
+    assert FusedPropagation.build(layers, 5) is None
 
 
 def test_detach_restores_forward_and_keeps_accelerate_hooks():

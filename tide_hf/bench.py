@@ -149,7 +149,8 @@ def run(args: Any) -> dict:
     """The `tide-hf bench` command: writes JSON and Markdown tables to `args.output` and prints them.
 
     Default: overhead and quality of TIDE vs stock. `--modes`: skip mode vs stock and ideal.
-    `--kernels`: fused kernels vs the PyTorch path.
+    `--baselines`: TIDE vs fixed depth, static skipping and softmax confidence. `--kernels`: fused kernels
+    vs the PyTorch path.
     """
     from .cli import default_dataset, load_model
 
@@ -165,6 +166,14 @@ def run(args: Any) -> dict:
     result = {"model": args.model, "device": str(next(model.parameters()).device),
               "torch_threads": torch.get_num_threads(),
               "settings": {k: v for k, v in vars(args).items() if k != "func"}}
+    if args.baselines:
+        from .baselines import format_baselines, run_baselines
+        from .plots import pareto
+
+        result.update(run_baselines(model, tokenizer, routers[-1], default_dataset(args.dataset), prompts, chunks,
+                                    pad_id, args))
+        print("Pareto plot:", pareto(result, out / "pareto.png"))
+        return _write(out, "baselines", result, format_baselines)
     if args.modes:
         from .bench_modes import format_modes, run_modes
 

@@ -128,16 +128,51 @@ def mixed_exits(model: Any, router: TideRouter, batches: list[dict], chunks: lis
     return {"stock_perplexity": base_ppl, "rows": rows}
 
 
+def speculative(model: Any, router: TideRouter, batches: list[dict], batched: dict, new_tokens: int, reps: int) -> dict:
+    """Lossless mode vs stock, interleaved prompt by prompt: speed, identical output, acceptance, draft length.
+
+    Greedy output must equal stock's token for token on every prompt, alone and in `batched`.
+    """
+    seconds = {"stock": 0.0, "speculative": 0.0}
+    identical, counters = [], {"drafted": 0, "accepted": 0, "rounds": 0, "plain_steps": 0}
+    handle = attach(model, router, mode="speculative")
+    try:
+        generate(model, batches[0], 2, tide=True)  # warm-up
+        for _ in tqdm(range(reps), desc="speculative vs stock", leave=False):
+            for b in batches:
+                stock, s_stock = generate(model, b, new_tokens, tide=False)
+                ours, s_ours = generate(model, b, new_tokens, tide=True)
+                seconds["stock"] += s_stock
+                seconds["speculative"] += s_ours
+                identical.append(torch.equal(stock, ours))
+                for key in counters:
+                    counters[key] += handle.last_stats.speculative[key]
+        batch_identical = torch.equal(generate(model, batched, new_tokens, tide=False)[0],
+                                      generate(model, batched, new_tokens, tide=True)[0])
+        draft_layer = handle.last_stats.speculative["draft_layer"]
+    finally:
+        handle.detach()
+    return {"draft_layer": draft_layer, "prompts": len(batches), "reps": reps,
+            "identical_all_prompts": all(identical), "identical_batched": batch_identical,
+            "batched_rows": int(batched["input_ids"].shape[0]),
+            "speed_ratio": seconds["stock"] / seconds["speculative"],
+            "acceptance_rate": counters["accepted"] / counters["drafted"] if counters["drafted"] else 0.0,
+            "mean_draft_length": counters["drafted"] / counters["rounds"] if counters["rounds"] else 0.0,
+            **counters}
+
+
 def run_modes(model: Any, router: TideRouter, prompts: list[torch.Tensor], chunks: list[torch.Tensor], pad_id: int,
               args: Any) -> dict:
-    """Forced and mixed exits in skip mode (the `modes` section of the bench JSON)."""
+    """Forced and mixed exits in skip mode, and the lossless speculative mode (the `modes` bench JSON)."""
     kv_policies = ["propagate", "recompute"]
     one = _left_pad(prompts[:1], pad_id)
     forced = forced_exits(model, router, one, args.depths, kv_policies, args.new_tokens, args.reps)
     batches = [_left_pad(prompts[i : i + 1], pad_id) for i in range(len(prompts))]
     mixed = mixed_exits(model, router, batches, chunks, forced["ideal_fit"], args.thresholds, kv_policies,
                         args.new_tokens, args.quality_batch_size)
-    return {"forced": forced, "mixed": mixed}
+    spec = speculative(model, router, batches, _left_pad(prompts[: args.quality_batch_size], pad_id),
+                       args.new_tokens, args.reps)
+    return {"forced": forced, "mixed": mixed, "speculative": spec}
 
 
 def format_modes(result: dict) -> str:
@@ -153,4 +188,11 @@ def format_modes(result: dict) -> str:
         lines.append(f"| {r['kv']} | {r['threshold']} | {r['mean_executed_layers']:.2f} | {r['speedup_vs_stock']:.2f} | "
                      f"{r['realized_over_ideal']:.2f} | {r['greedy_exact_match']:.1%} | {r['greedy_prefix_match']:.1%} | "
                      f"{r['perplexity_change']:+.2%} |")
+    spec = result.get("speculative")
+    if spec:
+        lines += ["", "| speculative | draft layer | speed vs stock | acceptance | mean draft length | identical (bs1) | "
+                  "identical (batched) |", "|---|---|---|---|---|---|---|",
+                  f"| {spec['prompts']} prompts x {spec['reps']} reps | {spec['draft_layer']} | {spec['speed_ratio']:.3f} | "
+                  f"{spec['acceptance_rate']:.1%} | {spec['mean_draft_length']:.2f} | {spec['identical_all_prompts']} | "
+                  f"{spec['identical_batched']} ({spec['batched_rows']} rows) |"]
     return "\n".join(lines)

@@ -27,7 +27,8 @@ class TideRouterConfig(PretrainedConfig):
     Architecture: `hidden_size`, `router_bottleneck_dim`, `checkpoint_layers` (a checkpoint `k` scores
     the output of the `k`-th decoder layer, 1-based). Provenance (what the router belongs to and how it
     was made): the `base_*` fields, the label, the data and the training hyper-parameters. Defaults for
-    serving: `exit_threshold`, `min_layers`. Results: `metrics`, one dict per checkpoint, and
+    serving: `exit_threshold`, `min_layers`. Training runs at most `num_epochs` per router and stops after
+    `early_stopping_patience` epochs without a better held-out loss (0: never stops early). Results: `metrics`, one dict per checkpoint, and
     `calibration_seconds` (model body, labelling, training).
     """
 
@@ -55,6 +56,7 @@ class TideRouterConfig(PretrainedConfig):
         seq_len: int | None = None,
         learning_rate: float = 1e-3,
         num_epochs: int = 100,
+        early_stopping_patience: int = 10,
         train_batch_size: int = 1024,
         max_train_tokens: int = 65536,
         validation_fraction: float = 0.1,
@@ -87,6 +89,7 @@ class TideRouterConfig(PretrainedConfig):
         self.seq_len = seq_len
         self.learning_rate = learning_rate
         self.num_epochs = num_epochs
+        self.early_stopping_patience = early_stopping_patience
         self.train_batch_size = train_batch_size
         self.max_train_tokens = max_train_tokens
         self.validation_fraction = validation_fraction
@@ -115,6 +118,8 @@ class TideRouterConfig(PretrainedConfig):
             )
         if sorted(set(self.checkpoint_layers)) != list(self.checkpoint_layers):
             raise ValueError(f"checkpoint_layers must be strictly increasing, got {self.checkpoint_layers}")
+        if self.early_stopping_patience < 0:
+            raise ValueError(f"early_stopping_patience must be >= 0 (0 trains every epoch), got {self.early_stopping_patience}")
         if not 0.0 < self.validation_fraction < 1.0:
             raise ValueError(f"validation_fraction must be in (0, 1), got {self.validation_fraction}")
         _check_threshold(self.exit_threshold)

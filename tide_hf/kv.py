@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -48,6 +49,80 @@ def propagate_kv(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any])
     cos, sin = kwargs["position_embeddings"]
     _, key = sys.modules[type(attn).__module__].apply_rotary_pos_emb(key, key, cos, sin)
     cache.update(key, value, attn.layer_idx)
+
+
+class FusedPropagation:
+    """`kv="propagate"` for every layer after an exit at once.
+
+    Each skipped layer's input norm weight (and LayerNorm bias) is folded into its K/V projections, and
+    those are stacked: a skipped step then runs one normalisation, one matmul and one rotary pass for all
+    skipped layers instead of a norm, two projections and a rotary pass each, which is most of
+    propagate's per-layer cost at decode. Used where every layer has the same norm formula and eps, no
+    K norm, and its weights on one device; elsewhere `propagate_kv` runs layer by layer.
+    """
+
+    @classmethod
+    def build(cls, layers: list[nn.Module], first_number: int) -> FusedPropagation | None:
+        """The fused form of `layers` (numbered from `first_number`), or None when they do not qualify."""
+        from .kernels import norm_spec
+
+        if not layers or any(propagate_support(layer) is not None for layer in layers):
+            return None
+        attns = [layer.self_attn for layer in layers]
+        specs = [norm_spec(layer.input_layernorm) for layer in layers]
+        params = [p for a in attns for p in (a.k_proj.weight, a.v_proj.weight)]
+        if (any(s is None or s.kind == "none" for s in specs) or len({(s.kind, s.eps) for s in specs}) != 1
+                or any(getattr(a, "k_norm", None) is not None for a in attns)
+                or len({p.device for p in params}) != 1 or params[0].is_meta
+                or len({(a.k_proj.out_features, a.v_proj.out_features, a.head_dim) for a in attns}) != 1):
+            return None
+        return cls(layers, attns, specs, first_number)
+
+    @torch.no_grad()
+    def __init__(self, layers: list[nn.Module], attns: list[nn.Module], specs: list[Any], first_number: int) -> None:
+        self.layers, self.first_number, self.spec = layers, first_number, specs[0]
+        self.head_dim, self.k_out = attns[0].head_dim, attns[0].k_proj.out_features
+        self.width = self.k_out + attns[0].v_proj.out_features
+        weights, biases = [], []
+        for attn, spec in zip(attns, specs):
+            scale = 1.0 + spec.weight.float() if spec.kind == "rms_gemma" else spec.weight.float()
+            for proj in (attn.k_proj, attn.v_proj):
+                w = proj.weight.float()
+                bias = proj.bias.float() if proj.bias is not None else torch.zeros(w.shape[0], device=w.device)
+                if spec.bias is not None:
+                    bias = bias + w @ spec.bias.float()
+                weights.append(w * scale)
+                biases.append(bias)
+        dtype = attns[0].k_proj.weight.dtype
+        self.weight, self.bias = torch.cat(weights).to(dtype), torch.cat(biases).to(dtype)
+
+    def _normalize(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The input norm without its weight (folded into the projections)."""
+        if self.spec.kind == "layernorm":
+            return F.layer_norm(hidden, hidden.shape[-1:], None, None, self.spec.eps)
+        x = hidden.float()
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.spec.eps)).to(hidden.dtype)
+
+    @torch.no_grad()
+    def write(self, after: int, hidden: torch.Tensor, kwargs: dict[str, Any]) -> None:
+        """Append the K/V of every layer numbered > `after` for input `hidden` (B, T, H) to the cache."""
+        cache = kwargs.get("past_key_values")
+        if cache is None or not kwargs.get("use_cache", True):
+            return
+        start = after + 1 - self.first_number
+        layers = self.layers[start:]
+        rows = slice(start * self.width, None)
+        out = F.linear(self._normalize(hidden), self.weight[rows], self.bias[rows])
+        out = out.view(*hidden.shape[:2], len(layers), self.width)
+        batch, length, d = hidden.shape[0], hidden.shape[1], self.head_dim
+        keys = out[..., : self.k_out].reshape(batch, length, -1, d).transpose(1, 2)  # heads of all layers
+        values = out[..., self.k_out :].reshape(batch, length, -1, d).transpose(1, 2)
+        cos, sin = kwargs["position_embeddings"]
+        _, keys = sys.modules[type(layers[0].self_attn).__module__].apply_rotary_pos_emb(keys, keys, cos, sin)
+        heads = keys.shape[1] // len(layers)
+        for i, layer in enumerate(layers):
+            part = slice(i * heads, (i + 1) * heads)
+            cache.update(keys[:, part], values[:, part], layer.self_attn.layer_idx)
 
 
 @dataclass

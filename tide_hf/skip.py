@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from torch import nn
 
-from .kv import propagate_kv, propagate_support, recompute_support
+from .kv import FusedPropagation, propagate_kv, propagate_support, recompute_support
 
 if TYPE_CHECKING:
     from .attach import TideHandle
@@ -38,6 +38,8 @@ class LayerSkipper:
         self._saved: list[tuple[nn.Module, str, Any]] = []
         self._returns_tuple: dict[int, bool] = {}
         layers = handle.adapter.layers
+        skippable = list(layers)[first_checkpoint:]
+        self._fused = FusedPropagation.build(skippable, first_checkpoint + 1) if handle.options.kv == "propagate" else None
         for number in range(first_checkpoint + 1, len(layers) + 1):
             layer = layers[number - 1]
             attr = "_old_forward" if hasattr(layer, "_old_forward") else "forward"
@@ -59,6 +61,9 @@ class LayerSkipper:
             if recompute is not None:
                 if number == step.skip_after + 1:
                     recompute.park(hidden, step.skip_after, kwargs)
+            elif self._fused is not None:
+                if number == step.skip_after + 1:  # one pass writes every skipped layer's K/V
+                    self._fused.write(step.skip_after, hidden, kwargs)
             else:
                 propagate_kv(layer, hidden, kwargs)
             step.skipped += 1

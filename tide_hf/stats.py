@@ -83,10 +83,9 @@ class ExitStats:
 
     def plot(self, path: str | Path) -> Path:
         """Draw the per-layer exit histogram (prefill and decode side by side) to a PNG file."""
-        import matplotlib
+        from .plots import pyplot, save_png
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
 
         layers = [*self.checkpoints, self.num_layers]
         labels = [str(k) for k in self.checkpoints] + [f"{self.num_layers}\n(no exit)"]
@@ -97,8 +96,4 @@ class ExitStats:
             ax.set_title(f"{name}: {phase.tokens} tokens, mean {phase.mean_layers:.1f} layers")
             ax.set_xlabel("exit after layer")
         axes[0].set_ylabel("% of tokens")
-        fig.tight_layout()
-        path = Path(path)
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        return path
+        return save_png(fig, path)

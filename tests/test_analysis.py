@@ -1,0 +1,182 @@
+"""`tide-hf analyze` and the bench baselines, each checked against a computation done another way."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tide_hf
+from tide_hf.adapters import layer_output
+from tide_hf.analyze import convergence, oracle, router_efficiency
+from tide_hf.baselines import ConfidenceHandle, dropped, greedy_drop_order, verdict
+from tide_hf.bench_modes import truncated
+from tide_hf.calibrate import make_samples
+
+from conftest import ByteTokenizer, make_documents, make_tiny_llama, new_router
+
+
+def brute_force_oracle(match: torch.Tensor, checkpoints: list[int], n: int, agreement: float) -> float:
+    """Fewest mean layers over every assignment of tokens to exits with at least `agreement` correct."""
+    exits = [*checkpoints, n]
+    correct = torch.cat([match, torch.ones(len(match), 1, dtype=torch.bool)], 1)
+    best = float("inf")
+    for choice in itertools.product(range(len(exits)), repeat=len(match)):
+        ok = sum(bool(correct[i, c]) for i, c in enumerate(choice)) / len(match)
+        if ok >= agreement - 1e-9:
+            best = min(best, sum(exits[c] for c in choice) / len(match))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_oracle_is_the_best_policy_at_each_agreement(seed) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    match = torch.rand(7, 3, generator=gen) < 0.4
+    checkpoints, n = [4, 8, 12], 16
+    rows = oracle(match, checkpoints, n, [1.0, 0.85, 0.7, 0.5])
+    for r, a in zip(rows, [1.0, 0.85, 0.7, 0.5]):
+        assert r["agreement"] >= a - 1e-9
+        assert r["mean_layers"] == pytest.approx(brute_force_oracle(match, checkpoints, n, a))
+        assert r["layers_saved"] == pytest.approx(n - r["mean_layers"])
+
+
+def test_convergence_matches_truncated_models_and_hidden_states() -> None:
+    model = make_tiny_llama()
+    tok = ByteTokenizer()
+    texts = make_documents(6, 40, seed=1)
+    res = convergence(model, tok, texts, num_samples=4, seq_len=24, batch_size=3, checkpoint_interval=4,
+                      convergence_threshold=0.5, agreements=[1.0, 0.9], bins=10, seed=0, progress=False)
+    samples = make_samples(tok, texts, 4, 24, 0)
+    final_pre_norm = []
+    hook = model.model.layers[-1].register_forward_hook(lambda _m, _a, out: final_pre_norm.append(layer_output(out)[0]))
+    with torch.no_grad():
+        outs = [model(input_ids=s[None], output_hidden_states=True) for s in samples]
+    hook.remove()
+    assert res["tokens"] == sum(len(s) for s in samples)
+    for k in (2, 4, 7):
+        with truncated(model, k), torch.no_grad():
+            agree = torch.cat([model(input_ids=s[None]).logits[0].argmax(-1) == o.logits[0].argmax(-1)
+                               for s, o in zip(samples, outs)])
+        cos = torch.cat([F.cosine_similarity(o.hidden_states[k][0], f, dim=-1) for o, f in zip(outs, final_pre_norm)])
+        row = res["layers"][k - 1]
+        assert row["top1_agreement"] == pytest.approx(float(agree.float().mean()))
+        assert row["mean_cosine"] == pytest.approx(float(cos.mean()), abs=1e-5)
+        assert row["cosine_label_rate"] == pytest.approx(float((cos > 0.5).float().mean()))
+    assert res["layers"][-1]["top1_agreement"] == 1.0 and res["layers"][-1]["mean_kl"] == pytest.approx(0, abs=1e-5)
+    share = torch.tensor(res["cosine_histogram"]["share"])
+    assert torch.allclose(share.sum(0), torch.ones(9))  # each layer's column covers every token
+    assert 0 < res["layers"][3]["top1_agreement"] < 1  # not vacuous
+
+
+def test_router_efficiency_agrees_with_tide_attached() -> None:
+    """Agreement and depth at each threshold equal what the real exit machinery does on the same text."""
+    model = make_tiny_llama()
+    router = new_router(model, seed=3)
+    with torch.no_grad():  # scores spread around 0.5, so thresholds split the tokens
+        for mlp in router.routers.values():
+            mlp.fc2.weight.mul_(20.0)
+    prompts = [torch.tensor([t]) for t in (5, 77, 140)]  # one-token prompts: every later position is generated
+    thresholds = [0.9, 0.5, 0.1]
+    res = router_efficiency(model, router, prompts, new_tokens=10, thresholds=thresholds, pad_id=0, progress=False)
+    seqs = [model.generate(input_ids=p[None], max_new_tokens=10, do_sample=False)[0] for p in prompts]
+    for t, row in zip(thresholds, res["router"]):
+        agree, layers, count = 0.0, 0.0, 0
+        handle = tide_hf.attach(model, router, exit_threshold=t)
+        try:
+            for s in seqs:
+                with torch.no_grad():
+                    ours = model(input_ids=s[None, :-1]).logits[0].argmax(-1)
+                    stats = handle.last_stats.prefill
+                    with handle.disabled():
+                        stock = model(input_ids=s[None, :-1]).logits[0].argmax(-1)
+                agree += float((ours == stock).sum())
+                layers += stats.mean_layers * stats.tokens
+                count += stats.tokens
+        finally:
+            handle.detach()
+        assert row["agreement"] == pytest.approx(agree / count)
+        assert row["layers_saved"] == pytest.approx(9 - layers / count)
+        assert row["oracle_layers_saved"] >= row["layers_saved"] - 1e-9
+    assert len({r["layers_saved"] for r in res["router"]}) == 3  # the thresholds really differ
+
+
+def model_without(model: nn.Module, drop: list[int]) -> nn.Module:
+    """A copy whose layer list lacks the dropped layers (their cache slots simply stay unused)."""
+    other = copy.deepcopy(model)
+    other.model.layers = nn.ModuleList([l for i, l in enumerate(other.model.layers, 1) if i not in drop])
+    return other
+
+
+def test_dropped_layers_equal_a_model_without_them_and_restore_exactly() -> None:
+    model = make_tiny_llama()
+    before = {name: dict(m.__dict__) for name, m in model.named_modules()}
+    ids = torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(0))
+    reference = model_without(model, [3, 6])
+    with dropped(model, [3, 6]), torch.no_grad():
+        ours = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
+        logits = model(input_ids=ids).logits
+    with torch.no_grad():
+        torch.testing.assert_close(logits, reference(input_ids=ids).logits)
+    assert torch.equal(ours, reference.generate(input_ids=ids, max_new_tokens=6, do_sample=False))
+    assert {name: dict(m.__dict__) for name, m in model.named_modules()} == before
+    with pytest.raises(ValueError, match="layer 1"):
+        with dropped(model, [1]):
+            pass
+
+
+def test_greedy_drop_order_first_choice_is_the_best_single_drop() -> None:
+    model = make_tiny_llama()
+    samples = [torch.randint(3, 256, (16,), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    order = greedy_drop_order(model, samples, 2, pad_id=0, progress=False)
+    ids = torch.stack(samples)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits.argmax(-1)
+        single = {c: float((model_without(model, [c])(input_ids=ids).logits.argmax(-1) == ref).float().mean())
+                  for c in range(2, 10)}
+    assert order[0]["layer"] == max(single, key=single.__getitem__)
+    assert order[0]["agreement"] == pytest.approx(single[order[0]["layer"]])
+    assert order[1]["layer"] != order[0]["layer"] and 1 not in (o["layer"] for o in order)
+
+
+def test_confidence_exit_uses_the_top_probability_of_the_exit_logits() -> None:
+    """Each position's logits are those of the model truncated at the first checkpoint whose exit
+    distribution reaches the threshold, or the full model's."""
+    model = make_tiny_llama()
+    router = new_router(model)
+    ids = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(input_ids=ids).logits[0]
+        exits = {}
+        for k in (4, 8):
+            with truncated(model, k):
+                exits[k] = model(input_ids=ids).logits[0]
+    t = float(torch.softmax(exits[4], -1).amax(-1).median())  # half the positions exit at 4
+    handle = tide_hf.attach(model, router, exit_threshold=t, handle_class=ConfidenceHandle)
+    try:
+        with torch.no_grad():
+            ours = model(input_ids=ids).logits[0]
+    finally:
+        handle.detach()
+    expected = full.clone()
+    at8 = torch.softmax(exits[8], -1).amax(-1) >= t
+    expected[at8] = exits[8][at8]
+    at4 = torch.softmax(exits[4], -1).amax(-1) >= t
+    expected[at4] = exits[4][at4]
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+    assert 0 < int(at4.sum()) < 12
+
+
+def test_verdict_picks_the_cheapest_baseline_at_equal_or_better_match() -> None:
+    rows = [{"method": "tide", "param": 0.9, "decode_mean_layers": 20.0, "greedy_prefix_match": 0.8},
+            {"method": "static_skip", "param": 2, "decode_mean_layers": 28.0, "greedy_prefix_match": 0.9},
+            {"method": "fixed_depth", "param": 24, "decode_mean_layers": 24.0, "greedy_prefix_match": 0.85},
+            {"method": "confidence", "param": 0.4, "decode_mean_layers": 16.0, "greedy_prefix_match": 0.5}]
+    (v,) = verdict(rows)
+    assert v["best_baseline"] == "fixed_depth=24" and v["baseline_layers"] == 24.0 and v["tide_saves_more"]
+    rows[3]["greedy_prefix_match"] = 0.8  # now confidence matches TIDE's quality with fewer layers
+    (v,) = verdict(rows)
+    assert v["best_baseline"] == "confidence=0.4" and not v["tide_saves_more"]

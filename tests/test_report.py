@@ -1,0 +1,42 @@
+"""The README's results section is exactly what the committed JSON generates."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tide_hf.report import BEGIN, END, render, update
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_readme_results_equal_the_committed_json() -> None:
+    text = (ROOT / "README.md").read_text()
+    section = text.split(BEGIN, 1)[1].split(END, 1)[0]
+    assert section == "\n" + render(ROOT / "results" / "smollm2-cpu", ROOT / "README.md"), \
+        "README results are stale: run `python -m tide_hf.report results/smollm2-cpu README.md`"
+
+
+def test_update_rewrites_only_the_marked_section(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "calibrate-top1.json").write_text(json.dumps({
+        "command": "tide-hf calibrate --label top1", "label": "top1", "num_samples": 7, "seq_len": 9,
+        "checkpoint_layers": [4], "wall_s": 12.0, "peak_rss_gb": 1.5, "bare_forward_s": 10.0,
+        "seconds": {"forward": 8.0, "label": 2.0, "train": 1.0}, "overhead_vs_bare": 0.3,
+        "metrics": {"4": {"positive_rate": 0.25, "precision": 0.5, "recall": None, "auc": 0.875, "best_epoch": 3}}}))
+    (results / "pareto.png").write_bytes(b"png")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{BEGIN}\nold numbers\n{END}\noutro\n")
+    assert update(results, readme)
+    text = readme.read_text()
+    assert text.startswith(f"intro\n{BEGIN}\n") and text.endswith(f"{END}\noutro\n") and "old numbers" not in text
+    assert "| 12 s | 1.50 GB | 10 s | 8 s | 2 s | 1 s | 30.0% |" in text
+    assert "| 4 | 0.250 | 0.500 | n/a | 0.875 | 3 |" in text
+    assert "`tide-hf calibrate --label top1`" in text
+    assert not update(results, readme)  # idempotent
+    readme.write_text("no markers")
+    with pytest.raises(ValueError, match="markers"):
+        update(results, readme)

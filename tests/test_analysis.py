@@ -170,13 +170,19 @@ def test_confidence_exit_uses_the_top_probability_of_the_exit_logits() -> None:
     assert 0 < int(at4.sum()) < 12
 
 
-def test_verdict_picks_the_cheapest_baseline_at_equal_or_better_match() -> None:
-    rows = [{"method": "tide", "param": 0.9, "decode_mean_layers": 20.0, "greedy_prefix_match": 0.8},
-            {"method": "static_skip", "param": 2, "decode_mean_layers": 28.0, "greedy_prefix_match": 0.9},
-            {"method": "fixed_depth", "param": 24, "decode_mean_layers": 24.0, "greedy_prefix_match": 0.85},
-            {"method": "confidence", "param": 0.4, "decode_mean_layers": 16.0, "greedy_prefix_match": 0.5}]
-    (v,) = verdict(rows)
-    assert v["best_baseline"] == "fixed_depth=24" and v["baseline_layers"] == 24.0 and v["tide_saves_more"]
-    rows[3]["greedy_prefix_match"] = 0.8  # now confidence matches TIDE's quality with fewer layers
-    (v,) = verdict(rows)
-    assert v["best_baseline"] == "confidence=0.4" and not v["tide_saves_more"]
+def test_verdict_picks_the_cheapest_baseline_at_equal_or_better_quality() -> None:
+    def row(method, param, layers, match, ppl):
+        return {"method": method, "param": param, "decode_mean_layers": layers, "text_mean_layers": layers + 0.5,
+                "greedy_prefix_match": match, "perplexity_change": ppl}
+    rows = [row("tide", 0.9, 20.0, 0.8, 0.5), row("static_skip", 2, 28.0, 0.9, 0.1),
+            row("fixed_depth", 24, 24.0, 0.85, 2.0), row("confidence", 0.4, 16.0, 0.5, 9.0)]
+    match, ppl = verdict(rows)
+    assert (match["quality"], match["best_baseline"], match["baseline_layers"]) == ("greedy_prefix_match", "fixed_depth=24", 24.0)
+    assert match["tide_saves_more"]
+    # perplexity: lower is better; only static skipping is as good, with more layers
+    assert (ppl["quality"], ppl["best_baseline"], ppl["baseline_layers"]) == ("perplexity_change", "static_skip=2", 28.5)
+    assert ppl["tide_layers"] == 20.5 and ppl["tide_saves_more"]
+    rows[3].update(greedy_prefix_match=0.8, perplexity_change=0.4)  # confidence now as good with fewer layers
+    match, ppl = verdict(rows)
+    assert match["best_baseline"] == ppl["best_baseline"] == "confidence=0.4"
+    assert not match["tide_saves_more"] and not ppl["tide_saves_more"]

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -100,7 +101,8 @@ def convergence(model: Any, tokenizer: Any, texts: list[str], *, num_samples: in
     hist = torch.stack([torch.histogram(clamped[:, j], bins=edges).hist for j in range(n)], 1) / len(cos)
     checkpoints = default_checkpoints(n, checkpoint_interval)
     return {
-        "title": f"{getattr(model.config, 'name_or_path', '') or model.config.model_type}: {len(cos)} tokens",
+        "title": f"{Path(getattr(model.config, 'name_or_path', '') or model.config.model_type).name}: "
+                 f"{len(cos)} tokens",
         "tokens": len(cos), "num_layers": n, "checkpoints": checkpoints, "convergence_threshold": convergence_threshold,
         "layers": [{"layer": k, "mean_cosine": float(cos[:, k - 1].mean()),
                     "cosine_label_rate": float((cos[:, k - 1] > convergence_threshold).float().mean()),
@@ -184,7 +186,6 @@ def format_analysis(result: dict) -> str:
 def run(args: Any) -> dict:
     """The `tide-hf analyze` command: analyze.json, analyze.md and PNG plots in `args.output`."""
     import json
-    from pathlib import Path
 
     from . import plots
     from .calibrate import held_out_texts

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
 import torch
@@ -22,7 +22,8 @@ from torch import nn
 
 from .adapters import ModelAdapter, get_adapter, layer_output
 from .config import TideOptions
-from .kernels import gather_rows, norm_router_scores, norm_spec, scatter_rows_
+from .devices import execution_device, onloaded
+from .kernels import NormSpec, gather_rows, norm_router_scores, norm_spec, scatter_rows_
 from .kv import KVRecompute
 from .router import TideRouter
 from .skip import LayerSkipper
@@ -68,10 +69,16 @@ class TideHandle:
         self.enabled = True
         self._local = threading.local()
         self._pending: weakref.WeakKeyDictionary[Any, KVRecompute] = weakref.WeakKeyDictionary()
-        self._norm_spec = norm_spec(adapter.final_norm)
-        for k in router.checkpoint_layers:  # routers sit on the device of their layer
-            device = next(adapter.layers[k - 1].parameters()).device
-            router.routers[str(k)].to(device)
+        # Routers, and the final norm they read, sit on the execution device of their layer (accelerate's for a
+        # dispatched model); an offloaded final norm is loaded once here for the fused kernel.
+        self._norm_specs: dict[int, NormSpec | None] = {}
+        with onloaded(adapter.final_norm):
+            spec = norm_spec(adapter.final_norm)
+            for k in router.checkpoint_layers:
+                device = execution_device(adapter.layers[k - 1])
+                router.routers[str(k)].to(device)
+                self._norm_specs[k] = None if spec is None else replace(
+                    spec, weight=_to(spec.weight, device), bias=_to(spec.bias, device))
         self._hooks = [model.register_forward_pre_hook(self._begin, with_kwargs=True),
                        model.register_forward_hook(self._end)]
         self._hooks += [adapter.layers[k - 1].register_forward_hook(self._checkpoint_hook(k)) for k in self.checkpoints]
@@ -175,10 +182,11 @@ class TideHandle:
         The fused norm + router kernel when the model's final norm is a known kind, else the model's own
         norm module followed by the router MLP (the two agree; `tests/test_kernels.py` checks it).
         """
-        if self._norm_spec is None:
+        spec = self._norm_specs[layer]
+        if spec is None:
             return torch.sigmoid(self.router.logit(layer, self.adapter.normed(hidden).float()))
         mlp = self.router.routers[str(layer)]
-        return norm_router_scores(hidden, self._norm_spec, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias)
+        return norm_router_scores(hidden, spec, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias)
 
     def _checkpoint_hook(self, layer: int):
         def hook(_module: nn.Module, _args: tuple, output: Any) -> None:
@@ -194,8 +202,9 @@ class TideHandle:
             if step.exit_state is None:
                 step.exit_state = torch.empty_like(hidden)
             rows = exits.reshape(-1).nonzero().squeeze(1).to(hidden.device)
-            flat = hidden.reshape(-1, hidden.shape[-1])
-            scatter_rows_(step.exit_state.view(-1, hidden.shape[-1]), rows, gather_rows(flat, rows))
+            flat, states = hidden.reshape(-1, hidden.shape[-1]), step.exit_state.view(-1, hidden.shape[-1])
+            # checkpoints of a model split over devices write into the exit states of the first one that exited
+            scatter_rows_(states, rows.to(states.device), gather_rows(flat, rows).to(states.device))
             if self._skipper is not None and bool(((step.exit_layer < self.num_layers) | ~step.valid).all()):
                 step.skip_after = layer
         return hook
@@ -244,6 +253,10 @@ class TideHandle:
             del _HANDLES[self.model]
 
 
+def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(device)
+
+
 def attach(
     model: nn.Module,
     router: TideRouter,
@@ -254,12 +267,14 @@ def attach(
     kv: str = "propagate",
     draft_layer: int | None = None,
     ignore_fingerprint: bool = False,
+    handle_class: type[TideHandle] = TideHandle,
 ) -> TideHandle:
     """Attach `router` to `model`; stock `generate()`, `pipeline()` and plain forwards then use TIDE.
 
     `exit_threshold` and `min_layers` default to the router's calibrated values; `mode`, `kv` and
-    `draft_layer` are described in `TideOptions`. Everything is checked before the model is touched:
-    options in range, and the router made for this model.
+    `draft_layer` are described in `TideOptions`. `handle_class` is a `TideHandle` subclass that scores
+    checkpoints differently (the bench's softmax-confidence baseline). Everything is checked before the
+    model is touched: options in range, and the router made for this model.
     """
     if get_handle(model) is not None:
         raise ValueError("this model already has a TIDE router attached; call handle.detach() first")
@@ -276,7 +291,7 @@ def attach(
     eligible = [k for k in router.checkpoint_layers if k >= options.min_layers]
     if options.mode == "skip" and eligible:
         LayerSkipper.check(adapter.layers, eligible[0], options.kv)
-    handle = TideHandle(model, router, options, adapter)
+    handle = handle_class(model, router, options, adapter)
     _HANDLES[model] = weakref.ref(handle)
     return handle
 

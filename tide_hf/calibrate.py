@@ -23,7 +23,9 @@ from tqdm.auto import tqdm
 
 from .adapters import ModelAdapter, get_adapter, layer_output
 from .config import LABEL_KINDS, TideRouterConfig
+from . import distributed
 from .data import DEFAULT_DATASET, load_texts
+from .devices import execution_device
 from .router import TideRouter, model_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ class Collected:
     top1: dict[int, torch.Tensor]  # layer -> (n,) bool, exit argmax == final argmax
     kl: dict[int, torch.Tensor]  # layer -> (n,) KL(final || exit) in nats
     is_val: torch.Tensor  # (n,) bool, token comes from a held-out sample
-    labelled: torch.Tensor  # (n,) bool, top1 / kl were computed for this token
+    labelled: dict[str, torch.Tensor]  # "top1" / "kl" -> (n,) bool, computed for this token
     seconds: dict[str, float]  # wall time of the model body ("forward") and of labelling ("label")
 
     def labels(self, layer: int, cfg: TideRouterConfig) -> torch.Tensor:
@@ -49,7 +51,7 @@ class Collected:
 
     def label_rate(self, kind: str, layer: int, cfg: TideRouterConfig) -> float:
         """Positive rate of label `kind`, over the tokens where it was computed."""
-        rows = self.labelled if kind != "cosine" else slice(None)
+        rows = self.labelled.get(kind, slice(None))
         return float(self.labels_of(kind, layer, cfg)[rows].float().mean())
 
     def labels_of(self, kind: str, layer: int, cfg: TideRouterConfig) -> torch.Tensor:
@@ -65,19 +67,16 @@ def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
 
 
-class _HeadTargets:
-    """The final layer's next-token distribution, to compare exit logits with (top-1 match, KL)."""
+class _FinalDistribution:
+    """The final layer's next-token distribution, to measure KL(final || exit) against."""
 
     def __init__(self, final_logits: torch.Tensor) -> None:
-        self.logp = F.log_softmax(final_logits.float(), dim=-1)
-        self.prob = self.logp.exp()
-        self.argmax = final_logits.argmax(-1)
-        self.neg_entropy = _rowdot(self.prob, self.logp)
+        self.prob = F.softmax(final_logits.float(), dim=-1)
+        self.neg_entropy = _rowdot(self.prob, F.log_softmax(final_logits.float(), dim=-1))
 
-    def compare(self, exit_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(exit argmax == final argmax, KL(final || exit)) per row; KL as a batched dot, no temporaries."""
-        logq = F.log_softmax(exit_logits.float(), dim=-1)
-        return exit_logits.argmax(-1) == self.argmax, self.neg_entropy - _rowdot(self.prob, logq)
+    def kl(self, exit_logits: torch.Tensor) -> torch.Tensor:
+        """KL(final || exit) per row, as a batched dot (no vocab-sized temporaries beyond log q)."""
+        return self.neg_entropy - _rowdot(self.prob, F.log_softmax(exit_logits.float(), dim=-1))
 
 
 def _document_chunks(tokenizer: Any, texts: list[str], seq_len: int, seed: int) -> Iterator[tuple[int, list[torch.Tensor]]]:
@@ -132,13 +131,18 @@ def collect(
     progress: bool = True,
 ) -> Collected:
     """Run the model body over `samples` with hooks at the checkpoints and the last layer; keep a
-    seeded random subset of real (non-padding) tokens and compute their features and label inputs."""
+    seeded random subset of real (non-padding) tokens and compute their features and label inputs.
+
+    Under `accelerate launch` each process runs its own block of batches and every process returns the
+    gathered tokens of all of them, equal to a single process's (see `tide_hf.distributed`)."""
     gen = torch.Generator().manual_seed(cfg.seed)
     total = sum(len(s) for s in samples)
     keep_p = min(1.0, cfg.max_train_tokens / max(total, 1))
     keep = [torch.rand(len(s), generator=gen) < keep_p for s in samples]
     n_val_samples = max(1, math.ceil(cfg.validation_fraction * len(samples)))
     is_val = torch.cat([k.new_full((int(k.sum()),), i >= len(samples) - n_val_samples) for i, k in enumerate(keep)])
+    starts, local_rows = distributed.local_batches(keep, batch_size)  # all batches, unless launched (accelerate)
+    is_val = is_val[local_rows]
     n = int(is_val.numel())
     layers = list(cfg.checkpoint_layers)
     out = Collected(
@@ -147,37 +151,38 @@ def collect(
         top1={k: torch.zeros(n, dtype=torch.bool) for k in layers},
         kl={k: torch.full((n,), math.nan) for k in layers},
         is_val=is_val,
-        labelled=torch.zeros(n, dtype=torch.bool),
+        labelled={kind: torch.zeros(n, dtype=torch.bool) for kind in ("top1", "kl")},
         seconds={"forward": 0.0, "label": 0.0},
     )
     final_layer = adapter.num_layers
-    device = next(model.parameters()).device
+    device, in_device = execution_device(adapter.lm_head), execution_device(adapter.embeddings)
     captured: dict[int, torch.Tensor] = {}
     selection: list[torch.Tensor] = []
 
     def hook_for(k: int):
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
-            captured[k] = layer_output(output)[selection[0]]
+            hidden = layer_output(output)  # on its layer's device when the model is split over devices
+            captured[k] = hidden[selection[0].to(hidden.device)].to(device)
         return hook
 
     handles = [adapter.layers[k - 1].register_forward_hook(hook_for(k)) for k in (*layers, final_layer)]
     cursor = 0
     try:
-        for start in tqdm(range(0, len(samples), batch_size), desc="tide_hf: collecting hidden states",
+        for start in tqdm(starts, desc="tide_hf: collecting hidden states",
                           disable=not progress, unit="batch"):
             ids, mask = _pad(samples[start : start + batch_size], pad_id)
             sel, _ = _pad(keep[start : start + batch_size], 0)
             selection[:] = [sel.bool().to(device)]
             t0 = time.perf_counter()
-            model.base_model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+            model.base_model(input_ids=ids.to(in_device), attention_mask=mask.to(in_device), use_cache=False)
             t1 = time.perf_counter()
             h_final = captured[final_layer]
             m = h_final.shape[0]
             rows = torch.arange(cursor, cursor + m)
             # Head-based labels cost a vocab-sized matmul per token and checkpoint: compute them for every
             # kept token only when they are the training label, else on held-out tokens for the report.
+            # The KL also needs two vocab-sized softmaxes per row, so unless it is the label it is held-out only.
             head = rows if cfg.label != "cosine" else rows[is_val[rows]]
-            out.labelled[head] = True
             for k in layers:
                 h = captured[k]
                 out.features[k][rows] = adapter.normed(h).float().cpu()
@@ -185,10 +190,16 @@ def collect(
             # vocab-sized logits in row chunks, so their memory does not grow with the batch
             for part in head.split(LABEL_CHUNK_ROWS):
                 local = (part - cursor).to(device)
-                final = _HeadTargets(adapter.logits(h_final[local]))
+                with_kl = torch.ones_like(part, dtype=torch.bool) if cfg.label == "kl" else is_val[part]
+                final_logits = adapter.logits(h_final[local])
+                final_argmax = final_logits.argmax(-1)
+                final = _FinalDistribution(final_logits[with_kl.to(device)])
                 for k in layers:
-                    top1, kl = final.compare(adapter.logits(captured[k][local]))
-                    out.top1[k][part], out.kl[k][part] = top1.cpu(), kl.cpu()
+                    exit_logits = adapter.logits(captured[k][local])
+                    out.top1[k][part] = (exit_logits.argmax(-1) == final_argmax).cpu()
+                    out.kl[k][part[with_kl]] = final.kl(exit_logits[with_kl.to(device)]).cpu()
+                out.labelled["top1"][part] = True
+                out.labelled["kl"][part[with_kl]] = True
             cursor += m
             captured.clear()
             out.seconds["forward"] += t1 - t0
@@ -196,7 +207,7 @@ def collect(
     finally:
         for handle in handles:
             handle.remove()
-    return out
+    return distributed.gather_collected(out)
 
 
 def _auc(scores: torch.Tensor, labels: torch.Tensor) -> float | None:
@@ -227,7 +238,11 @@ def evaluate(scores: torch.Tensor, labels: torch.Tensor, threshold: float) -> di
 
 
 def train_routers(router: TideRouter, data: Collected, *, progress: bool = True) -> None:
-    """Fit each checkpoint's MLP with class-balanced BCE and Adam; keep the epoch with the best held-out loss."""
+    """Fit each checkpoint's MLP with class-balanced BCE and Adam; keep the epoch with the best held-out loss.
+
+    A router stops after `early_stopping_patience` epochs without a better held-out loss: on SmolLM2 the best
+    epoch is 3-6 of 100 and the rest only overfit, at most of the calibration's cost.
+    """
     cfg = router.config
     gen = torch.Generator().manual_seed(cfg.seed)
     train, val = ~data.is_val, data.is_val
@@ -259,6 +274,9 @@ def train_routers(router: TideRouter, data: Collected, *, progress: bool = True)
                 best_loss, best_epoch = val_loss, epoch
                 best_state = {n: t.detach().clone() for n, t in mlp.state_dict().items()}
             bar.update()
+            if cfg.early_stopping_patience and epoch - best_epoch >= cfg.early_stopping_patience:
+                bar.update(cfg.num_epochs - 1 - epoch)
+                break
         mlp.load_state_dict(best_state)
         with torch.no_grad():
             scores = torch.sigmoid(mlp(x_va))
@@ -307,6 +325,8 @@ def calibrate(
 
     `config_kwargs` are `TideRouterConfig` fields (label, checkpoint_interval, convergence_threshold,
     kl_threshold, router_bottleneck_dim, learning_rate, num_epochs, max_train_tokens, seed, ...).
+    Under `accelerate launch`, call it in every process with the same arguments: the processes share the
+    forward passes, the main one trains, and every process returns the same router.
     """
     adapter = get_adapter(model)
     text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -322,11 +342,13 @@ def calibrate(
         **config_kwargs,
     )
     torch.manual_seed(cfg.seed)
-    texts = load_texts(dataset, dataset_config=dataset_config, split=split, text_field=text_field)
+    with distributed.main_process_first():  # under a launcher, datasets builds its cache once
+        texts = load_texts(dataset, dataset_config=dataset_config, split=split, text_field=text_field)
     cfg.dataset = dataset or DEFAULT_DATASET
     samples = make_samples(tokenizer, texts, num_samples, seq_len, cfg.seed)
     cfg.num_samples = len(samples)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # masked out; any id works
+    progress = progress and distributed.is_main_process()
     was_training = model.training
     model.eval()
     try:
@@ -335,7 +357,8 @@ def calibrate(
         model.train(was_training)
     started = time.perf_counter()
     router = TideRouter(cfg)
-    train_routers(router, data, progress=progress)
+    distributed.train_on_main(train_routers, router, data, progress=progress)  # every process gets its result
     cfg.calibration_seconds = {**data.seconds, "train": time.perf_counter() - started}
-    _warn_if_silent(cfg)
+    if distributed.is_main_process():
+        _warn_if_silent(cfg)
     return router

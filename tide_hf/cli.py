@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import resource
+import shlex
 import sys
 import time
+from typing import Any
 
 DEFAULT_MODEL = "smollm2"  # alias of the embedded SmolLM2-135M-Instruct (see tide_hf.assets)
 
@@ -31,6 +33,9 @@ def default_dataset(name: str | None) -> str | None:
 
 
 def _add_calibration_args(p: argparse.ArgumentParser) -> None:
+    from .config import TideRouterConfig
+
+    d = TideRouterConfig()  # the library's defaults, so the CLI cannot drift from them
     p.add_argument("--model", default=DEFAULT_MODEL, help="Hub id or folder of a causal LM ('smollm2' = embedded default)")
     p.add_argument("--dataset", default="sotu", help="Hub dataset name, local .txt/.jsonl file or folder, or 'sotu'")
     p.add_argument("--dataset-config", default=None, help="Hub dataset config (e.g. wikitext-103-raw-v1)")
@@ -42,27 +47,32 @@ def _add_calibration_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-samples", type=int, default=2000)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--checkpoint-interval", type=int, default=4)
-    p.add_argument("--convergence-threshold", type=float, default=0.98)
-    p.add_argument("--kl-threshold", type=float, default=0.1)
-    p.add_argument("--num-epochs", type=int, default=100)
-    p.add_argument("--max-train-tokens", type=int, default=65536, help="kept tokens per checkpoint (bounds memory)")
-    p.add_argument("--exit-threshold", type=float, default=0.85)
+    p.add_argument("--checkpoint-interval", type=int, default=d.checkpoint_interval)
+    p.add_argument("--convergence-threshold", type=float, default=d.convergence_threshold)
+    p.add_argument("--kl-threshold", type=float, default=d.kl_threshold)
+    p.add_argument("--num-epochs", type=int, default=d.num_epochs)
+    p.add_argument("--early-stopping-patience", type=int, default=d.early_stopping_patience,
+                   help="stop a router after this many epochs without a better held-out loss (0: never)")
+    p.add_argument("--max-train-tokens", type=int, default=d.max_train_tokens, help="kept tokens per checkpoint (bounds memory)")
+    p.add_argument("--exit-threshold", type=float, default=d.exit_threshold)
     p.add_argument("--min-layers", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 
 def _calibrate(args: argparse.Namespace):
     from .calibrate import calibrate
+    from .distributed import to_process_device
 
     model, tokenizer = load_model(args.model, args.dtype)
+    model = to_process_device(model)  # under `accelerate launch`: this process's GPU
     router = calibrate(
         model, tokenizer, default_dataset(args.dataset),
         dataset_config=args.dataset_config, split=args.split, text_field=args.text_field,
         num_samples=args.num_samples, seq_len=args.seq_len, batch_size=args.batch_size, label=args.label,
         checkpoint_interval=args.checkpoint_interval, convergence_threshold=args.convergence_threshold,
-        kl_threshold=args.kl_threshold, num_epochs=args.num_epochs, max_train_tokens=args.max_train_tokens,
+        kl_threshold=args.kl_threshold, num_epochs=args.num_epochs,
+        early_stopping_patience=args.early_stopping_patience, max_train_tokens=args.max_train_tokens,
         exit_threshold=args.exit_threshold, min_layers=args.min_layers, seed=args.seed,
     )
     return model, tokenizer, router
@@ -99,11 +109,32 @@ def bare_forward_seconds(args: argparse.Namespace) -> float:
     return time.perf_counter() - started
 
 
+def _write_calibration_results(args: argparse.Namespace, router: Any, wall: float, peak_gb: float,
+                               bare: float | None) -> None:
+    """The run's figures as JSON (the README's calibration table is generated from it)."""
+    import json
+    from pathlib import Path
+
+    cfg = router.config
+    secs = cfg.calibration_seconds
+    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.results).write_text(json.dumps({
+        "command": args.command, "model": args.model, "label": cfg.label, "num_samples": cfg.num_samples,
+        "seq_len": cfg.seq_len, "checkpoint_layers": cfg.checkpoint_layers, "exit_threshold": cfg.exit_threshold,
+        "wall_s": wall, "peak_rss_gb": peak_gb, "bare_forward_s": bare, "seconds": secs,
+        "overhead_vs_bare": (secs["label"] + secs["train"]) / bare if bare else None, "metrics": cfg.metrics,
+    }, indent=2))
+
+
 def cmd_calibrate(args: argparse.Namespace) -> None:
+    from .distributed import is_main_process
+
     bare = bare_forward_seconds(args) if args.compare_bare_forward else None
     started = time.perf_counter()
     _, _, router = _calibrate(args)
     wall = time.perf_counter() - started
+    if not is_main_process():  # under `accelerate launch` the main process reports, saves and pushes
+        return
     router.save_pretrained(args.output)
     print_metrics(router)
     peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -114,6 +145,8 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         print(f"bare forward over the same tokens {bare:.1f} s; labelling + training add {extra:.1f} s "
               f"= {extra / bare:.1%} of it (model body inside calibration: {secs['forward']:.1f} s)")
     print(f"saved to {args.output}")
+    if args.results:
+        _write_calibration_results(args, router, wall, peak_gb, bare)
     if args.push_to_hub:
         info = router.push_to_hub(args.push_to_hub)
         print(f"pushed to {info.commit_url}")
@@ -121,8 +154,11 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> None:
     from .attach import attach
+    from .distributed import is_main_process
 
     model, tokenizer, router = _calibrate(args)
+    if not is_main_process():  # under `accelerate launch` the main process saves and generates
+        return
     router.save_pretrained(args.output)
     print_metrics(router)
     print(f"router saved to {args.output}")
@@ -144,13 +180,22 @@ def cmd_bench(args: argparse.Namespace) -> None:
     run(args)
 
 
+def cmd_analyze(args: argparse.Namespace) -> None:
+    from .analyze import run
+
+    run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from .config import TideRouterConfig
+
     parser = argparse.ArgumentParser(prog="tide-hf", description="TIDE early exit for HuggingFace causal LMs")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("calibrate", help="calibrate routers for a model and save them (optionally push to the Hub)")
     _add_calibration_args(p)
     p.add_argument("--output", required=True, help="folder to save the router in")
     p.add_argument("--push-to-hub", default=None, metavar="REPO", help="also push the router to this Hub repo")
+    p.add_argument("--results", default=None, metavar="JSON", help="also write the run's figures to this JSON file")
     p.add_argument("--compare-bare-forward", action="store_true",
                    help="first time stock forward passes over the same tokens, and report calibration's overhead")
     p.set_defaults(func=cmd_calibrate)
@@ -170,6 +215,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", action="store_true", help="skip mode vs stock and vs the ideal truncated model")
     p.add_argument("--depths", nargs="+", type=int, default=[8, 16, 24], help="--modes: forced exit depths")
     p.add_argument("--kernels", action="store_true", help="microbenchmark the fused kernels vs the PyTorch path")
+    p.add_argument("--baselines", action="store_true", help="TIDE vs fixed depth, static layer skipping and "
+                   "softmax-confidence exit: quality, layers and speed, with a Pareto plot")
+    p.add_argument("--confidence-thresholds", nargs="+", type=float, default=[0.9, 0.8, 0.6, 0.4],
+                   help="--baselines: exit when the exit logits' top probability reaches this")
+    p.add_argument("--drop-counts", nargs="+", type=int, default=[2, 4, 6, 8],
+                   help="--baselines: how many layers static skipping drops")
+    p.add_argument("--baseline-calib-samples", type=int, default=8,
+                   help="--baselines: calibration-text samples static skipping chooses its layers on")
+    p.add_argument("--baseline-calib-len", type=int, default=128)
     p.add_argument("--thresholds", nargs="+", type=float, default=[0.95, 0.85, 0.7, 0.5])
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=64)
@@ -182,12 +236,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--output", default="bench-out", help="folder for bench.json and bench.md")
     p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("analyze", help="per-layer convergence, the oracle, and router efficiency (tables, JSON, PNG)")
+    d = TideRouterConfig()
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--dataset", default="sotu", help="real text: Hub dataset, local .txt/.jsonl file or folder, 'sotu'")
+    p.add_argument("--router", default=None, help="also measure this router's efficiency against the oracle")
+    p.add_argument("--num-samples", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--checkpoint-interval", type=int, default=d.checkpoint_interval)
+    p.add_argument("--convergence-threshold", type=float, default=d.convergence_threshold)
+    p.add_argument("--agreements", nargs="+", type=float, default=[1.0, 0.95, 0.9, 0.8, 0.7],
+                   help="top-1 agreements the oracle is computed at")
+    p.add_argument("--bins", type=int, default=40, help="cosine bins of the heatmap")
+    p.add_argument("--thresholds", nargs="+", type=float, default=[0.95, 0.9, 0.85, 0.7, 0.5, 0.3])
+    p.add_argument("--num-prompts", type=int, default=16, help="held-out prompts the model continues greedily")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--output", default="analyze-out", help="folder for analyze.json, analyze.md and the PNGs")
+    p.set_defaults(func=cmd_analyze)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
+    from .distributed import finish
+
     args = build_parser().parse_args(argv)
+    args.command = shlex.join(["tide-hf", *(sys.argv[1:] if argv is None else argv)])  # recorded in result JSON
     args.func(args)
+    finish()  # under `accelerate launch`: every process waits for the others before it exits
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ def _calibration(result: dict) -> list[str]:
                   + (f"{result['bare_forward_s']:.0f} s" if result.get("bare_forward_s") else "-")
                   + f" | {secs['forward']:.0f} s | {secs['label']:.0f} s | {secs['train']:.0f} s | "
                   + (f"{result['overhead_vs_bare']:.1%}" if result.get("overhead_vs_bare") else "-") + " |", ""]
+    if result.get("note"):
+        lines += [result["note"], ""]
     lines += ["| layer | positive rate | precision | recall | AUC | best epoch |", "|---|---|---|---|---|---|"]
     for layer in result["checkpoint_layers"]:
         m = result["metrics"][str(layer)]
@@ -59,7 +61,8 @@ def render(folder: Path, readme: Path) -> str:
     """The generated section (without the markers) for the results in `folder`."""
     out: list[str] = []
     for name in sorted(p.stem for p in folder.glob("calibrate-*.json")):
-        out += ["### Calibration", "", *_calibration(_load(folder, name)), ""]
+        result = _load(folder, name)
+        out += [f"### Calibration, label `{result['label']}`", "", *_calibration(result), ""]
     analysis = _load(folder, "analyze")
     if analysis:
         out += ["### Per-layer convergence, the oracle, router efficiency", "", _command(analysis), "",

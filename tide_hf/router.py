@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModel, PreTrainedModel
 
 from .adapters import get_adapter
 from .config import TideRouterConfig
+from .devices import named_weights
 
 FINGERPRINT_SAMPLES = 64  # values read from each fingerprinted tensor
 FINGERPRINT_DIGITS = 3  # significant digits kept, so fp32 / bf16 / fp16 copies of a model agree
@@ -65,7 +66,7 @@ class TideRouter(PreTrainedModel):
     def logit(self, layer: int, features: torch.Tensor) -> torch.Tensor:
         """Pre-sigmoid score of checkpoint `layer` for normed features of shape (..., hidden)."""
         mlp = self.routers[str(layer)]
-        return mlp(features.to(mlp.fc1.weight.dtype))
+        return mlp(features.to(mlp.fc1.weight.device, mlp.fc1.weight.dtype))
 
     def forward(self, hidden_states: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Scores in [0, 1] for each checkpoint present in `hidden_states` (layer -> normed features)."""
@@ -194,12 +195,13 @@ def _fmt(value: Any) -> str:
 def model_fingerprint(model: nn.Module) -> str:
     """A short hash of the shapes and a strided sample of values of the embeddings, first and last layer.
 
-    Values are rounded to a few significant digits so the same weights in another dtype agree.
+    Values are rounded to a few significant digits so the same weights in another dtype agree. Offloaded
+    weights of a dispatched model are read from accelerate's weights map: the fingerprint is the model's own.
     """
     adapter = get_adapter(model)
     digest = hashlib.sha256()
     for module in (adapter.embeddings, adapter.layers[0], adapter.layers[-1]):
-        for name, param in sorted(module.named_parameters()):
+        for name, param in sorted(named_weights(model, module)):  # offloaded weights read from accelerate's map
             flat = param.detach().reshape(-1)
             step = max(1, flat.numel() // FINGERPRINT_SAMPLES)
             sample = flat[::step][:FINGERPRINT_SAMPLES].float().cpu().tolist()

@@ -281,6 +281,8 @@ def _fallback_reason(model: nn.Module, args: tuple, kwargs: dict, batch: int) ->
         return f"{given[0]}= given"
     if kwargs.get("stopping_criteria"):
         return "custom stopping criteria (assisted decoding checks them once per round, not per token)"
+    if model.device.type == "meta":  # stock moves candidates to `model.device`, its first parameter's device
+        return "the model's first parameter is offloaded (on the meta device)"
     gc = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
     for key, value in kwargs.items():  # plain setattr: `update()` would validate and warn a second time
         if hasattr(gc, key):

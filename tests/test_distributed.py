@@ -89,7 +89,7 @@ def report(capsys, what: str, single: float, multi: float, weights: float, metri
 
 def test_batches_split_into_contiguous_blocks_in_process_order(monkeypatch) -> None:
     keep = [torch.rand(n, generator=torch.Generator().manual_seed(n)) < 0.5 for n in range(3, 14)]  # 11 samples
-    rows = sum(int(k.sum()) for k in keep)
+    counts = [int(k.sum()) for k in keep]
     for processes in (1, 2, 3, 5):
         blocks = []
         for index in range(processes):
@@ -99,9 +99,9 @@ def test_batches_split_into_contiguous_blocks_in_process_order(monkeypatch) -> N
         assert [s for starts, _ in blocks for s in starts] == list(range(0, 11, 2))  # every batch once, in order
         sizes = [len(starts) for starts, _ in blocks]
         assert max(sizes) - min(sizes) <= 1
-        assert [(r.start, r.stop) for _, r in blocks] == [
-            (a, b) for a, b in zip([0] + [r.stop for _, r in blocks][:-1], [r.stop for _, r in blocks])]
-        assert blocks[0][1].start == 0 and blocks[-1][1].stop == rows
+        for starts, rows in blocks:  # a block's rows are the kept tokens of its samples, where one process has them
+            assert (rows.start, rows.stop) == (sum(counts[: starts.start]), sum(counts[: starts.stop]))
+        assert blocks[0][1].start == 0 and blocks[-1][1].stop == sum(counts)
 
 
 def test_single_process_is_untouched() -> None:

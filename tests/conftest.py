@@ -110,3 +110,60 @@ def new_router(model, seed: int = 0, **config) -> TideRouter:
 
 def positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+
+
+def hooks(model) -> dict:
+    """Every hook dict of every module (copies). Compared to a snapshot, never to "empty": transformers
+    itself leaves output-capturing hooks on the layers after the first `output_hidden_states=True` call."""
+    return {name: {attr: dict(getattr(mod, attr)) for attr in HOOK_DICTS} for name, mod in model.named_modules()}
+
+
+@torch.no_grad()
+def reference(model, router, ids, mask=None, *, threshold: float = 0.5, min_layers: int = 4):
+    """(exit layer per position, TIDE logits) from a stock output_hidden_states run, router applied by hand."""
+    assert tide_hf.get_handle(model) is None, "the reference needs the stock model"
+    kwargs = {} if mask is None else {"attention_mask": mask, "position_ids": positions(mask)}
+    out = model(ids, output_hidden_states=True, **kwargs)
+    exit_layer = torch.full(ids.shape, NUM_LAYERS, dtype=torch.long)
+    logits = out.logits.clone()
+    for k in router.checkpoint_layers:
+        if k < min_layers:
+            continue
+        hidden = out.hidden_states[k]
+        score = torch.sigmoid(router.logit(k, model.model.norm(hidden).float()))
+        exits = (exit_layer == NUM_LAYERS) & (score >= threshold)
+        exit_layer[exits] = k
+        logits[exits] = model.lm_head(model.model.norm(hidden))[exits]
+    return exit_layer, logits
+
+
+@torch.no_grad()
+def mixed_router(model, ids, mask=None, seed: int = 1, quantiles=(0.6, 0.5), **config) -> TideRouter:
+    """A router whose scores are far from 0.5 nearly everywhere and whose decisions mix 4 / 8 / no exit.
+
+    Random weights scaled up so scores saturate; each checkpoint's bias puts the 0.5 threshold in the
+    middle of a gap between two sorted logits of the calibration batch (robust to float noise).
+    """
+    router = new_router(model, seed=seed, **config)
+    kwargs = {} if mask is None else {"attention_mask": mask, "position_ids": positions(mask)}
+    out = model(ids, output_hidden_states=True, **kwargs)
+    valid = torch.ones(ids.shape, dtype=torch.bool) if mask is None else mask.bool()
+    for k, q in zip(router.checkpoint_layers, quantiles):
+        mlp = router.routers[str(k)]
+        mlp.fc2.weight.mul_(40.0)
+        mlp.fc2.bias.zero_()
+        logits = router.logit(k, model.model.norm(out.hidden_states[k]).float())[valid].sort().values
+        i = max(1, int(q * len(logits)))
+        mlp.fc2.bias.fill_(-float(logits[i - 1] + logits[i]) / 2)
+    return router

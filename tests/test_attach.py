@@ -14,17 +14,8 @@ import torch
 import tide_hf
 from tide_hf import TideCompatibilityError, TideRouter
 
-from conftest import NUM_LAYERS, make_model, new_router, positions
+from conftest import HOOK_DICTS, NUM_LAYERS, hooks, make_model, mixed_router, new_router, positions, reference
 
-HOOK_DICTS = (
-    "_forward_hooks",
-    "_forward_pre_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-)
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -52,51 +43,6 @@ def batch(seed: int = 0, lengths=(7, 5, 3)) -> tuple[torch.Tensor, torch.Tensor,
         ids[row, width - n:] = torch.randint(3, 256, (n,), generator=gen)
         mask[row, width - n:] = 1
     return ids, mask, positions(mask)
-
-
-@torch.no_grad()
-def reference(model, router, ids, mask=None, *, threshold: float, min_layers: int):
-    """(exit layer per position, TIDE logits) computed from a stock output_hidden_states run, router by hand."""
-    assert tide_hf.get_handle(model) is None, "the reference needs the stock model"
-    kwargs = {} if mask is None else {"attention_mask": mask, "position_ids": positions(mask)}
-    out = model(ids, output_hidden_states=True, **kwargs)
-    exit_layer = torch.full(ids.shape, NUM_LAYERS, dtype=torch.long)
-    logits = out.logits.clone()
-    for k in router.checkpoint_layers:
-        if k < min_layers:
-            continue
-        hidden = out.hidden_states[k]
-        score = torch.sigmoid(router.logit(k, model.model.norm(hidden).float()))
-        exits = (exit_layer == NUM_LAYERS) & (score >= threshold)
-        exit_layer[exits] = k
-        logits[exits] = model.lm_head(model.model.norm(hidden))[exits]
-    return exit_layer, logits
-
-
-@torch.no_grad()
-def mixed_router(model, ids, mask=None, seed: int = 1, quantiles=(0.6, 0.5)) -> TideRouter:
-    """A router whose scores are far from 0.5 nearly everywhere and whose decisions mix 4 / 8 / no exit.
-
-    Random weights scaled up so scores saturate; each checkpoint's bias puts the 0.5 threshold in the
-    middle of a gap between two sorted logits of the calibration batch (robust to float noise).
-    """
-    router = new_router(model, seed=seed)
-    kwargs = {} if mask is None else {"attention_mask": mask, "position_ids": positions(mask)}
-    out = model(ids, output_hidden_states=True, **kwargs)
-    valid = torch.ones(ids.shape, dtype=torch.bool) if mask is None else mask.bool()
-    for k, q in zip(router.checkpoint_layers, quantiles):
-        mlp = router.routers[str(k)]
-        mlp.fc2.weight.mul_(40.0)
-        mlp.fc2.bias.zero_()
-        logits = router.logit(k, model.model.norm(out.hidden_states[k]).float())[valid].sort().values
-        i = max(1, int(q * len(logits)))
-        mlp.fc2.bias.fill_(-float(logits[i - 1] + logits[i]) / 2)
-    return router
-
-
-def hooks(model) -> dict:
-    """Every hook dict of every module (copies), to compare before / after."""
-    return {name: {attr: dict(getattr(mod, attr)) for attr in HOOK_DICTS} for name, mod in model.named_modules()}
 
 
 def hook_count(model) -> int:

@@ -19,15 +19,8 @@ from transformers.generation.streamers import BaseStreamer
 import tide_hf
 from tide_hf import TideCompatibilityError, TideRouter
 
-from conftest import NUM_LAYERS, make_model, new_router, positions
+from conftest import NUM_LAYERS, hooks, make_model, mixed_router, new_router, reference
 
-HOOK_DICTS = (
-    "_forward_hooks",
-    "_forward_pre_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-)
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 NEW = 8  # new tokens per generate call
 
@@ -75,45 +68,6 @@ def batch(seed: int = 0, lengths=(7, 5, 3)) -> tuple[torch.Tensor, torch.Tensor]
         ids[row, width - n:] = torch.randint(3, 256, (n,), generator=gen)
         mask[row, width - n:] = 1
     return ids, mask
-
-
-@torch.no_grad()
-def reference(model, router, ids, mask, *, threshold: float = 0.5, min_layers: int = 4):
-    """(exit layer per position, TIDE logits) from a stock output_hidden_states run, router applied by hand."""
-    assert tide_hf.get_handle(model) is None, "the reference needs the stock model"
-    out = model(ids, attention_mask=mask, position_ids=positions(mask), output_hidden_states=True)
-    exit_layer = torch.full(ids.shape, NUM_LAYERS, dtype=torch.long)
-    logits = out.logits.clone()
-    for k in router.checkpoint_layers:
-        if k < min_layers:
-            continue
-        hidden = out.hidden_states[k]
-        score = torch.sigmoid(router.logit(k, model.model.norm(hidden).float()))
-        exits = (exit_layer == NUM_LAYERS) & (score >= threshold)
-        exit_layer[exits] = k
-        logits[exits] = model.lm_head(model.model.norm(hidden))[exits]
-    return exit_layer, logits
-
-
-@torch.no_grad()
-def mixed_router(model, ids, mask, seed: int = 1, quantiles=(0.6, 0.5), **config) -> TideRouter:
-    """Saturated random scores whose 0.5 crossing sits mid-gap: decisions mix exit at 4 / at 8 / no exit."""
-    router = new_router(model, seed=seed, **config)
-    out = model(ids, attention_mask=mask, position_ids=positions(mask), output_hidden_states=True)
-    for k, q in zip(router.checkpoint_layers, quantiles):
-        mlp = router.routers[str(k)]
-        mlp.fc2.weight.mul_(40.0)
-        mlp.fc2.bias.zero_()
-        logits = router.logit(k, model.model.norm(out.hidden_states[k]).float())[mask.bool()].sort().values
-        i = max(1, int(q * len(logits)))
-        mlp.fc2.bias.fill_(-float(logits[i - 1] + logits[i]) / 2)
-    return router
-
-
-def hooks(model) -> dict:
-    """Every hook dict of every module (copies). Compared to a snapshot, never to "empty": transformers
-    itself leaves output-capturing hooks on the layers after the first `output_hidden_states=True` call."""
-    return {name: {attr: dict(getattr(mod, attr)) for attr in HOOK_DICTS} for name, mod in model.named_modules()}
 
 
 def generate(model, ids, mask, seed: int = 0, **kwargs) -> torch.Tensor:

@@ -167,3 +167,25 @@ def mixed_router(model, ids, mask=None, seed: int = 1, quantiles=(0.6, 0.5), **c
         i = max(1, int(q * len(logits)))
         mlp.fc2.bias.fill_(-float(logits[i - 1] + logits[i]) / 2)
     return router
+
+
+@torch.no_grad()
+def constant_router(model, logit: float, **config) -> TideRouter:
+    """Score sigmoid(logit) everywhere: +30 -> 1.0 (always exit at the first eligible checkpoint), -30 -> never."""
+    router = new_router(model, **config)
+    for mlp in router.routers.values():
+        mlp.fc2.weight.zero_()
+        mlp.fc2.bias.fill_(logit)
+    return router
+
+
+def left_padded(seed: int = 0, lengths=(7, 5, 3)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded input_ids (pad 0, tokens from 3 up so no prompt holds BOS/EOS) and attention_mask."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, width - n:] = torch.randint(3, 256, (n,), generator=gen)
+        mask[row, width - n:] = 1
+    return ids, mask

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import tide_hf
-from tide_hf import TideCompatibilityError, TideRouter
+from tide_hf import TideCompatibilityError
 
-from conftest import HOOK_DICTS, NUM_LAYERS, hooks, make_model, mixed_router, new_router, positions, reference
+from conftest import (HOOK_DICTS, NUM_LAYERS, constant_router, hooks, left_padded, make_model, mixed_router, new_router,
+                      positions, reference)
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -23,25 +24,9 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # -- helpers ------------------------------------------------------------------------------------------
 
 
-@torch.no_grad()
-def constant_router(model, logit: float) -> TideRouter:
-    """Score sigmoid(logit) at every position: +30 -> exactly 1.0 in fp32 (always exit), -30 -> never."""
-    router = new_router(model)
-    for mlp in router.routers.values():
-        mlp.fc2.weight.zero_()
-        mlp.fc2.bias.fill_(logit)
-    return router
-
-
 def batch(seed: int = 0, lengths=(7, 5, 3)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A left-padded batch: input_ids (pad 0), attention_mask, position_ids as generate builds them."""
-    gen = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for row, n in enumerate(lengths):
-        ids[row, width - n:] = torch.randint(3, 256, (n,), generator=gen)
-        mask[row, width - n:] = 1
+    ids, mask = left_padded(seed, lengths)
     return ids, mask, positions(mask)
 
 

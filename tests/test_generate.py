@@ -17,9 +17,10 @@ from transformers import LlamaForCausalLM, StoppingCriteria, StoppingCriteriaLis
 from transformers.generation.streamers import BaseStreamer
 
 import tide_hf
-from tide_hf import TideCompatibilityError, TideRouter
+from tide_hf import TideCompatibilityError
 
-from conftest import NUM_LAYERS, hooks, make_model, mixed_router, new_router, reference
+from conftest import NUM_LAYERS, constant_router, hooks, make_model, mixed_router, new_router, reference
+from conftest import left_padded as batch
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 NEW = 8  # new tokens per generate call
@@ -46,28 +47,6 @@ def truncated(model: LlamaForCausalLM, layers: int) -> LlamaForCausalLM:
     assert all(k.startswith("model.layers.") and int(k.split(".")[2]) >= layers for k in result.unexpected_keys)
     small.generation_config = copy.deepcopy(model.generation_config)
     return small
-
-
-@torch.no_grad()
-def constant_router(model, logit: float, **config) -> TideRouter:
-    """Score sigmoid(logit) everywhere: +30 -> 1.0 (always exit at the first eligible checkpoint), -30 -> never."""
-    router = new_router(model, **config)
-    for mlp in router.routers.values():
-        mlp.fc2.weight.zero_()
-        mlp.fc2.bias.fill_(logit)
-    return router
-
-
-def batch(seed: int = 0, lengths=(7, 5, 3)) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded input_ids (pad 0, tokens from 3 up so no prompt holds BOS/EOS) and attention_mask."""
-    gen = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for row, n in enumerate(lengths):
-        ids[row, width - n:] = torch.randint(3, 256, (n,), generator=gen)
-        mask[row, width - n:] = 1
-    return ids, mask
 
 
 def generate(model, ids, mask, seed: int = 0, **kwargs) -> torch.Tensor:

@@ -67,3 +67,21 @@ def test_held_out_texts_are_exactly_the_documents_calibration_never_read():
         assert all(bytes(ids[i : i + cfg.seq_len]) not in used for i in range(0, len(ids), cfg.seq_len))
     read = [t for t in texts if t not in held]  # and every other document contributed a sample
     assert all(any(bytes(tok(t)["input_ids"][:cfg.seq_len]) == u for u in used) for t in read)
+
+
+def test_speculative_section_reports_identical_output_and_consistent_counters():
+    from tide_hf.bench import _left_pad
+    from tide_hf.bench_modes import speculative
+
+    from conftest import constant_router, make_model
+
+    model = make_model()
+    model.generation_config.eos_token_id = None
+    router = constant_router(model, 30.0)  # always says "converged": drafting is attempted
+    prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 7)]
+    batches = [_left_pad([p], 0) for p in prompts]
+    res = speculative(model, router, batches, _left_pad(prompts, 0), new_tokens=6, reps=1)
+    assert res["identical_all_prompts"] and res["identical_batched"] and res["batched_rows"] == 2
+    assert res["prompts"] == 2 and res["speed_ratio"] > 0
+    assert res["acceptance_rate"] == (res["accepted"] / res["drafted"] if res["drafted"] else 0.0)
+    assert res["mean_draft_length"] == (res["drafted"] / res["rounds"] if res["rounds"] else 0.0)

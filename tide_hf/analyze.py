@@ -61,10 +61,11 @@ def _compare(adapter: ModelAdapter, states: dict[int, torch.Tensor], final: int,
         out["kl"] = torch.empty(len(h_final), len(layers))
     for rows in torch.arange(len(h_final)).split(LABEL_CHUNK_ROWS):
         final_logits = adapter.logits(h_final[rows])
+        final_argmax = final_logits.argmax(-1)
         target = _FinalDistribution(final_logits) if kl else None
         for j, k in enumerate(layers):
             exit_logits = final_logits if k == final else adapter.logits(states[k][rows])
-            out["match"][rows, j] = (exit_logits.argmax(-1) == final_logits.argmax(-1)).cpu()
+            out["match"][rows, j] = (exit_logits.argmax(-1) == final_argmax).cpu()
             if target is not None:
                 out["kl"][rows, j] = target.kl(exit_logits).cpu()
     return {name: t.cpu() for name, t in out.items()}

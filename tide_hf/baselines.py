@@ -13,8 +13,8 @@ Each point reports perplexity change, greedy continuation match vs stock, mean l
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
@@ -29,6 +29,7 @@ from .data import load_texts
 from .router import TideRouter
 
 _MISSING = object()
+_TUPLE_LAYERS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
 class ConfidenceHandle(TideHandle):
@@ -40,7 +41,10 @@ class ConfidenceHandle(TideHandle):
 
 
 def _returns_tuple(model: Any, adapter: ModelAdapter) -> bool:
-    """Whether this model's decoder layers return a tuple (older layouts) or the hidden state alone."""
+    """Whether this model's decoder layers return a tuple (older layouts) or the hidden state alone
+    (probed once per model: the greedy layer choice enters `dropped` hundreds of times)."""
+    if model in _TUPLE_LAYERS:
+        return _TUPLE_LAYERS[model]
     seen: list[bool] = []
     handle = adapter.layers[0].register_forward_hook(lambda _m, _a, out: seen.append(isinstance(out, tuple)))
     try:
@@ -48,6 +52,7 @@ def _returns_tuple(model: Any, adapter: ModelAdapter) -> bool:
             model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=model.device), use_cache=False)
     finally:
         handle.remove()
+    _TUPLE_LAYERS[model] = seen[0]
     return seen[0]
 
 

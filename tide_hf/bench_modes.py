@@ -131,7 +131,7 @@ def mixed_exits(model: Any, router: TideRouter, batches: list[dict], chunks: lis
 def speculative(model: Any, router: TideRouter, batches: list[dict], batched: dict, new_tokens: int, reps: int) -> dict:
     """Lossless mode vs stock, interleaved prompt by prompt: speed, identical output, acceptance, draft length.
 
-    Greedy output must equal stock's token for token on every prompt, alone and in `batched`.
+    Reports whether greedy output equals stock's token for token on every prompt, alone and in `batched`.
     """
     seconds = {"stock": 0.0, "speculative": 0.0}
     identical, counters = [], {"drafted": 0, "accepted": 0, "rounds": 0, "plain_steps": 0}

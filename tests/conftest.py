@@ -1,4 +1,4 @@
-"""Shared fixtures: a byte-level tokenizer, tiny random Llamas and small local text datasets (all offline)."""
+"""Shared fixtures (the helpers they build on live in helpers.py, which test modules import)."""
 
 from __future__ import annotations
 
@@ -7,46 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-
-import tide_hf
-from tide_hf import TideRouter, TideRouterConfig
-
-WORDS = ("the", "state", "of", "union", "is", "strong", "we", "will", "build", "a", "nation", "people",
-         "work", "together", "for", "our", "children", "future", "and", "peace", "congress", "law")
-
-
-class ByteTokenizer:
-    """The tokenizer interface calibration uses: `tok(text, add_special_tokens=False)["input_ids"]`, `pad_token_id`."""
-
-    pad_token_id = 0
-    vocab_size = 256
-
-    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
-        return {"input_ids": list(text.encode("utf-8"))}
-
-
-def make_tiny_llama(num_layers: int = 9, hidden: int = 32, seed: int = 0, vocab: int = 256):
-    """A seeded random Llama in eval mode (fp32), its RMSNorm weights randomized (at init they are all 1,
-    which would make a norm indistinguishable from a per-token rescaling) and its head scaled up."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 1:
-                param.copy_(torch.randn_like(param) * 0.5 + 1.0)
-        model.lm_head.weight.mul_(10.0)  # peaked next-token distributions: KL / top-1 labels are not trivial
-    return model
-
-
-def make_documents(count: int, words: int, seed: int = 0) -> list[str]:
-    """Deterministic pseudo-English documents of `words` words each."""
-    gen = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, len(WORDS), (count, words), generator=gen).tolist()
-    return [" ".join(WORDS[i] for i in row) + "." for row in idx]
+from helpers import ByteTokenizer, make_documents, make_tiny_llama
 
 
 @pytest.fixture
@@ -78,10 +39,6 @@ def jsonl_file(tmp_path: Path) -> Path:
     return path
 
 
-# -- tiny Llamas and routers for the attach / generate tests --------------------------------------
-NUM_LAYERS = 9  # checkpoints every 4 layers: [4, 8]
-
-
 @pytest.fixture(scope="module")
 def one_intra_op_thread():
     """These models are tiny: one intra-op thread is as fast, and on a small shared CPU box an OpenMP
@@ -90,102 +47,3 @@ def one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
-
-
-def make_model(seed: int = 0, hidden: int = 64, layers: int = NUM_LAYERS) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    return LlamaForCausalLM(config).eval()
-
-
-def new_router(model, seed: int = 0, **config) -> TideRouter:
-    torch.manual_seed(seed)
-    return TideRouter(TideRouterConfig(
-        hidden_size=model.config.hidden_size, num_hidden_layers=model.config.num_hidden_layers,
-        router_bottleneck_dim=16, base_architecture=type(model).__name__,
-        base_fingerprint=tide_hf.model_fingerprint(model), **config))
-
-
-def positions(mask: torch.Tensor) -> torch.Tensor:
-    return (mask.cumsum(-1) - 1).clamp(min=0)
-
-
-HOOK_DICTS = (
-    "_forward_hooks",
-    "_forward_pre_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-)
-
-
-def hooks(model) -> dict:
-    """Every hook dict of every module (copies). Compared to a snapshot, never to "empty": transformers
-    itself leaves output-capturing hooks on the layers after the first `output_hidden_states=True` call."""
-    return {name: {attr: dict(getattr(mod, attr)) for attr in HOOK_DICTS} for name, mod in model.named_modules()}
-
-
-@torch.no_grad()
-def reference(model, router, ids, mask=None, *, threshold: float = 0.5, min_layers: int = 4):
-    """(exit layer per position, TIDE logits) from a stock output_hidden_states run, router applied by hand."""
-    assert tide_hf.get_handle(model) is None, "the reference needs the stock model"
-    kwargs = {} if mask is None else {"attention_mask": mask, "position_ids": positions(mask)}
-    out = model(ids, output_hidden_states=True, **kwargs)
-    exit_layer = torch.full(ids.shape, NUM_LAYERS, dtype=torch.long)
-    logits = out.logits.clone()
-    for k in router.checkpoint_layers:
-        if k < min_layers:
-            continue
-        hidden = out.hidden_states[k]
-        score = torch.sigmoid(router.logit(k, model.model.norm(hidden).float()))
-        exits = (exit_layer == NUM_LAYERS) & (score >= threshold)
-        exit_layer[exits] = k
-        logits[exits] = model.lm_head(model.model.norm(hidden))[exits]
-    return exit_layer, logits
-
-
-@torch.no_grad()
-def mixed_router(model, ids, mask=None, seed: int = 1, quantiles=(0.6, 0.5), **config) -> TideRouter:
-    """A router whose scores are far from 0.5 nearly everywhere and whose decisions mix 4 / 8 / no exit.
-
-    Random weights scaled up so scores saturate; each checkpoint's bias puts the 0.5 threshold in the
-    middle of a gap between two sorted logits of the calibration batch (robust to float noise).
-    """
-    router = new_router(model, seed=seed, **config)
-    kwargs = {} if mask is None else {"attention_mask": mask, "position_ids": positions(mask)}
-    out = model(ids, output_hidden_states=True, **kwargs)
-    valid = torch.ones(ids.shape, dtype=torch.bool) if mask is None else mask.bool()
-    for k, q in zip(router.checkpoint_layers, quantiles):
-        mlp = router.routers[str(k)]
-        mlp.fc2.weight.mul_(40.0)
-        mlp.fc2.bias.zero_()
-        logits = router.logit(k, model.model.norm(out.hidden_states[k]).float())[valid].sort().values
-        i = max(1, int(q * len(logits)))
-        mlp.fc2.bias.fill_(-float(logits[i - 1] + logits[i]) / 2)
-    return router
-
-
-@torch.no_grad()
-def constant_router(model, logit: float, **config) -> TideRouter:
-    """Score sigmoid(logit) everywhere: +30 -> 1.0 (always exit at the first eligible checkpoint), -30 -> never."""
-    router = new_router(model, **config)
-    for mlp in router.routers.values():
-        mlp.fc2.weight.zero_()
-        mlp.fc2.bias.fill_(logit)
-    return router
-
-
-def left_padded(seed: int = 0, lengths=(7, 5, 3)) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded input_ids (pad 0, tokens from 3 up so no prompt holds BOS/EOS) and attention_mask."""
-    gen = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for row, n in enumerate(lengths):
-        ids[row, width - n:] = torch.randint(3, 256, (n,), generator=gen)
-        mask[row, width - n:] = 1
-    return ids, mask

@@ -11,14 +11,14 @@ import time
 from pathlib import Path
 
 import torch
-from conftest import ByteTokenizer, make_tiny_llama
+from helpers import ByteTokenizer, make_tiny_llama
 from safetensors.torch import save_file
 
 import tide_hf
-from tide_hf import distributed
-from tide_hf.adapters import get_adapter
-from tide_hf.calibrate import collect, make_samples
-from tide_hf.data import load_texts
+from tide_hf import load_texts
+from tide_hf.calibration import distributed, make_samples
+from tide_hf.calibration.labels import collect
+from tide_hf.modeling import get_adapter
 
 
 def main() -> None:

@@ -9,9 +9,9 @@ import transformers as tf
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-import tide_hf.adapters as adapters_mod
+import tide_hf.modeling.adapters as adapters_mod
 from tide_hf import ModelAdapter, get_adapter, register_adapter
-from tide_hf.adapters import layer_output
+from tide_hf.modeling import layer_output
 
 VOCAB = 160
 LAYERS = 5  # checkpoint interval 4 -> one checkpoint before the last layer

@@ -8,16 +8,15 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import ByteTokenizer, make_documents, make_tiny_llama, new_router
 from torch import nn
 
 import tide_hf
-from tide_hf.adapters import layer_output
-from tide_hf.analyze import convergence, oracle, router_efficiency
-from tide_hf.baselines import ConfidenceHandle, dropped, greedy_drop_order, verdict
-from tide_hf.bench_modes import truncated
-from tide_hf.calibrate import make_samples
-
-from conftest import ByteTokenizer, make_documents, make_tiny_llama, new_router
+from tide_hf.calibration import make_samples
+from tide_hf.eval.analyze import convergence, oracle, router_efficiency
+from tide_hf.eval.baselines import ConfidenceHandle, dropped, greedy_drop_order, verdict
+from tide_hf.eval.modes import truncated
+from tide_hf.modeling import layer_output
 
 
 def brute_force_oracle(match: torch.Tensor, checkpoints: list[int], n: int, agreement: float) -> float:
@@ -107,7 +106,7 @@ def test_router_efficiency_agrees_with_tide_attached() -> None:
 def model_without(model: nn.Module, drop: list[int]) -> nn.Module:
     """A copy whose layer list lacks the dropped layers (their cache slots simply stay unused)."""
     other = copy.deepcopy(model)
-    other.model.layers = nn.ModuleList([l for i, l in enumerate(other.model.layers, 1) if i not in drop])
+    other.model.layers = nn.ModuleList([layer for i, layer in enumerate(other.model.layers, 1) if i not in drop])
     return other
 
 
@@ -177,10 +176,12 @@ def test_verdict_picks_the_cheapest_baseline_at_equal_or_better_quality() -> Non
     rows = [row("tide", 0.9, 20.0, 0.8, 0.5), row("static_skip", 2, 28.0, 0.9, 0.1),
             row("fixed_depth", 24, 24.0, 0.85, 2.0), row("confidence", 0.4, 16.0, 0.5, 9.0)]
     match, ppl = verdict(rows)
-    assert (match["quality"], match["best_baseline"], match["baseline_layers"]) == ("greedy_prefix_match", "fixed_depth=24", 24.0)
+    assert (match["quality"], match["best_baseline"], match["baseline_layers"]) == (
+        "greedy_prefix_match", "fixed_depth=24", 24.0)
     assert match["tide_saves_more"]
     # perplexity: lower is better; only static skipping is as good, with more layers
-    assert (ppl["quality"], ppl["best_baseline"], ppl["baseline_layers"]) == ("perplexity_change", "static_skip=2", 28.5)
+    assert (ppl["quality"], ppl["best_baseline"], ppl["baseline_layers"]) == (
+        "perplexity_change", "static_skip=2", 28.5)
     assert ppl["tide_layers"] == 20.5 and ppl["tide_saves_more"]
     rows[3].update(greedy_prefix_match=0.8, perplexity_change=0.4)  # confidence now as good with fewer layers
     match, ppl = verdict(rows)

@@ -10,12 +10,21 @@ from collections import Counter
 
 import pytest
 import torch
+from helpers import (
+    HOOK_DICTS,
+    NUM_LAYERS,
+    constant_router,
+    hooks,
+    left_padded,
+    make_model,
+    mixed_router,
+    new_router,
+    positions,
+    reference,
+)
 
 import tide_hf
 from tide_hf import TideCompatibilityError
-
-from conftest import (HOOK_DICTS, NUM_LAYERS, constant_router, hooks, left_padded, make_model, mixed_router, new_router,
-                      positions, reference)
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -5,14 +5,13 @@ from __future__ import annotations
 import copy
 
 import torch
+from helpers import ByteTokenizer, make_documents, make_tiny_llama
 from transformers import AutoModelForCausalLM
 
-from tide_hf.bench import match_rate, perplexity
-from tide_hf.bench_modes import _fit, truncated
-from tide_hf.calibrate import held_out_texts, make_samples
+from tide_hf.calibration import held_out_texts, make_samples
 from tide_hf.config import TideRouterConfig
-
-from conftest import ByteTokenizer, make_documents, make_tiny_llama
+from tide_hf.eval.measure import match_rate, perplexity
+from tide_hf.eval.modes import fit_line, truncated
 
 
 def test_truncated_context_runs_exactly_a_shallower_model_and_restores_depth():
@@ -30,7 +29,7 @@ def test_truncated_context_runs_exactly_a_shallower_model_and_restores_depth():
 
 
 def test_fit_recovers_a_linear_cost_model():
-    a, b = _fit([8, 16, 24, 30], [0.002 + 0.001 * d for d in (8, 16, 24, 30)])
+    a, b = fit_line([8, 16, 24, 30], [0.002 + 0.001 * d for d in (8, 16, 24, 30)])
     assert abs(a - 0.002) < 1e-12 and abs(b - 0.001) < 1e-12
 
 
@@ -70,17 +69,17 @@ def test_held_out_texts_are_exactly_the_documents_calibration_never_read():
 
 
 def test_speculative_section_reports_identical_output_and_consistent_counters():
-    from tide_hf.bench import _left_pad
-    from tide_hf.bench_modes import speculative
+    from helpers import constant_router, make_model
 
-    from conftest import constant_router, make_model
+    from tide_hf.eval.measure import left_pad
+    from tide_hf.eval.modes import speculative
 
     model = make_model()
     model.generation_config.eos_token_id = None
     router = constant_router(model, 30.0)  # always says "converged": drafting is attempted
     prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 7)]
-    batches = [_left_pad([p], 0) for p in prompts]
-    res = speculative(model, router, batches, _left_pad(prompts, 0), new_tokens=6, reps=1)
+    batches = [left_pad([p], 0) for p in prompts]
+    res = speculative(model, router, batches, left_pad(prompts, 0), new_tokens=6, reps=1)
     assert res["identical_all_prompts"] and res["identical_batched"] and res["batched_rows"] == 2
     assert res["prompts"] == 2 and res["speed_ratio"] > 0
     assert res["acceptance_rate"] == (res["accepted"] / res["drafted"] if res["drafted"] else 0.0)

@@ -9,13 +9,22 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_tiny_llama
+from helpers import make_tiny_llama
 
-from tide_hf import TideCompatibilityError, TideRouter, TideRouterConfig, get_adapter, model_fingerprint
-from tide_hf.calibrate import Collected, _auc, calibrate, collect, train_routers
-from tide_hf.data import TideDataError
+from tide_hf import (
+    TideCompatibilityError,
+    TideDataError,
+    TideRouter,
+    TideRouterConfig,
+    calibrate,
+    get_adapter,
+    model_fingerprint,
+)
+from tide_hf.calibration import make_samples
+from tide_hf.calibration.labels import Collected, collect
+from tide_hf.calibration.training import auc, train_routers
 
-calibrate_mod = importlib.import_module("tide_hf.calibrate")  # `tide_hf.calibrate` the attribute is the function
+training_mod = importlib.import_module("tide_hf.calibration.training")
 
 FAST = dict(seq_len=32, num_epochs=3, router_bottleneck_dim=16, progress=False)
 METRIC_KEYS = {"positive_rate", "predicted_rate", "precision", "recall", "auc", "best_epoch", "val_loss",
@@ -192,7 +201,7 @@ def test_memory_bound_does_not_scale_with_samples(tiny_llama, byte_tokenizer, te
     # 16 and 64 samples hold ~500 and ~2000 tokens; both keep ~budget (binomial, sd ~ 11)
     assert all(0.6 * budget <= n <= 1.4 * budget for n in kept.values()), kept
     # the unbounded run keeps everything: the bound is what makes the difference
-    samples = calibrate_mod.make_samples(byte_tokenizer, [p.read_text() for p in sorted(text_folder.iterdir())],
+    samples = make_samples(byte_tokenizer, [p.read_text() for p in sorted(text_folder.iterdir())],
                                          64, 32, seed=0)
     cfg = TideRouterConfig(hidden_size=32, num_hidden_layers=9, label="cosine", max_train_tokens=budget)
     data = collect(tiny_llama, get_adapter(tiny_llama), samples, cfg, batch_size=8, pad_id=0, progress=False)
@@ -262,7 +271,7 @@ def test_train_routers_keeps_best_epoch(monkeypatch) -> None:
     is_val = torch.arange(1000) >= 800
     y = torch.where(is_val, x[:, 0] + x[:, 1] > 0, x[:, 0] > 0)
     recorder = RecordingF()
-    monkeypatch.setattr(calibrate_mod, "F", recorder)
+    monkeypatch.setattr(training_mod, "F", recorder)
     epochs = 12
     router = router_for(num_epochs=epochs, learning_rate=1e-2, train_batch_size=64)
     train_routers(router, synthetic(x, y, is_val), progress=False)
@@ -291,7 +300,7 @@ def test_train_routers_stops_early_after_patience(monkeypatch) -> None:
     runs = {}
     for patience in (0, 2):
         recorder = RecordingF()
-        monkeypatch.setattr(calibrate_mod, "F", recorder)
+        monkeypatch.setattr(training_mod, "F", recorder)
         router = router_for(num_epochs=12, learning_rate=1e-2, train_batch_size=64, early_stopping_patience=patience)
         train_routers(router, synthetic(x, y, is_val), progress=False)
         runs[patience] = (recorder.val_losses, router.config.metrics["4"])
@@ -310,10 +319,10 @@ def test_train_routers_needs_held_out_tokens() -> None:
         train_routers(router_for(num_epochs=1), synthetic(x, y, torch.zeros(50, dtype=torch.bool)), progress=False)
 
 
-# --- _auc ----------------------------------------------------------------------------------------------
+# --- auc ----------------------------------------------------------------------------------------------
 
 
-def brute_force_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+def brute_forceauc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     """P(score of a positive > score of a negative), ties counting 1/2, over all pairs."""
     diff = scores[labels][:, None] - scores[~labels][None, :]
     return float((diff > 0).double().mean() + 0.5 * (diff == 0).double().mean())
@@ -327,14 +336,14 @@ def test_auc_matches_brute_force(levels: int | None, seed: int) -> None:
     scores = torch.rand(257, generator=gen) + 0.3 * labels  # informative but overlapping
     if levels is not None:
         scores = (scores * levels).floor() / levels  # many exact ties (like sigmoids saturated at 1.0)
-    assert _auc(scores, labels) == pytest.approx(brute_force_auc(scores, labels), abs=1e-12)
+    assert auc(scores, labels) == pytest.approx(brute_forceauc(scores, labels), abs=1e-12)
 
 
 def test_auc_edge_cases() -> None:
-    assert _auc(torch.rand(10), torch.zeros(10, dtype=torch.bool)) is None
-    assert _auc(torch.rand(10), torch.ones(10, dtype=torch.bool)) is None
-    assert _auc(torch.tensor([0.1, 0.2, 0.8, 0.9]), torch.tensor([False, False, True, True])) == 1.0
-    assert _auc(torch.tensor([0.9, 0.8, 0.2, 0.1]), torch.tensor([False, False, True, True])) == 0.0
+    assert auc(torch.rand(10), torch.zeros(10, dtype=torch.bool)) is None
+    assert auc(torch.rand(10), torch.ones(10, dtype=torch.bool)) is None
+    assert auc(torch.tensor([0.1, 0.2, 0.8, 0.9]), torch.tensor([False, False, True, True])) == 1.0
+    assert auc(torch.tensor([0.9, 0.8, 0.2, 0.1]), torch.tensor([False, False, True, True])) == 0.0
 
 
 # --- bad input ------------------------------------------------------------------------------------------

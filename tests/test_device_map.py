@@ -13,16 +13,17 @@ import copy
 import pytest
 import torch
 from accelerate import cpu_offload, dispatch_model
-from conftest import ByteTokenizer, make_model, new_router
+from helpers import ByteTokenizer, make_model, new_router
 from transformers import AutoModelForCausalLM
 
 import tide_hf
-from tide_hf.devices import execution_device
+from tide_hf.modeling.devices import execution_device
 
 OFFLOADED_LAYERS = (3, 5, 7, 8)  # 0-based: checkpoint layers 4 and 8 and the last layer among them
 NEW = 8
 MODES = {"select": {"mode": "select"}, "skip-propagate": {"mode": "skip", "kv": "propagate"},
-         "skip-recompute": {"mode": "skip", "kv": "recompute"}, "speculative": {"mode": "speculative", "draft_layer": 4}}
+         "skip-recompute": {"mode": "skip", "kv": "recompute"},
+         "speculative": {"mode": "speculative", "draft_layer": 4}}
 HOOK_ATTRS = ("_hf_hook", "_old_forward", "forward")
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs")
 

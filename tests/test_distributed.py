@@ -22,10 +22,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import make_documents
+from helpers import make_documents
 from safetensors.torch import load_file
 
-from tide_hf import distributed
+from tide_hf.calibration import distributed
 
 ATOL = 1e-5  # on features, cosines, KLs and router weights; boolean labels must be equal
 METRIC_ATOL = 1e-4  # on every validation metric (precision, recall, AUC, losses, rates)
@@ -83,8 +83,10 @@ def metric_difference(a: dict, b: dict) -> float:
 
 def report(capsys, what: str, single: float, multi: float, weights: float, metrics: float, inside: str = "") -> None:
     with capsys.disabled():
-        print(f"\n{what}: wall time (process start to exit) 1 process {single:.1f} s, 2 processes {multi:.1f} s{inside}; "
-              f"max |difference| router weights {weights:.2e}, metrics {metrics:.2e} (tolerance {ATOL:g} / {METRIC_ATOL:g})")
+        print(f"\n{what}: wall time (process start to exit) 1 process {single:.1f} s, "
+              f"2 processes {multi:.1f} s{inside}; "
+              f"max |difference| router weights {weights:.2e}, metrics {metrics:.2e} "
+              f"(tolerance {ATOL:g} / {METRIC_ATOL:g})")
 
 
 def test_batches_split_into_contiguous_blocks_in_process_order(monkeypatch) -> None:

@@ -13,14 +13,13 @@ from collections import Counter
 
 import pytest
 import torch
+from helpers import NUM_LAYERS, constant_router, hooks, make_model, mixed_router, new_router, reference
+from helpers import left_padded as batch
 from transformers import LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList, pipeline
 from transformers.generation.streamers import BaseStreamer
 
 import tide_hf
 from tide_hf import TideCompatibilityError
-
-from conftest import NUM_LAYERS, constant_router, hooks, make_model, mixed_router, new_router, reference
-from conftest import left_padded as batch
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 NEW = 8  # new tokens per generate call

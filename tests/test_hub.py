@@ -57,8 +57,9 @@ def _dump(model: torch.nn.Module, out: Path, name: str) -> None:
 
 def _worker(mode: str, out_dir: str) -> None:
     """`push_pull`: push a fresh router, then load it back twice (fresh caches). `offline`: load from cache only."""
-    import tide_hf
     import transformers
+
+    import tide_hf
 
     out = Path(out_dir)
     if mode == "push_pull":
@@ -124,7 +125,7 @@ def _assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
 def _assert_router(out: Path, name: str, want: dict[str, torch.Tensor], want_config: dict[str, Any]) -> None:
     """`name` (as dumped by the worker) is a TideRouter with exactly `want`'s tensors and config."""
     tensors, meta = _loaded(out, name)
-    assert meta["class"] == "tide_hf.router.TideRouter"
+    assert meta["class"] == "tide_hf.modeling.router.TideRouter"
     _assert_same_tensors(tensors, want)
     config = meta["config"]
     assert config["model_type"] == "tide_router"

@@ -22,6 +22,7 @@ from torch import nn
 
 from tide_hf import kernels
 from tide_hf.kernels import NormSpec, gather_rows, norm_router_scores, norm_router_scores_reference, norm_spec
+from tide_hf.kernels import build as kernel_build
 
 # Kernel vs reference, |score difference| (scores lie in [0, 1]). Max over a test: fp32 differs only in summation
 # order (3e-7 seen); in fp16 / bf16 a normalised element now and then rounds one ulp differently (up to ~3e-5
@@ -242,14 +243,15 @@ def _python(code: str, **env: str) -> dict:
 
 @pytest.mark.usefixtures("cpu_kernels")
 def test_second_load_uses_the_cache() -> None:
-    ext_file = Path(kernels._extension("cpu").__file__)
+    ext_file = Path(kernel_build.extension("cpu").__file__)
     build_dir = ext_file.parent
     before = {p.name: p.stat().st_mtime_ns for p in build_dir.iterdir() if p.suffix in (".so", ".o", ".pyd")}
     ninja_log = (build_dir / ".ninja_log").read_text() if (build_dir / ".ninja_log").exists() else None
     out = _python(
-        "import json, time; from tide_hf import kernels; t = time.perf_counter(); "
+        "import json, time; from tide_hf import kernels; from tide_hf.kernels import build as kernel_build; "
+        "t = time.perf_counter(); "
         "ok = kernels.kernels_available('cpu'); s = time.perf_counter() - t; "
-        "print(json.dumps({'ok': ok, 's': s, 'file': kernels._extension('cpu').__file__}))"
+        "print(json.dumps({'ok': ok, 's': s, 'file': kernel_build.extension('cpu').__file__}))"
     )
     assert out["ok"] and Path(out["file"]) == ext_file
     assert out["s"] < CACHED_LOAD_MAX_S, f"cached load took {out['s']:.1f}s: rebuilt?"
@@ -274,16 +276,16 @@ def test_env_var_forces_pytorch() -> None:
 
 @pytest.fixture
 def fresh_state(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kernels, "_extensions", {})
-    monkeypatch.setattr(kernels, "_build_errors", {})
+    monkeypatch.setattr(kernel_build, "_extensions", {})
+    monkeypatch.setattr(kernel_build, "_build_errors", {})
 
 
 def test_build_failure_warns_once_and_falls_back(
     fresh_state: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     (tmp_path / "broken.cpp").write_text("#error deliberately broken\n")
-    monkeypatch.setattr(kernels, "KERNEL_DIR", tmp_path)
-    monkeypatch.setattr(kernels, "EXTENSIONS", {"cpu": ("tide_hf_test_broken", ("broken.cpp",))})
+    monkeypatch.setattr(kernel_build, "KERNEL_DIR", tmp_path)
+    monkeypatch.setattr(kernel_build, "EXTENSIONS", {"cpu": ("tide_hf_test_broken", ("broken.cpp",))})
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     hidden, spec, router = _inputs("rms", 2, 64, 16, torch.float32, "cpu", seed=4)
     with caplog.at_level(logging.WARNING, logger="tide_hf.kernels"):
@@ -311,8 +313,8 @@ def test_concurrent_first_use_builds_once(fresh_state: None, monkeypatch: pytest
         time.sleep(0.2)
         return object()
 
-    monkeypatch.setattr(kernels, "_build", slow_build)
-    monkeypatch.setattr(kernels, "_toolchain_missing", lambda flavour: None)
+    monkeypatch.setattr(kernel_build, "_build", slow_build)
+    monkeypatch.setattr(kernel_build, "_toolchain_missing", lambda flavour: None)
     threads = [threading.Thread(target=kernels.kernels_available, args=("cpu",)) for _ in range(8)]
     for t in threads:
         t.start()
@@ -323,7 +325,9 @@ def test_concurrent_first_use_builds_once(fresh_state: None, monkeypatch: pytest
 
 @pytest.mark.usefixtures("cpu_kernels")
 def test_microbench_reports_both_paths() -> None:
-    (row,) = kernels.microbench([(2, 64, 16)], torch.float32, "cpu")
+    from tide_hf.eval.kernels import microbench
+
+    (row,) = microbench([(2, 64, 16)], torch.float32, "cpu")
     assert row["backend"] == "cpp" and row["kernel_us"] > 0 and row["torch_us"] > 0
     assert row["max_abs_diff"] <= SCORE_ATOL[torch.float32] and row["kernel_gbps"] > 0
 

@@ -7,11 +7,20 @@ import copy
 import pytest
 import torch
 from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
-from transformers import (AutoModelForCausalLM, DynamicCache, GemmaConfig, GPT2Config, LlamaConfig, MistralConfig,
-                          Qwen2Config, Qwen3Config, StaticCache)
+from transformers import (
+    AutoModelForCausalLM,
+    DynamicCache,
+    GemmaConfig,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+    StaticCache,
+)
 
 import tide_hf
-from tide_hf.kv import FusedPropagation, propagate_kv
+from tide_hf.runtime.kv import FusedPropagation, propagate_kv
 
 NUM_LAYERS = 9  # router checkpoints [4, 8]
 
@@ -110,7 +119,8 @@ def test_every_layer_cache_has_the_same_length_after_every_step(cache):
     model = make()
     ids, mask = prompts()
     tide_hf.attach(model, router_for(model, 30.0), exit_threshold=0.5, min_layers=4, mode="skip")
-    past = DynamicCache(config=model.config) if cache == "dynamic" else StaticCache(config=model.config, max_cache_len=32)
+    past = (DynamicCache(config=model.config) if cache == "dynamic"
+            else StaticCache(config=model.config, max_cache_len=32))
     lengths = []
 
     def record(*_):
@@ -202,7 +212,8 @@ def test_unsupported_attention_is_refused_before_any_patch():
     with pytest.raises(NotImplementedError, match="kv='propagate'"):
         tide_hf.attach(model, router_for(model, 30.0), mode="skip")
     assert tide_hf.get_handle(model) is None
-    assert all(not m._forward_hooks and not m._forward_pre_hooks and "forward" not in m.__dict__ for m in model.modules())
+    assert all(not m._forward_hooks and not m._forward_pre_hooks and "forward" not in m.__dict__
+               for m in model.modules())
 
 
 def test_recompute_fills_the_exact_deep_cache_in_the_next_full_step():

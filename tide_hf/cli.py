@@ -1,42 +1,20 @@
-"""`tide-hf`: calibrate routers, run the demo on the embedded default model, benchmark."""
+"""`tide-hf`: argument parsing; each subcommand runs from the room it belongs to (calibration, eval)."""
 
 from __future__ import annotations
 
 import argparse
-import resource
 import shlex
 import sys
-import time
-from typing import Any
 
-DEFAULT_MODEL = "smollm2"  # alias of the embedded SmolLM2-135M-Instruct (see tide_hf.assets)
-
-
-def load_model(name: str, dtype: str = "float32"):
-    """Model and tokenizer by Hub id / local folder, or the embedded default for "smollm2"."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .assets import smollm2_path
-
-    path = smollm2_path() if name == DEFAULT_MODEL else name
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
-    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
-    return model.eval(), tokenizer
-
-
-def default_dataset(name: str | None) -> str | None:
-    """The SOTU folder for the embedded default model, else what the user gave (None = WikiText)."""
-    from .assets import sotu_path
-
-    return str(sotu_path()) if name in (None, "sotu") else name
+from .assets import DEFAULT_MODEL
 
 
 def _add_calibration_args(p: argparse.ArgumentParser) -> None:
     from .config import TideRouterConfig
 
     d = TideRouterConfig()  # the library's defaults, so the CLI cannot drift from them
-    p.add_argument("--model", default=DEFAULT_MODEL, help="Hub id or folder of a causal LM ('smollm2' = embedded default)")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="Hub id or folder of a causal LM ('smollm2' = embedded default)")
     p.add_argument("--dataset", default="sotu", help="Hub dataset name, local .txt/.jsonl file or folder, or 'sotu'")
     p.add_argument("--dataset-config", default=None, help="Hub dataset config (e.g. wikitext-103-raw-v1)")
     p.add_argument("--split", default="train")
@@ -53,127 +31,28 @@ def _add_calibration_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-epochs", type=int, default=d.num_epochs)
     p.add_argument("--early-stopping-patience", type=int, default=d.early_stopping_patience,
                    help="stop a router after this many epochs without a better held-out loss (0: never)")
-    p.add_argument("--max-train-tokens", type=int, default=d.max_train_tokens, help="kept tokens per checkpoint (bounds memory)")
+    p.add_argument("--max-train-tokens", type=int, default=d.max_train_tokens,
+                   help="kept tokens per checkpoint (bounds memory)")
     p.add_argument("--exit-threshold", type=float, default=d.exit_threshold)
     p.add_argument("--min-layers", type=int, default=None)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 
-def _calibrate(args: argparse.Namespace):
-    from .calibrate import calibrate
-    from .distributed import to_process_device
-
-    model, tokenizer = load_model(args.model, args.dtype)
-    model = to_process_device(model)  # under `accelerate launch`: this process's GPU
-    router = calibrate(
-        model, tokenizer, default_dataset(args.dataset),
-        dataset_config=args.dataset_config, split=args.split, text_field=args.text_field,
-        num_samples=args.num_samples, seq_len=args.seq_len, batch_size=args.batch_size, label=args.label,
-        checkpoint_interval=args.checkpoint_interval, convergence_threshold=args.convergence_threshold,
-        kl_threshold=args.kl_threshold, num_epochs=args.num_epochs,
-        early_stopping_patience=args.early_stopping_patience, max_train_tokens=args.max_train_tokens,
-        exit_threshold=args.exit_threshold, min_layers=args.min_layers, seed=args.seed,
-    )
-    return model, tokenizer, router
-
-
-def print_metrics(router) -> None:
-    cfg = router.config
-    print(f"\nrouter: label={cfg.label}, checkpoints={cfg.checkpoint_layers}, threshold={cfg.exit_threshold}")
-    print(f"{'layer':>5} {'pos.rate':>8} {'precision':>9} {'recall':>7} {'AUC':>6} {'pred.rate':>9}")
-    for k in cfg.checkpoint_layers:
-        m = cfg.metrics[str(k)]
-        cells = [m.get(f) for f in ("positive_rate", "precision", "recall", "auc", "predicted_rate")]
-        print(f"{k:>5} " + " ".join(f"{'n/a' if v is None else f'{v:.3f}':>8}" for v in cells))
-    print("seconds:", {k: round(v, 1) for k, v in cfg.calibration_seconds.items()})
-
-
-def bare_forward_seconds(args: argparse.Namespace) -> float:
-    """Wall time of stock forward passes (logits included) over exactly the tokens calibration will see."""
-    import torch
-    from tqdm.auto import tqdm
-
-    from .calibrate import _pad, make_samples
-    from .data import load_texts
-
-    model, tokenizer = load_model(args.model, args.dtype)
-    texts = load_texts(default_dataset(args.dataset), dataset_config=args.dataset_config, split=args.split,
-                       text_field=args.text_field)
-    samples = make_samples(tokenizer, texts, args.num_samples, args.seq_len, args.seed)
-    started = time.perf_counter()
-    with torch.no_grad():
-        for i in tqdm(range(0, len(samples), args.batch_size), desc="bare forward", unit="batch"):
-            ids, mask = _pad(samples[i : i + args.batch_size], 0)
-            model(input_ids=ids, attention_mask=mask, use_cache=False)
-    return time.perf_counter() - started
-
-
-def _write_calibration_results(args: argparse.Namespace, router: Any, wall: float, peak_gb: float,
-                               bare: float | None) -> None:
-    """The run's figures as JSON (the README's calibration table is generated from it)."""
-    import json
-    from pathlib import Path
-
-    cfg = router.config
-    secs = cfg.calibration_seconds
-    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.results).write_text(json.dumps({
-        "command": args.command, "model": args.model, "label": cfg.label, "num_samples": cfg.num_samples,
-        "seq_len": cfg.seq_len, "checkpoint_layers": cfg.checkpoint_layers, "exit_threshold": cfg.exit_threshold,
-        "wall_s": wall, "peak_rss_gb": peak_gb, "bare_forward_s": bare, "seconds": secs,
-        "overhead_vs_bare": (secs["label"] + secs["train"]) / bare if bare else None, "metrics": cfg.metrics,
-    }, indent=2))
-
-
 def cmd_calibrate(args: argparse.Namespace) -> None:
-    from .distributed import is_main_process
+    from .calibration.command import run
 
-    bare = bare_forward_seconds(args) if args.compare_bare_forward else None
-    started = time.perf_counter()
-    _, _, router = _calibrate(args)
-    wall = time.perf_counter() - started
-    if not is_main_process():  # under `accelerate launch` the main process reports, saves and pushes
-        return
-    router.save_pretrained(args.output)
-    print_metrics(router)
-    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    print(f"calibration wall time {wall:.1f} s, peak RSS {peak_gb:.2f} GB")
-    if bare is not None:
-        secs = router.config.calibration_seconds
-        extra = secs["label"] + secs["train"]
-        print(f"bare forward over the same tokens {bare:.1f} s; labelling + training add {extra:.1f} s "
-              f"= {extra / bare:.1%} of it (model body inside calibration: {secs['forward']:.1f} s)")
-    print(f"saved to {args.output}")
-    if args.results:
-        _write_calibration_results(args, router, wall, peak_gb, bare)
-    if args.push_to_hub:
-        info = router.push_to_hub(args.push_to_hub)
-        print(f"pushed to {info.commit_url}")
+    run(args)
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from .attach import attach
-    from .distributed import is_main_process
+    from .eval.demo import run
 
-    model, tokenizer, router = _calibrate(args)
-    if not is_main_process():  # under `accelerate launch` the main process saves and generates
-        return
-    router.save_pretrained(args.output)
-    print_metrics(router)
-    print(f"router saved to {args.output}")
-    handle = attach(model, router)
-    messages = [{"role": "user", "content": args.prompt}]
-    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)
-    print("\nTIDE generation:", tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
-    print(handle.last_stats.summary())
-    if args.stats_png:
-        print("exit histogram:", handle.last_stats.plot(args.stats_png))
+    run(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from .bench import run
+    from .eval.bench import run
 
     if not args.kernels and not args.router:
         raise SystemExit("tide-hf bench: --router is required (except with --kernels)")
@@ -181,7 +60,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def cmd_analyze(args: argparse.Namespace) -> None:
-    from .analyze import run
+    from .eval.analyze import run
 
     run(args)
 
@@ -261,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from .distributed import finish
+    from .calibration.distributed import finish
 
     args = build_parser().parse_args(argv)
     args.command = shlex.join(["tide-hf", *(sys.argv[1:] if argv is None else argv)])  # recorded in result JSON

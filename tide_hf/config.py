@@ -28,8 +28,8 @@ class TideRouterConfig(PretrainedConfig):
     the output of the `k`-th decoder layer, 1-based). Provenance (what the router belongs to and how it
     was made): the `base_*` fields, the label, the data and the training hyper-parameters. Defaults for
     serving: `exit_threshold`, `min_layers`. Training runs at most `num_epochs` per router and stops after
-    `early_stopping_patience` epochs without a better held-out loss (0: never stops early). Results: `metrics`, one dict per checkpoint, and
-    `calibration_seconds` (model body, labelling, training).
+    `early_stopping_patience` epochs without a better held-out loss (0: never stops early). Results:
+    `metrics`, one dict per checkpoint, and `calibration_seconds` (model body, labelling, training).
     """
 
     model_type = "tide_router"
@@ -119,7 +119,8 @@ class TideRouterConfig(PretrainedConfig):
         if sorted(set(self.checkpoint_layers)) != list(self.checkpoint_layers):
             raise ValueError(f"checkpoint_layers must be strictly increasing, got {self.checkpoint_layers}")
         if self.early_stopping_patience < 0:
-            raise ValueError(f"early_stopping_patience must be >= 0 (0 trains every epoch), got {self.early_stopping_patience}")
+            raise ValueError(
+                f"early_stopping_patience must be >= 0 (0 trains every epoch), got {self.early_stopping_patience}")
         if not 0.0 < self.validation_fraction < 1.0:
             raise ValueError(f"validation_fraction must be in (0, 1), got {self.validation_fraction}")
         _check_threshold(self.exit_threshold)

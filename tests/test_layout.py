@@ -1,0 +1,122 @@
+"""The package's layout: rooms whose imports flow one way, no cycles, small modules, no private names across
+modules, and a serving import that pulls in neither the tooling nor its heavy dependencies."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "tide_hf"
+MAX_LINES = 400
+# room -> rooms it may import. The base (errors, config, plotting, assets) imports no room; the model side
+# comes next, then kernels, the runtime and the transformers integration; calibration needs only the model
+# side; eval may use everything but the CLI; the CLI everything; the package root everything but eval / cli.
+BASE = {"errors", "config", "plotting", "assets"}
+ALLOWED = {
+    **{room: set() for room in BASE},
+    "modeling": {"errors", "config"},
+    "kernels": {"errors", "config"},
+    "runtime": {"errors", "config", "plotting", "modeling", "kernels"},
+    "integrations": {"errors", "config", "modeling", "kernels", "runtime"},
+    "calibration": {"errors", "config", "assets", "modeling"},
+    "eval": BASE | {"modeling", "kernels", "runtime", "integrations", "calibration"},
+    "cli": BASE | {"modeling", "kernels", "runtime", "integrations", "calibration", "eval"},
+    "__init__": BASE | {"modeling", "kernels", "runtime", "integrations", "calibration"},
+}
+
+
+def modules() -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the package."""
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> list[tuple[str, list[str]]]:
+    """(imported tide_hf module, names taken from it) for every import in `path`, inside functions too."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names if alias.name.startswith("tide_hf")]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            stem = ".".join(base + ([node.module] if node.module else []))
+            if not stem.startswith("tide_hf"):
+                continue
+            for alias in node.names:  # `from pkg import submodule` imports the submodule
+                sub = f"{stem}.{alias.name}"
+                found.append((sub, []) if sub in known else (stem, [alias.name]))
+    return found
+
+
+def room(module: str) -> str:
+    parts = module.split(".")
+    return "__init__" if len(parts) == 1 else parts[1]
+
+
+def test_no_import_cycles() -> None:
+    known = modules()
+    graph = {m: {t for t, _ in imports(m, p, known) if t in known and t != m} for m, p in known.items()}
+    state: dict[str, int] = {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in graph[node]:
+            if state.get(nxt) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(trail[trail.index(nxt):] + [node, nxt]))
+            if nxt not in state:
+                visit(nxt, trail + [node])
+        state[node] = 2
+
+    for m in graph:
+        if m not in state:
+            visit(m, [])
+
+
+def test_imports_flow_one_way() -> None:
+    known = modules()
+    wrong = []
+    for name, path in known.items():
+        mine = room(name)
+        for target, _ in imports(name, path, known):
+            theirs = room(target)
+            if theirs != mine and theirs not in ALLOWED[mine]:
+                wrong.append(f"{name} imports {target} ({mine} may use {sorted(ALLOWED[mine]) or 'no room'})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_private_names_across_modules() -> None:
+    known = modules()
+    wrong = [f"{name} imports {target}.{n}" for name, path in known.items()
+             for target, names in imports(name, path, known) for n in names
+             if n.startswith("_") and target != name]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_modules_are_small() -> None:
+    big = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) >= MAX_LINES}
+    assert not big, f"modules of {MAX_LINES}+ lines: {big}"
+
+
+def test_serving_import_is_light() -> None:
+    """`import tide_hf` (serving) loads neither the tooling (eval, cli) nor datasets or matplotlib."""
+    code = ("import json, sys, tide_hf; print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('datasets', 'matplotlib') or m.startswith(('tide_hf.eval', 'tide_hf.cli')))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_version_matches_pyproject() -> None:
+    import tide_hf
+
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]
+    assert tide_hf.__version__ == project["version"]

@@ -1,0 +1,84 @@
+"""The one reversible patching mechanism (`Patches`), the handle as a context manager, and the reversible
+`generate(tide=...)` keyword."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import constant_router, hooks, left_padded, make_model
+from transformers import GenerationMixin, GPT2Config
+
+import tide_hf
+from tide_hf.integrations import install, uninstall
+from tide_hf.runtime import Patches
+
+
+class Layer(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+
+def test_instance_attribute_is_deleted_again() -> None:
+    layer = Layer()
+    with Patches() as patches:
+        patches.replace_forward(layer, lambda original: lambda x: original(x) * 10)
+        assert "forward" in vars(layer) and layer(torch.zeros(1)).item() == 10.0
+    assert "forward" not in vars(layer) and layer(torch.zeros(1)).item() == 1.0
+
+
+def test_accelerate_old_forward_is_the_one_replaced() -> None:
+    layer = Layer()
+    layer._old_forward = layer.forward  # what accelerate's add_hook_to_module leaves on the instance
+    saved = layer._old_forward
+    patches = Patches()
+    patches.replace_forward(layer, lambda original: lambda x: original(x) * 10)
+    assert "forward" not in vars(layer) and layer._old_forward(torch.zeros(1)).item() == 10.0
+    patches.restore()
+    assert layer._old_forward is saved and len(patches) == 0
+
+
+def test_config_values_and_aliases_come_back() -> None:
+    config = GPT2Config(n_layer=6)  # num_hidden_layers is an alias of n_layer (attribute_map)
+    with Patches() as patches:
+        patches.set_attr(config, "num_hidden_layers", 2)
+        patches.set_attr(config, "num_hidden_layers", 1)  # nested changes undo newest first
+        assert config.n_layer == 1
+    assert config.n_layer == 6 and config.num_hidden_layers == 6
+
+
+def test_class_attribute_comes_back() -> None:
+    original = Layer.forward
+    with Patches() as patches:
+        patches.set_attr(Layer, "forward", lambda self, x: x)
+        assert Layer()(torch.zeros(1)).item() == 0.0
+    assert Layer.forward is original
+
+
+def test_handle_is_a_context_manager_that_detaches_on_errors() -> None:
+    model = make_model()
+    before = hooks(model)
+    ids, mask = left_padded()
+    with pytest.raises(RuntimeError, match="boom"), tide_hf.attach(model, constant_router(model, 30.0),
+                                                                   mode="skip") as handle:
+        assert tide_hf.get_handle(model) is handle and hooks(model) != before
+        model(input_ids=ids, attention_mask=mask)
+        raise RuntimeError("boom")
+    assert tide_hf.get_handle(model) is None and hooks(model) == before
+    assert not any("forward" in vars(layer) for layer in model.model.layers), "skip-mode forwards left behind"
+
+
+def test_generate_keyword_can_be_uninstalled_and_installed_again() -> None:
+    model = make_model()
+    ids, mask = left_padded()
+    wrapped = GenerationMixin.generate
+    try:
+        uninstall()
+        assert GenerationMixin.generate is not wrapped and "tide" not in GenerationMixin.generate.__code__.co_varnames
+        with pytest.raises((TypeError, ValueError)):  # stock generate rejects the unknown keyword
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, tide=True)
+    finally:
+        install()
+    assert GenerationMixin.generate is not None and GenerationMixin.generate.__wrapped__ is not None
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
+                         tide=constant_router(model, 30.0))
+    assert out.shape == (3, ids.shape[1] + 2)

@@ -1,0 +1,102 @@
+"""The `tide-hf calibrate` command: load, calibrate, save, report (and optionally time stock forwards over the
+same tokens, write the figures as JSON, push to the Hub)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from ..assets import default_dataset, load_model
+from ..modeling import TideRouter
+from .data import load_texts
+from .distributed import is_main_process, to_process_device
+from .pipeline import calibrate
+from .samples import make_samples, pad_right
+
+
+def calibrate_from_args(args: argparse.Namespace) -> tuple[Any, Any, TideRouter]:
+    """Load the model named by `args` and calibrate routers for it as the arguments say."""
+    model, tokenizer = load_model(args.model, args.dtype)
+    model = to_process_device(model)  # under `accelerate launch`: this process's GPU
+    router = calibrate(
+        model, tokenizer, default_dataset(args.dataset),
+        dataset_config=args.dataset_config, split=args.split, text_field=args.text_field,
+        num_samples=args.num_samples, seq_len=args.seq_len, batch_size=args.batch_size, label=args.label,
+        checkpoint_interval=args.checkpoint_interval, convergence_threshold=args.convergence_threshold,
+        kl_threshold=args.kl_threshold, num_epochs=args.num_epochs,
+        early_stopping_patience=args.early_stopping_patience, max_train_tokens=args.max_train_tokens,
+        exit_threshold=args.exit_threshold, min_layers=args.min_layers, seed=args.seed,
+    )
+    return model, tokenizer, router
+
+
+def print_metrics(router: TideRouter) -> None:
+    """The per-checkpoint validation table and the calibration's timings."""
+    cfg = router.config
+    print(f"\nrouter: label={cfg.label}, checkpoints={cfg.checkpoint_layers}, threshold={cfg.exit_threshold}")
+    print(f"{'layer':>5} {'pos.rate':>8} {'precision':>9} {'recall':>7} {'AUC':>6} {'pred.rate':>9}")
+    for k in cfg.checkpoint_layers:
+        m = cfg.metrics[str(k)]
+        cells = [m.get(f) for f in ("positive_rate", "precision", "recall", "auc", "predicted_rate")]
+        print(f"{k:>5} " + " ".join(f"{'n/a' if v is None else f'{v:.3f}':>8}" for v in cells))
+    print("seconds:", {k: round(v, 1) for k, v in cfg.calibration_seconds.items()})
+
+
+def bare_forward_seconds(args: argparse.Namespace) -> float:
+    """Wall time of stock forward passes (logits included) over exactly the tokens calibration will see."""
+    model, tokenizer = load_model(args.model, args.dtype)
+    texts = load_texts(default_dataset(args.dataset), dataset_config=args.dataset_config, split=args.split,
+                       text_field=args.text_field)
+    samples = make_samples(tokenizer, texts, args.num_samples, args.seq_len, args.seed)
+    started = time.perf_counter()
+    with torch.no_grad():
+        for i in tqdm(range(0, len(samples), args.batch_size), desc="bare forward", unit="batch"):
+            ids, mask = pad_right(samples[i : i + args.batch_size], 0)
+            model(input_ids=ids, attention_mask=mask, use_cache=False)
+    return time.perf_counter() - started
+
+
+def write_calibration_results(args: argparse.Namespace, router: Any, wall: float, peak_gb: float,
+                               bare: float | None) -> None:
+    """The run's figures as JSON (the README's calibration table is generated from it)."""
+    cfg = router.config
+    secs = cfg.calibration_seconds
+    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.results).write_text(json.dumps({
+        "command": args.command, "model": args.model, "label": cfg.label, "num_samples": cfg.num_samples,
+        "seq_len": cfg.seq_len, "checkpoint_layers": cfg.checkpoint_layers, "exit_threshold": cfg.exit_threshold,
+        "wall_s": wall, "peak_rss_gb": peak_gb, "bare_forward_s": bare, "seconds": secs,
+        "overhead_vs_bare": (secs["label"] + secs["train"]) / bare if bare else None, "metrics": cfg.metrics,
+    }, indent=2))
+
+
+def run(args: argparse.Namespace) -> None:
+    """The `tide-hf calibrate` command: calibrate, save, print metrics; optionally results JSON and push."""
+    bare = bare_forward_seconds(args) if args.compare_bare_forward else None
+    started = time.perf_counter()
+    _, _, router = calibrate_from_args(args)
+    wall = time.perf_counter() - started
+    if not is_main_process():  # under `accelerate launch` the main process reports, saves and pushes
+        return
+    router.save_pretrained(args.output)
+    print_metrics(router)
+    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"calibration wall time {wall:.1f} s, peak RSS {peak_gb:.2f} GB")
+    if bare is not None:
+        secs = router.config.calibration_seconds
+        extra = secs["label"] + secs["train"]
+        print(f"bare forward over the same tokens {bare:.1f} s; labelling + training add {extra:.1f} s "
+              f"= {extra / bare:.1%} of it (model body inside calibration: {secs['forward']:.1f} s)")
+    print(f"saved to {args.output}")
+    if args.results:
+        write_calibration_results(args, router, wall, peak_gb, bare)
+    if args.push_to_hub:
+        info = router.push_to_hub(args.push_to_hub)
+        print(f"pushed to {info.commit_url}")

@@ -1,0 +1,64 @@
+"""Calibration text through `datasets`: a Hub dataset name, or local text / jsonl files and folders.
+
+A dataset that cannot be loaded raises `TideDataError` naming it and the cause; nothing is ever
+replaced by stand-in text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import TideDataError
+
+DEFAULT_DATASET = "wikitext"
+DEFAULT_DATASET_CONFIG = "wikitext-103-raw-v1"
+_BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json"}
+
+
+def _local_files(path: Path) -> tuple[str, list[str]]:
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _BUILDERS) if path.is_dir() else [path]
+    if not files:
+        raise TideDataError(f"no text files ({', '.join(_BUILDERS)}) under {path}")
+    builders = {_BUILDERS.get(p.suffix) for p in files}
+    if len(builders) != 1 or None in builders:
+        raise TideDataError(
+            f"{path}: mix of file kinds {sorted(p.suffix for p in files)[:5]}...; give one kind (text or jsonl)"
+        )
+    return builders.pop(), [str(p) for p in files]
+
+
+def load_texts(
+    dataset: str | None = None,
+    *,
+    dataset_config: str | None = None,
+    split: str = "train",
+    text_field: str = "text",
+) -> list[str]:
+    """Return the non-empty documents of `dataset` (a local file / folder, or a Hub dataset name).
+
+    Local .txt files are one document per file; .jsonl / .json files one document per record's
+    `text_field`. A Hub name defaults to WikiText-103 when `dataset` is None.
+    """
+    from datasets import load_dataset
+
+    name = dataset or DEFAULT_DATASET
+    config = dataset_config if dataset else (dataset_config or DEFAULT_DATASET_CONFIG)
+    local = Path(name).expanduser()
+    try:
+        if local.exists():
+            builder, files = _local_files(local)
+            extra = {"sample_by": "document"} if builder == "text" else {}
+            ds = load_dataset(builder, data_files=files, split="train", **extra)
+        else:
+            ds = load_dataset(name, config, split=split)
+    except TideDataError:
+        raise
+    except Exception as exc:  # datasets raises many kinds; say which source failed and why
+        raise TideDataError(
+            f"could not load calibration dataset {name!r} (config={config!r}, split={split!r}): {exc}") from exc
+    if text_field not in ds.column_names:
+        raise TideDataError(f"dataset {name!r} has no column {text_field!r}; columns: {ds.column_names}")
+    texts = [t for t in ds[text_field] if isinstance(t, str) and t.strip()]
+    if not texts:
+        raise TideDataError(f"dataset {name!r} has no non-empty {text_field!r} values")
+    return texts

@@ -1,0 +1,166 @@
+"""Collecting what routers learn from: each checkpoint's final-normed state (the router input) and the raw
+quantities labels are made of (cosine to the final state, top-1 agreement and KL of the exit logits).
+
+What is compared: each checkpoint's pre-norm layer output with the pre-norm output of the last layer, in
+fp32 (cosine label), or the logits both produce through the model's own head (top1 / kl labels). Peak
+memory is bounded by `max_train_tokens` per checkpoint, not by the number of samples: tokens are
+subsampled before anything is kept, and labels are computed only for the kept tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..config import TideRouterConfig
+from ..modeling import ModelAdapter, layer_output
+from ..modeling.devices import execution_device
+from .distributed import gather_collected, local_batches
+from .samples import pad_right
+
+LABEL_CHUNK_ROWS = 256  # tokens whose vocab-sized exit logits are held at once while labelling
+
+
+@dataclass
+class Collected:
+    """Kept tokens of every checkpoint: router inputs and the raw quantities labels are made from."""
+
+    features: dict[int, torch.Tensor]  # layer -> (n, hidden) fp32, final-normed
+    cosine: dict[int, torch.Tensor]  # layer -> (n,) cos(h_k, h_final), pre-norm, fp32
+    top1: dict[int, torch.Tensor]  # layer -> (n,) bool, exit argmax == final argmax
+    kl: dict[int, torch.Tensor]  # layer -> (n,) KL(final || exit) in nats
+    is_val: torch.Tensor  # (n,) bool, token comes from a held-out sample
+    labelled: dict[str, torch.Tensor]  # "top1" / "kl" -> (n,) bool, computed for this token
+    seconds: dict[str, float]  # wall time of the model body ("forward") and of labelling ("label")
+
+    def labels(self, layer: int, cfg: TideRouterConfig) -> torch.Tensor:
+        """The positive ("converged") label of each kept token under `cfg.label`."""
+        return self.labels_of(cfg.label, layer, cfg)
+
+    def label_rate(self, kind: str, layer: int, cfg: TideRouterConfig) -> float:
+        """Positive rate of label `kind`, over the tokens where it was computed."""
+        rows = self.labelled.get(kind, slice(None))
+        return float(self.labels_of(kind, layer, cfg)[rows].float().mean())
+
+    def labels_of(self, kind: str, layer: int, cfg: TideRouterConfig) -> torch.Tensor:
+        if kind == "cosine":
+            return self.cosine[layer] > cfg.convergence_threshold
+        if kind == "top1":
+            return self.top1[layer]
+        return self.kl[layer] < cfg.kl_threshold
+
+
+def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Row-wise dot product as one batched matmul (no vocab-sized temporaries)."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
+class FinalDistribution:
+    """The final layer's next-token distribution, to measure KL(final || exit) against."""
+
+    def __init__(self, final_logits: torch.Tensor) -> None:
+        self.prob = F.softmax(final_logits.float(), dim=-1)
+        self.neg_entropy = rowdot(self.prob, F.log_softmax(final_logits.float(), dim=-1))
+
+    def kl(self, exit_logits: torch.Tensor) -> torch.Tensor:
+        """KL(final || exit) per row, as a batched dot (no vocab-sized temporaries beyond log q)."""
+        return self.neg_entropy - rowdot(self.prob, F.log_softmax(exit_logits.float(), dim=-1))
+
+
+@torch.no_grad()
+def collect(
+    model: nn.Module,
+    adapter: ModelAdapter,
+    samples: list[torch.Tensor],
+    cfg: TideRouterConfig,
+    *,
+    batch_size: int,
+    pad_id: int,
+    progress: bool = True,
+) -> Collected:
+    """Run the model body over `samples` with hooks at the checkpoints and the last layer; keep a
+    seeded random subset of real (non-padding) tokens and compute their features and label inputs.
+
+    Under `accelerate launch` each process runs its own block of batches and every process returns the
+    gathered tokens of all of them, equal to a single process's (see `tide_hf.distributed`)."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    total = sum(len(s) for s in samples)
+    keep_p = min(1.0, cfg.max_train_tokens / max(total, 1))
+    keep = [torch.rand(len(s), generator=gen) < keep_p for s in samples]
+    n_val_samples = max(1, math.ceil(cfg.validation_fraction * len(samples)))
+    is_val = torch.cat([k.new_full((int(k.sum()),), i >= len(samples) - n_val_samples) for i, k in enumerate(keep)])
+    starts, local_rows = local_batches(keep, batch_size)  # all batches, unless launched (accelerate)
+    is_val = is_val[local_rows]
+    n = int(is_val.numel())
+    layers = list(cfg.checkpoint_layers)
+    out = Collected(
+        features={k: torch.empty(n, cfg.hidden_size) for k in layers},
+        cosine={k: torch.empty(n) for k in layers},
+        top1={k: torch.zeros(n, dtype=torch.bool) for k in layers},
+        kl={k: torch.full((n,), math.nan) for k in layers},
+        is_val=is_val,
+        labelled={kind: torch.zeros(n, dtype=torch.bool) for kind in ("top1", "kl")},
+        seconds={"forward": 0.0, "label": 0.0},
+    )
+    final_layer = adapter.num_layers
+    device, in_device = execution_device(adapter.lm_head), execution_device(adapter.embeddings)
+    captured: dict[int, torch.Tensor] = {}
+    selection: list[torch.Tensor] = []
+
+    def hook_for(k: int):
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            hidden = layer_output(output)  # on its layer's device when the model is split over devices
+            captured[k] = hidden[selection[0].to(hidden.device)].to(device)
+        return hook
+
+    handles = [adapter.layers[k - 1].register_forward_hook(hook_for(k)) for k in (*layers, final_layer)]
+    cursor = 0
+    try:
+        for start in tqdm(starts, desc="tide_hf: collecting hidden states",
+                          disable=not progress, unit="batch"):
+            ids, mask = pad_right(samples[start : start + batch_size], pad_id)
+            sel, _ = pad_right(keep[start : start + batch_size], 0)
+            selection[:] = [sel.bool().to(device)]
+            t0 = time.perf_counter()
+            model.base_model(input_ids=ids.to(in_device), attention_mask=mask.to(in_device), use_cache=False)
+            t1 = time.perf_counter()
+            h_final = captured[final_layer]
+            m = h_final.shape[0]
+            rows = torch.arange(cursor, cursor + m)
+            # Head-based labels cost a vocab-sized matmul per token and checkpoint: compute them for every
+            # kept token only when they are the training label, else on held-out tokens for the report.
+            # The KL also needs two vocab-sized softmaxes per row, so unless it is the label it is held-out only.
+            head = rows if cfg.label != "cosine" else rows[is_val[rows]]
+            for k in layers:
+                h = captured[k]
+                out.features[k][rows] = adapter.normed(h).float().cpu()
+                out.cosine[k][rows] = F.cosine_similarity(h.float(), h_final.float(), dim=-1).cpu()
+            # vocab-sized logits in row chunks, so their memory does not grow with the batch
+            for part in head.split(LABEL_CHUNK_ROWS):
+                local = (part - cursor).to(device)
+                with_kl = torch.ones_like(part, dtype=torch.bool) if cfg.label == "kl" else is_val[part]
+                final_logits = adapter.logits(h_final[local])
+                final_argmax = final_logits.argmax(-1)
+                final = FinalDistribution(final_logits[with_kl.to(device)])
+                for k in layers:
+                    exit_logits = adapter.logits(captured[k][local])
+                    out.top1[k][part] = (exit_logits.argmax(-1) == final_argmax).cpu()
+                    out.kl[k][part[with_kl]] = final.kl(exit_logits[with_kl.to(device)]).cpu()
+                out.labelled["top1"][part] = True
+                out.labelled["kl"][part[with_kl]] = True
+            cursor += m
+            captured.clear()
+            out.seconds["forward"] += t1 - t0
+            out.seconds["label"] += time.perf_counter() - t1
+    finally:
+        for handle in handles:
+            handle.remove()
+    return gather_collected(out)
+

@@ -1,0 +1,99 @@
+"""`calibrate()`: real text -> hidden states at the checkpoints -> convergence labels -> one router each.
+
+Routers are trained and scored on the same representation, `final_norm(h_k)`; see `labels.py` for what is
+collected and `training.py` for how routers are fitted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import LABEL_KINDS, TideRouterConfig
+from ..modeling import TideRouter, get_adapter, model_fingerprint, text_config
+from .data import DEFAULT_DATASET, load_texts
+from .distributed import is_main_process, main_process_first, train_on_main
+from .labels import collect
+from .samples import make_samples, pad_token_id
+from .training import train_routers
+
+logger = logging.getLogger(__name__)
+
+
+def warn_if_silent(cfg: TideRouterConfig) -> None:
+    """Say loudly when the chosen label (almost) never fires, and which label kind would."""
+    rates = {k: cfg.metrics[str(k)]["label_rates"] for k in cfg.checkpoint_layers}
+    silent = [k for k in cfg.checkpoint_layers if rates[k][cfg.label] == 0.0]
+    if not silent:
+        return
+    best = {kind: max(r[kind] for r in rates.values()) for kind in LABEL_KINDS if kind != cfg.label}
+    hint = ", ".join(f"label={kind!r} fires for up to {rate:.1%}" for kind, rate in best.items())
+    scope = "at EVERY checkpoint: these routers will never let a token exit" if len(silent) == len(rates) \
+        else f"at checkpoints {silent}: routers there will not fire"
+    message = (f"TIDE calibration: label {cfg.label!r} "
+               f"(threshold {cfg.convergence_threshold if cfg.label == 'cosine' else cfg.kl_threshold}) "
+               f"has 0% positive tokens {scope}. On this model {hint}; recalibrate with one of those.")
+    logger.warning(message)
+    warnings.warn(message, stacklevel=3)
+
+
+def calibrate(
+    model: nn.Module,
+    tokenizer: Any,
+    dataset: str | None = None,
+    *,
+    dataset_config: str | None = None,
+    split: str = "train",
+    text_field: str = "text",
+    num_samples: int = 2000,
+    seq_len: int = 256,
+    batch_size: int = 8,
+    progress: bool = True,
+    **config_kwargs: Any,
+) -> TideRouter:
+    """Calibrate TIDE routers for `model` on `dataset` and return them as a `TideRouter`.
+
+    `config_kwargs` are `TideRouterConfig` fields (label, checkpoint_interval, convergence_threshold,
+    kl_threshold, router_bottleneck_dim, learning_rate, num_epochs, max_train_tokens, seed, ...).
+    Under `accelerate launch`, call it in every process with the same arguments: the processes share the
+    forward passes, the main one trains, and every process returns the same router.
+    """
+    adapter = get_adapter(model)
+    text_cfg = text_config(model)
+    cfg = TideRouterConfig(
+        hidden_size=text_cfg.hidden_size,
+        num_hidden_layers=adapter.num_layers,
+        base_model_name_or_path=getattr(model.config, "name_or_path", None) or None,
+        base_model_revision=getattr(model.config, "_commit_hash", None),
+        base_architecture=type(model).__name__,
+        base_model_type=model.config.model_type,
+        base_fingerprint=model_fingerprint(model, adapter),
+        seq_len=seq_len,
+        **config_kwargs,
+    )
+    torch.manual_seed(cfg.seed)
+    with main_process_first():  # under a launcher, datasets builds its cache once
+        texts = load_texts(dataset, dataset_config=dataset_config, split=split, text_field=text_field)
+    cfg.dataset = dataset or DEFAULT_DATASET
+    samples = make_samples(tokenizer, texts, num_samples, seq_len, cfg.seed)
+    cfg.num_samples = len(samples)
+    pad_id = pad_token_id(tokenizer)
+    progress = progress and is_main_process()
+    was_training = model.training
+    model.eval()
+    try:
+        data = collect(model, adapter, samples, cfg, batch_size=batch_size, pad_id=pad_id, progress=progress)
+    finally:
+        model.train(was_training)
+    started = time.perf_counter()
+    router = TideRouter(cfg)
+    train_on_main(train_routers, router, data, progress=progress)  # every process gets its result
+    cfg.calibration_seconds = {**data.seconds, "train": time.perf_counter() - started}
+    if is_main_process():
+        warn_if_silent(cfg)
+    return router

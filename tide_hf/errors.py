@@ -1,0 +1,19 @@
+"""The `TideError` family: every error tide_hf raises on purpose.
+
+Each subclass keeps the builtin base it replaced, so code written as `except ValueError` (or
+`RuntimeError`) keeps working, while `except TideError` catches everything tide_hf refuses.
+"""
+
+from __future__ import annotations
+
+
+class TideError(Exception):
+    """Base of every error tide_hf raises on purpose (the CLI prints it as one line)."""
+
+
+class TideCompatibilityError(TideError, ValueError):
+    """A router was paired with a model it was not calibrated for."""
+
+
+class TideDataError(TideError, RuntimeError):
+    """Calibration text could not be loaded (the message names the source and the cause)."""

@@ -1,0 +1,223 @@
+"""`tide-hf analyze`: does early exit pay on this model? Per-layer convergence, the oracle, router efficiency.
+
+- Convergence on real text, for every layer l: mean cos(h_l, h_final) of the pre-norm states (fp32), the
+  share above the cosine label's threshold, top-1 agreement of the exit logits (the model's own final norm
+  and LM head on h_l) with the final logits, and KL(final || exit).
+- The oracle: each token exits at the first checkpoint whose argmax equals the final one. It may also spend
+  an error budget: at agreement a, the (1 - a) share of tokens whose wrong early exit saves the most layers
+  leave at the first checkpoint. That is the fewest layers any checkpoint-exit policy can use at agreement a.
+- Router efficiency, on the model's own greedy text: layers the routers save at a threshold divided by
+  layers the oracle saves at the same top-1 agreement.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from ..assets import default_dataset, load_model
+from ..calibration import held_out_texts, load_texts, make_samples, pad_right, pad_token_id
+from ..calibration.labels import LABEL_CHUNK_ROWS, FinalDistribution
+from ..config import default_checkpoints
+from ..modeling import ModelAdapter, TideRouter, get_adapter, layer_output
+from .plots import convergence as plot_convergence
+from .plots import efficiency as plot_efficiency
+from .plots import heatmap as plot_heatmap
+
+COUNT_SLACK = 1e-6  # an agreement given as a float may sit a rounding error below the count it came from
+
+
+@torch.no_grad()
+def _layer_states(model: Any, adapter: ModelAdapter, ids: torch.Tensor, mask: torch.Tensor,
+                  layers: list[int]) -> dict[int, torch.Tensor]:
+    """Pre-norm outputs of the 1-based `layers` at the real (mask = 1) positions, as (tokens, hidden)."""
+    captured: dict[int, torch.Tensor] = {}
+    keep = mask.bool().to(model.device)
+
+    def hook_for(k: int):
+        def hook(_m: Any, _a: Any, output: Any) -> None:
+            captured[k] = layer_output(output)[keep]
+        return hook
+
+    handles = [adapter.layers[k - 1].register_forward_hook(hook_for(k)) for k in layers]
+    try:
+        model.base_model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return captured
+
+
+@torch.no_grad()
+def _compare(adapter: ModelAdapter, states: dict[int, torch.Tensor], final: int, kl: bool
+             ) -> dict[str, torch.Tensor]:
+    """Per token (rows) and layer (columns, in `states` order): cosine, top-1 match, and KL if asked."""
+    layers = [k for k in states]
+    h_final = states[final]
+    out = {"cosine": torch.stack([F.cosine_similarity(states[k].float(), h_final.float(), dim=-1) for k in layers], 1),
+           "match": torch.empty(len(h_final), len(layers), dtype=torch.bool)}
+    if kl:
+        out["kl"] = torch.empty(len(h_final), len(layers))
+    for rows in torch.arange(len(h_final)).split(LABEL_CHUNK_ROWS):
+        final_logits = adapter.logits(h_final[rows])
+        final_argmax = final_logits.argmax(-1)
+        target = FinalDistribution(final_logits) if kl else None
+        for j, k in enumerate(layers):
+            exit_logits = final_logits if k == final else adapter.logits(states[k][rows])
+            out["match"][rows, j] = (exit_logits.argmax(-1) == final_argmax).cpu()
+            if target is not None:
+                out["kl"][rows, j] = target.kl(exit_logits).cpu()
+    return {name: t.cpu() for name, t in out.items()}
+
+
+def oracle(match: torch.Tensor, checkpoints: list[int], num_layers: int, agreements: list[float]) -> list[dict]:
+    """Fewest mean layers at each top-1 agreement, over exits at `checkpoints` (`match`: tokens x checkpoints)."""
+    first = torch.where(match.any(1), match.int().argmax(1), len(checkpoints))
+    depth = torch.tensor([*checkpoints, num_layers], dtype=torch.float64)[first]
+    gain = (depth - checkpoints[0]).sort(descending=True).values  # what a wrong exit at the first checkpoint saves
+    rows = []
+    for a in agreements:
+        wrong = min(int(math.floor((1.0 - a) * len(depth) + COUNT_SLACK)), int((gain > 0).sum()))
+        mean = float((depth.sum() - gain[:wrong].sum()) / len(depth))
+        rows.append({"agreement": 1.0 - wrong / len(depth), "mean_layers": mean, "layers_saved": num_layers - mean})
+    return rows
+
+
+def convergence(model: Any, tokenizer: Any, texts: list[str], *, num_samples: int, seq_len: int, batch_size: int,
+                checkpoint_interval: int, convergence_threshold: float, agreements: list[float], bins: int,
+                seed: int, progress: bool = True) -> dict:
+    """Per-layer convergence on `texts` and the oracle at `agreements` (the `convergence` section)."""
+    adapter = get_adapter(model)
+    n = adapter.num_layers
+    layers = list(range(1, n + 1))
+    samples = make_samples(tokenizer, texts, num_samples, seq_len, seed)
+    parts = []
+    for start in tqdm(range(0, len(samples), batch_size), desc="analyze: per-layer convergence", disable=not progress):
+        ids, mask = pad_right(samples[start : start + batch_size], 0)
+        parts.append(_compare(adapter, _layer_states(model, adapter, ids, mask, layers), n, kl=True))
+    cos, match, kl = (torch.cat([p[name] for p in parts]) for name in ("cosine", "match", "kl"))
+    edges = torch.linspace(float(cos.min().clamp(max=0.0)), 1.0, bins + 1)
+    clamped = cos.clamp(max=1.0)  # fp32 rounding puts identical states at 1 + 1e-7, past the last edge
+    hist = torch.stack([torch.histogram(clamped[:, j], bins=edges).hist for j in range(n)], 1) / len(cos)
+    checkpoints = default_checkpoints(n, checkpoint_interval)
+    return {
+        "title": f"{Path(getattr(model.config, 'name_or_path', '') or model.config.model_type).name}: "
+                 f"{len(cos)} tokens",
+        "tokens": len(cos), "num_layers": n, "checkpoints": checkpoints, "convergence_threshold": convergence_threshold,
+        "layers": [{"layer": k, "mean_cosine": float(cos[:, k - 1].mean()),
+                    "cosine_label_rate": float((cos[:, k - 1] > convergence_threshold).float().mean()),
+                    "top1_agreement": float(match[:, k - 1].float().mean()), "mean_kl": float(kl[:, k - 1].mean())}
+                   for k in layers],
+        "cosine_histogram": {"edges": edges.tolist(), "share": hist.tolist()},
+        "oracle": oracle(match[:, [k - 1 for k in checkpoints]], checkpoints, n, agreements),
+    }
+
+
+@torch.no_grad()
+def greedy_text(model: Any, prompts: list[torch.Tensor], new_tokens: int, pad_id: int) -> list[torch.Tensor]:
+    """Each prompt followed by the model's own greedy continuation (stock generate, one prompt at a time)."""
+    out = []
+    for p in prompts:
+        ids = p[None].to(model.device)
+        seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=pad_id)
+        out.append(seq[0].cpu())
+    return out
+
+
+@torch.no_grad()
+def router_efficiency(model: Any, router: TideRouter, prompts: list[torch.Tensor], *, new_tokens: int,
+                      thresholds: list[float], pad_id: int, progress: bool = True) -> dict:
+    """Layers saved by the routers / by the oracle at the same agreement, on the model's own greedy text."""
+    adapter = get_adapter(model)
+    n = adapter.num_layers
+    cfg = router.config
+    checkpoints = [k for k in cfg.checkpoint_layers if k >= cfg.min_layers]
+    matches, scores = [], []
+    for seq, p in tqdm(list(zip(greedy_text(model, prompts, new_tokens, pad_id), prompts)),
+                       desc="analyze: router efficiency", disable=not progress):
+        ids = seq[None]
+        states = _layer_states(model, adapter, ids, torch.ones_like(ids), [*checkpoints, n])
+        generated = slice(len(p) - 1, len(seq) - 1)  # positions whose next token is the model's own
+        states = {k: h[generated] for k, h in states.items()}
+        matches.append(_compare(adapter, states, n, kl=False)["match"][:, :-1])
+        scores.append(torch.stack([torch.sigmoid(router.logit(k, adapter.normed(states[k]).float())).cpu()
+                                   for k in checkpoints], 1))
+    match, score = torch.cat(matches), torch.cat(scores)
+    depth_of = torch.tensor([*checkpoints, n], dtype=torch.float64)
+    rows = []
+    for t in thresholds:
+        fires = score >= t
+        first = torch.where(fires.any(1), fires.int().argmax(1), len(checkpoints))
+        correct = torch.cat([match, torch.ones(len(match), 1, dtype=torch.bool)], 1).gather(1, first[:, None])
+        agreement = int(correct.sum()) / len(correct)  # exact count: the oracle gets the same budget
+        saved = n - float(depth_of[first].mean())
+        best = oracle(match, checkpoints, n, [agreement])[0]["layers_saved"]
+        rows.append({"threshold": t, "agreement": agreement, "layers_saved": saved, "oracle_layers_saved": best,
+                     "efficiency": saved / best if best > 0 else None})
+    curve = sorted({round(x, 4) for x in [*(1.0 - i / 20 for i in range(11)), *(r["agreement"] for r in rows)]})
+    return {"tokens": len(match), "num_layers": n, "checkpoints": checkpoints, "router": rows,
+            "oracle": oracle(match, checkpoints, n, curve[::-1])}
+
+
+def format_analysis(result: dict) -> str:
+    """Markdown: per-layer table, oracle table, and router efficiency when present."""
+    conv = result["convergence"]
+    lines = [f"{conv['title']}", "", "| layer | mean cosine | cos > threshold | top-1 agreement | mean KL |",
+             "|---|---|---|---|---|"]
+    for r in conv["layers"]:
+        mark = " (checkpoint)" if r["layer"] in conv["checkpoints"] else ""
+        lines.append(f"| {r['layer']}{mark} | {r['mean_cosine']:.3f} | {r['cosine_label_rate']:.1%} | "
+                     f"{r['top1_agreement']:.1%} | {r['mean_kl']:.3f} |")
+    lines += ["", f"oracle over checkpoints {conv['checkpoints']} ({conv['num_layers']} layers):", "",
+              "| top-1 agreement | mean layers | layers saved |", "|---|---|---|"]
+    lines += [f"| {o['agreement']:.1%} | {o['mean_layers']:.2f} | {o['layers_saved']:.2f} |" for o in conv["oracle"]]
+    eff = result.get("efficiency")
+    if eff:
+        lines += ["", f"router efficiency on the model's own greedy text ({eff['tokens']} tokens):", "",
+                  "| threshold | agreement | layers saved | oracle saves | efficiency |", "|---|---|---|---|---|"]
+        for r in eff["router"]:
+            e = "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}"
+            lines.append(f"| {r['threshold']} | {r['agreement']:.1%} | {r['layers_saved']:.2f} | "
+                         f"{r['oracle_layers_saved']:.2f} | {e} |")
+    return "\n".join(lines)
+
+
+def run(args: Any) -> dict:
+    """The `tide-hf analyze` command: analyze.json, analyze.md and PNG plots in `args.output`."""
+    import json
+
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = load_model(args.model, args.dtype)
+    pad_id = pad_token_id(tokenizer)
+    texts = load_texts(default_dataset(args.dataset))
+    router = TideRouter.from_pretrained(args.router) if args.router else None
+    if router is not None:  # text the routers never saw, so their efficiency is not measured on training data
+        router.check_compatible(model)
+        texts = held_out_texts(tokenizer, texts, router.config)
+    result: dict[str, Any] = {"model": args.model, "dataset": args.dataset, "settings": {
+        k: v for k, v in vars(args).items() if k != "func"}}
+    result["convergence"] = convergence(
+        model, tokenizer, texts, num_samples=args.num_samples, seq_len=args.seq_len, batch_size=args.batch_size,
+        checkpoint_interval=args.checkpoint_interval, convergence_threshold=args.convergence_threshold,
+        agreements=args.agreements, bins=args.bins, seed=args.seed)
+    files = [plot_convergence(result["convergence"], out / "convergence.png"),
+             plot_heatmap(result["convergence"], out / "heatmap.png")]
+    if router is not None:
+        ids = [torch.tensor(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+        prompts = [d[: args.prompt_len] for d in ids if len(d) > args.prompt_len][: args.num_prompts]
+        result["efficiency"] = router_efficiency(model, router, prompts, new_tokens=args.new_tokens,
+                                                 thresholds=args.thresholds, pad_id=pad_id)
+        files.append(plot_efficiency(result["efficiency"], out / "efficiency.png"))
+    (out / "analyze.json").write_text(json.dumps(result, indent=2))
+    table = format_analysis(result)
+    (out / "analyze.md").write_text(table + "\n")
+    print(table)
+    print("plots:", ", ".join(str(f) for f in files))
+    return result

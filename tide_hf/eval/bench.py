@@ -1,0 +1,141 @@
+"""`tide-hf bench`: stock generate and TIDE side by side, in one process, on the same prompts.
+
+Speed is a ratio against stock transformers measured in the same run, interleaved repetition by
+repetition; quality is reported beside it (greedy continuation match against stock, perplexity on text
+the routers were never calibrated on).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from ..assets import default_dataset, load_model
+from ..calibration import pad_token_id
+from ..modeling import TideRouter
+from ..runtime import attach
+from .measure import evaluation_text, generate, left_pad, match_rate, perplexity
+
+
+def overhead(model: Any, router: TideRouter, prompts: list[torch.Tensor], pad_id: int, batch_sizes: list[int],
+             new_tokens: int, reps: int) -> list[dict]:
+    """Tokens/s of stock vs TIDE attached with exits disabled (threshold 1.0), interleaved."""
+    rows = []
+    for bs in batch_sizes:
+        batch = left_pad(prompts[:bs], pad_id)
+        generate(model, batch, 2)  # warm-up
+        times = {"stock": 0.0, "tide": 0.0}
+        handle = attach(model, router, exit_threshold=1.0)
+        try:
+            for _ in tqdm(range(reps), desc=f"overhead bs{bs}", leave=False):
+                for name, flag in (("stock", False), ("tide", True)):
+                    times[name] += generate(model, batch, new_tokens, tide=flag)[1]
+        finally:
+            handle.detach()
+        tokens = reps * bs * new_tokens
+        rows.append({"batch_size": bs, "stock_tok_s": tokens / times["stock"], "tide_tok_s": tokens / times["tide"],
+                     "ratio": times["stock"] / times["tide"]})
+    return rows
+
+
+def quality(model: Any, routers: list[TideRouter], thresholds: list[float], prompts: list[torch.Tensor],
+            chunks: list[torch.Tensor], pad_id: int, batch_size: int, new_tokens: int) -> dict:
+    """Exit rate, mean layers, greedy match and perplexity change per label kind and threshold."""
+    batches = [left_pad(prompts[i : i + batch_size], pad_id) for i in range(0, len(prompts), batch_size)]
+    stock_runs = [generate(model, b, new_tokens) for b in batches]
+    stock_tokens = torch.cat([t for t, _ in stock_runs])
+    stock_s = sum(s for _, s in stock_runs)
+    base_ppl, _ = perplexity(model, chunks, batch_size)
+    rows = []
+    for router in routers:
+        for thr in tqdm(thresholds, desc=f"quality ({router.config.label})", leave=False):
+            handle = attach(model, router, exit_threshold=thr)
+            try:
+                tokens, seconds, decode_tok, exited, layers = [], 0.0, 0, 0.0, 0.0
+                for b in batches:
+                    t, s = generate(model, b, new_tokens, tide=True)
+                    tokens.append(t)
+                    seconds += s
+                    d = handle.last_stats.decode
+                    decode_tok, exited, layers = (decode_tok + d.tokens, exited + d.exit_rate * d.tokens,
+                                                  layers + d.mean_layers * d.tokens)
+                exact, prefix = match_rate(torch.cat(tokens), stock_tokens)
+                ppl, prefill = perplexity(model, chunks, batch_size)
+            finally:
+                handle.detach()
+            rows.append({"label": router.config.label, "threshold": thr, "decode_exit_rate": exited / decode_tok,
+                         "decode_mean_layers": layers / decode_tok, "prefill_exit_rate": prefill.exit_rate,
+                         "prefill_mean_layers": prefill.mean_layers,
+                         "greedy_exact_match": exact, "greedy_prefix_match": prefix, "perplexity": ppl,
+                         "perplexity_change": ppl / base_ppl - 1.0, "speed_ratio": stock_s / seconds})
+    return {"stock_perplexity": base_ppl, "rows": rows}
+
+
+def format_table(result: dict) -> str:
+    """Markdown tables of a bench result (the README shows these)."""
+    lines = ["| batch | stock tok/s | TIDE (exits off) tok/s | ratio |", "|---|---|---|---|"]
+    for r in result["overhead"]:
+        lines.append(f"| {r['batch_size']} | {r['stock_tok_s']:.1f} | {r['tide_tok_s']:.1f} | {r['ratio']:.3f} |")
+    lines += ["", f"stock perplexity {result['quality']['stock_perplexity']:.3f}", "",
+              "| label | threshold | decode exit rate | mean layers | greedy exact | greedy prefix | ppl change "
+              "| speed vs stock |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in result["quality"]["rows"]:
+        lines.append(f"| {r['label']} | {r['threshold']} | {r['decode_exit_rate']:.1%} | "
+                     f"{r['decode_mean_layers']:.2f} | "
+                     f"{r['greedy_exact_match']:.1%} | {r['greedy_prefix_match']:.1%} | "
+                     f"{r['perplexity_change']:+.2%} | "
+                     f"{r['speed_ratio']:.3f} |")
+    return "\n".join(lines)
+
+
+def run(args: Any) -> dict:
+    """The `tide-hf bench` command: writes JSON and Markdown tables to `args.output` and prints them.
+
+    Default: overhead and quality of TIDE vs stock. `--modes`: skip mode vs stock and ideal.
+    `--baselines`: TIDE vs fixed depth, static skipping and softmax confidence. `--kernels`: fused kernels
+    vs the PyTorch path.
+    """
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.kernels:
+        from .kernels import format_kernels, kernel_rows
+
+        return write_result(out, "kernels", {"rows": kernel_rows(args.dtype)}, format_kernels)
+    model, tokenizer = load_model(args.model, args.dtype)
+    routers = [TideRouter.from_pretrained(r) for r in args.router]
+    pad_id = pad_token_id(tokenizer)
+    prompts, chunks = evaluation_text(tokenizer, default_dataset(args.dataset), routers[0], args.num_prompts,
+                                      args.prompt_len, args.num_chunks, args.chunk_len)
+    result = {"model": args.model, "device": str(next(model.parameters()).device),
+              "torch_threads": torch.get_num_threads(),
+              "settings": {k: v for k, v in vars(args).items() if k != "func"}}
+    if args.baselines:
+        from .baselines import format_baselines, run_baselines
+        from .plots import pareto
+
+        result.update(run_baselines(model, tokenizer, routers[-1], default_dataset(args.dataset), prompts, chunks,
+                                    pad_id, args))
+        print("Pareto plot:", pareto(result, out / "pareto.png"))
+        return write_result(out, "baselines", result, format_baselines)
+    if args.modes:
+        from .modes import format_modes, run_modes
+
+        result.update(run_modes(model, routers[-1], prompts, chunks, pad_id, args))
+        return write_result(out, "modes", result, format_modes)
+    result["overhead"] = overhead(model, routers[0], prompts, pad_id, args.batch_sizes, args.new_tokens, args.reps)
+    result["quality"] = quality(model, routers, args.thresholds, prompts, chunks, pad_id, args.quality_batch_size,
+                                args.new_tokens)
+    return write_result(out, "bench", result, format_table)
+
+
+def write_result(out: Path, name: str, result: dict, formatter: Any) -> dict:
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2))
+    table = formatter(result)
+    (out / f"{name}.md").write_text(table + "\n")
+    print(table)
+    return result

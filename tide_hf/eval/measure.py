@@ -1,0 +1,69 @@
+"""Measurement helpers shared by bench, modes, baselines and analyze: held-out prompts, timed greedy
+generation, teacher-forced perplexity and greedy continuation match against stock."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+from ..calibration import held_out_texts, load_texts, pad_right
+from ..modeling import TideRouter
+from ..runtime import PhaseStats, get_handle, last_stats
+
+
+def left_pad(rows: list[torch.Tensor], pad_id: int) -> dict[str, torch.Tensor]:
+    """A left-padded batch (ids and mask), as generate wants its prompts."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def evaluation_text(tokenizer: Any, dataset: str, router: TideRouter, num_prompts: int, prompt_len: int,
+                    num_chunks: int, chunk_len: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Prompts and perplexity chunks from documents the router's calibration never read."""
+    texts = held_out_texts(tokenizer, load_texts(dataset), router.config)
+    ids = [torch.tensor(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    prompts = [d[:prompt_len] for d in ids if len(d) > prompt_len][:num_prompts]
+    chunks = [d[prompt_len : prompt_len + chunk_len] for d in ids if len(d) >= prompt_len + chunk_len][:num_chunks]
+    if len(prompts) < num_prompts or len(chunks) < num_chunks:
+        raise ValueError(f"held-out text too short: {len(prompts)} prompts / {len(chunks)} chunks available")
+    return prompts, chunks
+
+
+@torch.no_grad()
+def generate(model: Any, batch: dict, new_tokens: int, **kwargs: Any) -> tuple[torch.Tensor, float]:
+    """Greedy continuation (new tokens only) and wall seconds."""
+    started = time.perf_counter()
+    out = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs)
+    return out[:, batch["input_ids"].shape[1]:], time.perf_counter() - started
+
+
+@torch.no_grad()
+def perplexity(model: Any, chunks: list[torch.Tensor], batch_size: int) -> tuple[float, PhaseStats | None]:
+    """Teacher-forced perplexity and, with TIDE attached, the exits of all positions (prefill exits)."""
+    nll, count, exits = 0.0, 0, None
+    for i in range(0, len(chunks), batch_size):
+        ids, mask = pad_right(chunks[i : i + batch_size], 0)
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+        target, keep = ids[:, 1:], mask[:, 1:].bool()
+        losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")
+        nll, count = nll + float(losses[keep].sum()), count + int(keep.sum())
+        stats = last_stats(model) if get_handle(model) is not None else None
+        if stats is not None:
+            exits = exits or PhaseStats(stats.num_layers)
+            exits.exits.update(stats.prefill.exits)
+            exits.executed.update(stats.prefill.executed)
+    return math.exp(nll / count), exits
+
+
+def match_rate(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """(share of continuations identical to stock, mean share of tokens before the first divergence)."""
+    same = a == b
+    prefix = same.int().cumprod(dim=1).sum(dim=1).float() / a.shape[1]
+    return float(same.all(dim=1).float().mean()), float(prefix.mean())

@@ -1,0 +1,200 @@
+"""`tide-hf bench --modes`: what skip and speculative modes really save, against stock and against ideal.
+
+"Ideal" is the speed of the same model truncated to the executed depth (a model that never had the
+skipped layers; its embedding and LM head cost what they cost). Truncated models are timed at a few
+depths, and `time per step = a + b * depth` is fitted to them (layers are identical in cost), so mixed
+exits get an ideal at their mean executed depth too. Everything is interleaved repetition by repetition
+with stock in the same process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from ..modeling import TideRouter
+from ..runtime import Patches, attach
+from .measure import generate, left_pad, match_rate, perplexity
+
+
+@contextmanager
+def truncated(model: Any, depth: int) -> Iterator[None]:
+    """Run `model` as if it had only its first `depth` layers (same weights, nothing copied).
+
+    Llama-family models iterate `layers[: config.num_hidden_layers]` and size their cache from the config,
+    which is what transformers' own early-exit assistant relies on too.
+    """
+    with Patches() as patches:
+        patches.set_attr(model.config, "num_hidden_layers", depth)
+        yield
+
+
+def _truncated_runner(model: Any, depth: int):
+    def run(batch: dict, new_tokens: int) -> tuple[torch.Tensor, float]:
+        with truncated(model, depth):
+            return generate(model, batch, new_tokens)
+    return run
+
+
+def _timed(runs: dict[str, Any], batch: dict, new_tokens: int, reps: int, desc: str) -> dict[str, float]:
+    """Seconds per generated step of each named callable, interleaved over `reps` repetitions."""
+    seconds = dict.fromkeys(runs, 0.0)
+    for fn in runs.values():
+        fn(batch, 2)  # warm-up
+    for _ in tqdm(range(reps), desc=desc, leave=False):
+        for name, fn in runs.items():
+            seconds[name] += fn(batch, new_tokens)[1]
+    return {name: s / (reps * new_tokens) for name, s in seconds.items()}
+
+
+def fit_line(depths: list[int], step_s: list[float]) -> tuple[float, float]:
+    """Least-squares `a + b * depth` through the truncated models' step times."""
+    x = torch.tensor(depths, dtype=torch.float64)
+    y = torch.tensor(step_s, dtype=torch.float64)
+    b = float(((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum())
+    return float(y.mean() - b * x.mean()), b
+
+
+def forced_exits(model: Any, router: TideRouter, batch: dict, depths: list[int], kv_policies: list[str],
+                 new_tokens: int, reps: int) -> dict:
+    """Every token exits at one checkpoint (threshold 0, min_layers = depth): skip vs truncated vs stock."""
+    num_layers = router.config.num_hidden_layers
+    rows, ideal_points = [], {num_layers: None}
+    for depth in depths:
+        runs = {"stock": lambda b, n: generate(model, b, n, tide=False), "ideal": _truncated_runner(model, depth)}
+        for kv in kv_policies:
+            runs[f"skip/{kv}"] = _skip_runner(model, router, depth, kv)
+        step = _timed(runs, batch, new_tokens, reps, f"forced exit at {depth}")
+        ideal_points[depth] = step["ideal"]
+        ideal_points[num_layers] = step["stock"]
+        for kv in kv_policies:
+            rows.append({"depth": depth, "kv": kv, "stock_step_ms": 1e3 * step["stock"],
+                         "ideal_step_ms": 1e3 * step["ideal"], "skip_step_ms": 1e3 * step[f"skip/{kv}"],
+                         "speedup_vs_stock": step["stock"] / step[f"skip/{kv}"],
+                         "realized_over_ideal": step["ideal"] / step[f"skip/{kv}"]})
+    depths_fit = sorted(ideal_points)
+    a, b = fit_line(depths_fit, [ideal_points[d] for d in depths_fit])
+    return {"rows": rows, "ideal_fit": {"a_ms": 1e3 * a, "b_ms_per_layer": 1e3 * b}}
+
+
+def _skip_runner(model: Any, router: TideRouter, min_layers: int, kv: str, threshold: float = 0.0):
+    def run(batch: dict, new_tokens: int) -> tuple[torch.Tensor, float]:
+        handle = attach(model, router, exit_threshold=threshold, min_layers=min_layers, mode="skip", kv=kv)
+        try:
+            return generate(model, batch, new_tokens, tide=True)
+        finally:
+            handle.detach()
+    return run
+
+
+def mixed_exits(model: Any, router: TideRouter, batches: list[dict], chunks: list[torch.Tensor], fit: dict,
+                thresholds: list[float], kv_policies: list[str], new_tokens: int, batch_size: int) -> dict:
+    """Real router decisions in skip mode: speed vs stock, executed depth, realized/ideal, quality."""
+    stock_runs = [generate(model, b, new_tokens, tide=False) for b in batches]
+    stock_tokens = torch.cat([t for t, _ in stock_runs])
+    stock_s = sum(s for _, s in stock_runs)
+    base_ppl, _ = perplexity(model, chunks, batch_size)
+    steps = sum(new_tokens for _ in batches)
+    rows = []
+    for kv in kv_policies:
+        for thr in tqdm(thresholds, desc=f"mixed exits ({kv})", leave=False):
+            handle = attach(model, router, exit_threshold=thr, mode="skip", kv=kv)
+            try:
+                tokens, seconds, executed, decode_tok = [], 0.0, 0.0, 0
+                for b in batches:
+                    t, s = generate(model, b, new_tokens, tide=True)
+                    tokens.append(t)
+                    seconds += s
+                    d = handle.last_stats.decode
+                    executed, decode_tok = executed + d.mean_executed * d.tokens, decode_tok + d.tokens
+                ppl, _ = perplexity(model, chunks, batch_size)
+            finally:
+                handle.detach()
+            depth = executed / decode_tok
+            ideal_step = (fit["a_ms"] + fit["b_ms_per_layer"] * depth) / 1e3
+            exact, prefix = match_rate(torch.cat(tokens), stock_tokens)
+            rows.append({"kv": kv, "threshold": thr, "mean_executed_layers": depth,
+                         "speedup_vs_stock": stock_s / seconds,
+                         "realized_over_ideal": ideal_step * steps / seconds,
+                         "greedy_exact_match": exact, "greedy_prefix_match": prefix,
+                         "perplexity_change": ppl / base_ppl - 1.0})
+    return {"stock_perplexity": base_ppl, "rows": rows}
+
+
+def speculative(model: Any, router: TideRouter, batches: list[dict], batched: dict, new_tokens: int, reps: int) -> dict:
+    """Lossless mode vs stock, interleaved prompt by prompt: speed, identical output, acceptance, draft length.
+
+    Reports whether greedy output equals stock's token for token on every prompt, alone and in `batched`.
+    """
+    seconds = {"stock": 0.0, "speculative": 0.0}
+    identical, counters = [], {"drafted": 0, "accepted": 0, "rounds": 0, "plain_steps": 0}
+    handle = attach(model, router, mode="speculative")
+    try:
+        generate(model, batches[0], 2, tide=True)  # warm-up
+        for _ in tqdm(range(reps), desc="speculative vs stock", leave=False):
+            for b in batches:
+                stock, s_stock = generate(model, b, new_tokens, tide=False)
+                ours, s_ours = generate(model, b, new_tokens, tide=True)
+                seconds["stock"] += s_stock
+                seconds["speculative"] += s_ours
+                identical.append(torch.equal(stock, ours))
+                for key in counters:
+                    counters[key] += handle.last_stats.speculative[key]
+        batch_identical = torch.equal(generate(model, batched, new_tokens, tide=False)[0],
+                                      generate(model, batched, new_tokens, tide=True)[0])
+        draft_layer = handle.last_stats.speculative["draft_layer"]
+    finally:
+        handle.detach()
+    return {"draft_layer": draft_layer, "prompts": len(batches), "reps": reps,
+            "identical_all_prompts": all(identical), "identical_batched": batch_identical,
+            "batched_rows": int(batched["input_ids"].shape[0]),
+            "speed_ratio": seconds["stock"] / seconds["speculative"],
+            "acceptance_rate": counters["accepted"] / counters["drafted"] if counters["drafted"] else 0.0,
+            "mean_draft_length": counters["drafted"] / counters["rounds"] if counters["rounds"] else 0.0,
+            **counters}
+
+
+def run_modes(model: Any, router: TideRouter, prompts: list[torch.Tensor], chunks: list[torch.Tensor], pad_id: int,
+              args: Any) -> dict:
+    """Forced and mixed exits in skip mode, and the lossless speculative mode (the `modes` bench JSON)."""
+    kv_policies = ["propagate", "recompute"]
+    one = left_pad(prompts[:1], pad_id)
+    forced = forced_exits(model, router, one, args.depths, kv_policies, args.new_tokens, args.reps)
+    batches = [left_pad(prompts[i : i + 1], pad_id) for i in range(len(prompts))]
+    mixed = mixed_exits(model, router, batches, chunks, forced["ideal_fit"], args.thresholds, kv_policies,
+                        args.new_tokens, args.quality_batch_size)
+    spec = speculative(model, router, batches, left_pad(prompts[: args.quality_batch_size], pad_id),
+                       args.new_tokens, args.reps)
+    return {"forced": forced, "mixed": mixed, "speculative": spec}
+
+
+def format_modes(result: dict) -> str:
+    """Markdown tables of the modes section."""
+    lines = ["| exit depth | kv | stock ms/step | ideal ms/step | skip ms/step | speedup vs stock | realized / ideal |",
+             "|---|---|---|---|---|---|---|"]
+    for r in result["forced"]["rows"]:
+        lines.append(f"| {r['depth']} | {r['kv']} | {r['stock_step_ms']:.1f} | {r['ideal_step_ms']:.1f} | "
+                     f"{r['skip_step_ms']:.1f} | {r['speedup_vs_stock']:.2f} | {r['realized_over_ideal']:.2f} |")
+    lines += ["", "| kv | threshold | mean executed layers | speedup vs stock | realized / ideal | greedy exact | "
+              "greedy prefix | ppl change |", "|---|---|---|---|---|---|---|---|"]
+    for r in result["mixed"]["rows"]:
+        lines.append(f"| {r['kv']} | {r['threshold']} | {r['mean_executed_layers']:.2f} | "
+                     f"{r['speedup_vs_stock']:.2f} | "
+                     f"{r['realized_over_ideal']:.2f} | {r['greedy_exact_match']:.1%} | "
+                     f"{r['greedy_prefix_match']:.1%} | "
+                     f"{r['perplexity_change']:+.2%} |")
+    spec = result.get("speculative")
+    if spec:
+        lines += ["", "| speculative | draft layer | speed vs stock | acceptance | mean draft length | "
+                  "identical (bs1) | "
+                  "identical (batched) |", "|---|---|---|---|---|---|---|",
+                  f"| {spec['prompts']} prompts x {spec['reps']} reps | {spec['draft_layer']} | "
+                  f"{spec['speed_ratio']:.3f} | "
+                  f"{spec['acceptance_rate']:.1%} | {spec['mean_draft_length']:.2f} | "
+                  f"{spec['identical_all_prompts']} | "
+                  f"{spec['identical_batched']} ({spec['batched_rows']} rows) |"]
+    return "\n".join(lines)

@@ -1,0 +1,9 @@
+"""transformers integration: the `generate(tide=...)` keyword, the per-step logits processor, and the
+speculative candidates stock assisted decoding verifies; `compat` holds every private transformers name."""
+
+from __future__ import annotations
+
+from .generate import install, resolve_router, uninstall
+from .processor import TideLogitsProcessor
+
+__all__ = ["TideLogitsProcessor", "install", "resolve_router", "uninstall"]

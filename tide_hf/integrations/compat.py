@@ -1,0 +1,30 @@
+"""Every private transformers name tide_hf relies on, in one place (pyproject bounds transformers to >=5.17,<6).
+
+Speculative mode hands its candidates to stock assisted decoding through the instance attribute stock
+looks up (`_get_candidate_generator`), extends a prompt's model kwargs to a draft with stock's own helpers,
+and reads the EOS ids generate prepared. Should transformers rename any of these, this module is the one
+to change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers.generation.candidate_generator import (
+    _prepare_attention_mask,
+    _prepare_position_ids,
+    _prepare_token_type_ids,
+)
+
+CANDIDATE_GENERATOR_FACTORY = "_get_candidate_generator"  # GenerationMixin method that builds the drafter
+
+
+def extend_model_kwargs(model_kwargs: dict[str, Any], length: int) -> dict[str, Any]:
+    """Stock's extension of the prompt's attention mask, positions and token types to `length` tokens."""
+    kwargs = _prepare_attention_mask(dict(model_kwargs), length, False)
+    return _prepare_token_type_ids(_prepare_position_ids(kwargs, length, False), length)
+
+
+def eos_token_tensor(generation_config: Any) -> Any:
+    """The EOS ids generate prepared for this call (a tensor, or None)."""
+    return generation_config._eos_token_tensor

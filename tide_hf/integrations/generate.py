@@ -1,0 +1,99 @@
+"""The `tide=` keyword of stock `model.generate()`, which `pipeline("text-generation")` forwards as is.
+
+`import tide_hf` wraps `GenerationMixin.generate` once (`install`; `uninstall` puts the original back).
+Without `tide=` (and without an attached router) the wrapper calls the original generate with the same
+arguments: stock behaviour is unchanged.
+
+    tide=True          use the router attached with `tide_hf.attach` (error if none)
+    tide=False         run stock generate even though a router is attached
+    tide=<TideRouter | local dir | Hub repo id>
+                       attach that router for this call only (routers loaded by name are cached)
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import GenerationMixin, LogitsProcessorList
+
+from ..modeling import TideRouter
+from ..runtime import Patches, TideHandle, attach, get_handle
+from .processor import TideLogitsProcessor
+from .speculative import generate as speculative_generate
+
+_ROUTER_CACHE_SIZE = 8
+_INSTALLED = Patches()  # the wrapped `GenerationMixin.generate`, while installed
+
+
+@functools.lru_cache(maxsize=_ROUTER_CACHE_SIZE)
+def _load_router(name: str) -> TideRouter:
+    return TideRouter.from_pretrained(name)
+
+
+def resolve_router(tide: Any) -> TideRouter:
+    """A `TideRouter` from what a user may pass as `tide=`: the object, a local folder or a Hub repo id."""
+    if isinstance(tide, TideRouter):
+        return tide
+    if isinstance(tide, (str, os.PathLike)):
+        return _load_router(os.fspath(tide))
+    raise TypeError(f"tide= takes True/False, a TideRouter, a local folder or a Hub repo id; got {type(tide).__name__}")
+
+
+def _eos_ids(model: Any, kwargs: dict) -> torch.Tensor | None:
+    config = kwargs.get("generation_config") or model.generation_config
+    eos = kwargs.get("eos_token_id", config.eos_token_id)
+    if eos is None:
+        return None
+    return torch.tensor([eos] if isinstance(eos, int) else list(eos))
+
+
+def _run(handle: TideHandle, original: Callable, model: Any, args: tuple, kwargs: dict) -> Any:
+    with handle.session(generating=True, eos=_eos_ids(model, kwargs)) as session:
+        if handle.options.mode == "speculative":  # drafts + full-depth verification in stock assisted decoding
+            return speculative_generate(handle, original, model, args, kwargs, session)
+        processors = LogitsProcessorList(kwargs.get("logits_processor") or [])
+        processors.append(TideLogitsProcessor(handle, session))
+        return original(model, *args, **{**kwargs, "logits_processor": processors})
+
+
+def install() -> None:
+    """Wrap `GenerationMixin.generate` to understand `tide=` (idempotent; `uninstall` reverts it)."""
+    if _INSTALLED:
+        return
+    original = GenerationMixin.generate
+
+    @functools.wraps(original)
+    def generate(self, *args: Any, tide: Any = None, **kwargs: Any) -> Any:
+        handle = get_handle(self)
+        if tide is False or (tide is None and handle is None):
+            if handle is None:
+                return original(self, *args, **kwargs)
+            with handle.disabled():
+                return original(self, *args, **kwargs)
+        if tide is True or tide is None:
+            if handle is None:
+                raise ValueError("generate(tide=True) needs a router: call tide_hf.attach(model, router) first, "
+                                 "or pass tide=<TideRouter | local dir | Hub repo id>")
+            return _run(handle, original, self, args, kwargs)
+        router = resolve_router(tide)
+        if handle is not None:
+            if handle.router is router:
+                return _run(handle, original, self, args, kwargs)
+            raise ValueError("a different TIDE router is already attached to this model; use tide=True, "
+                             "or detach it before passing another router")
+        handle = attach(self, router)
+        try:
+            return _run(handle, original, self, args, kwargs)
+        finally:
+            handle.detach()
+
+    _INSTALLED.set_attr(GenerationMixin, "generate", generate)
+
+
+def uninstall() -> None:
+    """Put stock `GenerationMixin.generate` back (`install` wraps it again)."""
+    _INSTALLED.restore()

@@ -1,0 +1,361 @@
+"""`mode="speculative"`: lossless, router-gated self-speculative decoding inside stock `generate()`.
+
+The decoding loop is stock assisted generation (`_assisted_decoding`): it verifies every drafted token in
+one full-depth forward, accepts the longest matching prefix (greedy) or runs speculative sampling, and
+crops the KV cache. TIDE only supplies the candidates, through a `CandidateGenerator` that stock builds
+via `_get_candidate_generator`, replaced on the model instance for the duration of the call:
+
+* drafts run the model's first `draft_layer` layers (`config.num_hidden_layers` is lowered around each
+  draft forward, the mechanism of stock `assistant_early_exit`) on the main KV cache: the verified cache
+  of those layers is reused, so drafting needs no prefill of its own, and the draft entries are cropped
+  before verification;
+* the router at `draft_layer` gates every draft token: drafting stops as soon as it says "not converged",
+  and a round only starts drafting when the router called the previous token converged (its score comes
+  for free from the full-depth forward, which runs `draft_layer` anyway), so a shut gate costs nothing;
+* a controller keeps a wall-clock account of what drafting cost or saved against timed plain steps, and
+  drafts only while the net loss, counting the next probe's draft forward, stays within `LOSS_BUDGET` of
+  the call's time so far: when drafts are not accepted it stops drafting and probes again only as the
+  budget refills. A call's first probe is on credit when the router's calibration promises a clear gain.
+
+Stock assisted decoding supports batch size 1 only, so a batch is decoded row by row (each row keeps its
+left padding and mask) and re-assembled like stock batched generate pads it. Configurations assisted
+decoding cannot reproduce exactly (beam search, custom stopping criteria, user caches, ...) run stock
+generate instead: the output is the same, only the speed-up is missing. Like stock early-exit drafting,
+a draft forward lowers the shared `config.num_hidden_layers`: do not run other forwards of the same model
+from another thread during a speculative call.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import GenerationConfig
+from transformers.generation.candidate_generator import CandidateGenerator
+
+from ..modeling import layer_output
+from ..runtime import Patches, Session, TideHandle
+from .compat import CANDIDATE_GENERATOR_FACTORY, eos_token_tensor, extend_model_kwargs
+from .draft import MAX_DRAFT_TOKENS, choose_draft_layer, draft_cost, prior_speedup
+
+DRAFT_GROW = 2  # the draft cap grows by this after a fully accepted round, shrinks by one after a rejection
+INITIAL_DRAFT_TOKENS = 1  # a first probe costs one draft forward; the cap grows with acceptance
+LOSS_BUDGET = 0.02  # drafting may cost at most this fraction of the call's time, net of the time it saved
+# Calibration must promise this much gain before a call's first probe goes on credit: the estimate ignores
+# what verifying several tokens costs beyond one (a lot on CPUs).
+PRIOR_MARGIN = 0.05
+TIMING_EMA = 0.5  # weight of the newest plain step in the running plain-step time
+_FALLBACK_KWARGS = ("assistant_model", "custom_generate", "past_key_values", "inputs_embeds", "stop_strings",
+                    "negative_prompt_ids")
+
+
+def resolve_draft_layer(handle: TideHandle) -> int:
+    """`options.draft_layer`, which must be a router checkpoint, or `choose_draft_layer`."""
+    layer = handle.options.draft_layer
+    if layer is not None:
+        if layer not in handle.router.checkpoint_layers:
+            raise ValueError(f"draft_layer={layer} has no router: speculative mode drafts at a router checkpoint, "
+                             f"one of {handle.router.checkpoint_layers}")
+        return layer
+    if not handle.checkpoints:
+        raise ValueError(f"no router checkpoint at or after min_layers={handle.options.min_layers} to draft at")
+    return choose_draft_layer(handle.router, handle.adapter, handle.checkpoints)
+
+
+# -- statistics -------------------------------------------------------------------------------------------
+@dataclass
+class SpeculativeStats:
+    """Counters of one speculative call (all rows), published as `ExitStats.speculative` (a dict)."""
+
+    draft_layer: int
+    expected_speedup: float | None = None  # `prior_speedup` of the draft layer (None: no metrics)
+    rounds: int = 0  # verification forwards that checked at least one drafted token
+    plain_steps: int = 0  # verification forwards without candidates (prefill, closed gate, no budget, ...)
+    gate_skips: int = 0  # rounds not drafted because the router called the previous token unconverged
+    drafted: int = 0  # tokens proposed to the verifier
+    accepted: int = 0  # proposed tokens the verifier kept
+    draft_forwards: int = 0  # forwards through the first `draft_layer` layers
+    gate_stops: int = 0  # drafts cut short because the router said "not converged"
+    budget_skips: int = 0  # rounds not drafted because drafting had used up its loss budget
+    net_loss_s: float = 0.0  # drafting rounds' time minus plain steps' time for their tokens (< 0: saved)
+    fallback: str | None = None  # why stock generate ran instead, if it did
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.__dict__,
+                "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+                "mean_draft_length": self.drafted / self.rounds if self.rounds else 0.0}
+
+
+# -- the candidate generator ------------------------------------------------------------------------------
+class TideCandidateGenerator(CandidateGenerator):
+    """Drafts with the first `layer` layers on the shared KV cache while the router at `layer` says converged."""
+
+    def __init__(self, handle: TideHandle, stats: SpeculativeStats, generation_config: GenerationConfig,
+                 logits_processor: Any, model_kwargs: dict[str, Any]) -> None:
+        self.handle, self.layer, self.stats = handle, stats.draft_layer, stats
+        self.model = handle.model
+        self.cache = model_kwargs["past_key_values"]  # the object stock verifies with, for the whole call
+        self.kwargs = {k: v for k, v in model_kwargs.items() if k != "past_key_values"}
+        self.processors = logits_processor
+        self.do_sample = bool(generation_config.do_sample)
+        self.max_length = generation_config.max_length
+        self.eos = eos_token_tensor(generation_config)
+        self.threshold = handle.options.exit_threshold
+        self.cap = INITIAL_DRAFT_TOKENS
+        self.drafting = False  # set around draft forwards (read by the hooks)
+        self.gate_open = False  # the router's verdict on the newest draft token
+        self.window = 1  # positions of the next verification forward whose scores may open the next round
+        self.window_scores: torch.Tensor | None = None
+        self.pregate = False  # the router's verdict on the last token the verifier emitted
+        # controller state
+        self.round_start: float | None = None
+        self.round_index = 0
+        self.last: tuple[int, int, float] | None = None  # (proposed, forwards, draft seconds) of the open round
+        self.matches = 0
+        self.plain_time: float | None = None  # running time of a plain decode step
+        self.elapsed = 0.0  # time of this call so far
+        self.loss = 0.0  # what drafting cost beyond plain steps emitting the same tokens (negative: saved)
+        self.probe_cost = draft_cost(handle.adapter, self.layer)  # of one draft forward, in plain steps
+        # the first probe is on credit only when calibration promises a gain; later ones come out of the budget
+        self.free_probe = (stats.expected_speedup or 0.0) > 1.0 + PRIOR_MARGIN
+        self.accepting = False  # the last round drafted and the verifier kept some of it
+        self.promising = False  # ... kept all of it, and measured costs say a longer draft would pay
+
+    # -- hooks (registered by `_patched` for the call) --
+    def gate_hook(self, _module: nn.Module, _args: tuple, output: Any) -> None:
+        hidden = layer_output(output)
+        if self.drafting:
+            self.gate_open = bool(self.handle.score(self.layer, hidden[:, -1]).min() >= self.threshold)
+        else:  # a verification forward: keep the scores of the positions that may predict the next token
+            self.window_scores = self.handle.score(self.layer, hidden[:, -self.window:])
+
+    def depth_guard(self, _module: nn.Module, _args: tuple) -> None:
+        if self.drafting:
+            raise NotImplementedError(
+                f"{type(self.model).__name__} ignores config.num_hidden_layers, so it cannot draft with its first "
+                "layers; mode='speculative' needs a model that runs `layers[: config.num_hidden_layers]` "
+                "(the Llama family does)")
+
+    # -- stock interface --
+    def get_candidates(self, input_ids: torch.LongTensor, **kwargs: Any) -> tuple[torch.LongTensor, Tensor | None]:
+        now = time.perf_counter()
+        if self.round_start is not None:
+            self._close_round(now - self.round_start)
+        self.round_start, self.round_index, self.last = now, self.round_index + 1, None
+        room = min(self.cap, self.max_length - input_ids.shape[1] - 1)  # tokens to draft, bonus token aside
+        self.window = 1
+        # the prefill has nothing cached to draft from; drafting starts once a plain step has been timed
+        if self.cache.get_seq_length() != input_ids.shape[1] - 1 or room < 1 or self.plain_time is None:
+            return input_ids, None
+        if not self.pregate:
+            self.stats.gate_skips += 1
+            return input_ids, None
+        # starting to draft risks a draft forward; going on after accepted drafts does not need that margin,
+        # and growing a fully accepted draft that should pay is not held back by what the short ones lost
+        probe = 0.0 if self.free_probe or self.accepting else self.probe_cost * self.plain_time
+        if not self.promising and self.loss + probe > LOSS_BUDGET * self.elapsed:
+            self.stats.budget_skips += 1
+            return input_ids, None
+        self.free_probe = False
+        return self._draft(input_ids, room, now)
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
+        self.matches = int(num_matches)
+        self.accepting = self.last is not None and self.last[0] > 0 and self.matches > 0
+        verdicts = self.window_scores  # the token just emitted was predicted at window position `matches`
+        if verdicts is not None:
+            self.pregate = bool(verdicts[0, min(self.matches, verdicts.shape[1] - 1)] >= self.threshold)
+        if self.last is None or self.last[0] == 0:
+            self.stats.plain_steps += 1
+            return
+        proposed = self.last[0]
+        self.stats.rounds += 1
+        self.stats.drafted += proposed
+        self.stats.accepted += self.matches
+        self.cap = min(self.cap + DRAFT_GROW, MAX_DRAFT_TOKENS) if self.matches == proposed else max(self.cap - 1, 1)
+
+    # -- internals --
+    def _draft(self, input_ids: torch.LongTensor, room: int, start: float) -> tuple[torch.LongTensor, Tensor | None]:
+        config = getattr(self.model, self.model.base_model_prefix).config
+        ids, scores, forwards = input_ids, [], 0
+        patches = Patches()
+        patches.set_attr(config, "num_hidden_layers", self.layer)  # stock early-exit drafting's mechanism
+        self.drafting = True
+        try:
+            for _ in range(room):
+                logits = self._forward(ids)
+                forwards += 1
+                if not self.gate_open:
+                    self.stats.gate_stops += 1
+                    break
+                step = self.processors(ids, logits)
+                token = (torch.multinomial(step.softmax(-1), 1) if self.do_sample else step.argmax(-1, keepdim=True))
+                ids, scores = torch.cat([ids, token.to(ids.device)], dim=-1), [*scores, step]
+                if self.eos is not None and bool(torch.isin(token, self.eos.to(token.device)).any()):
+                    break
+        finally:
+            patches.restore()
+            self.drafting = False
+            if forwards:  # back to the verified length
+                for cache_layer in self.cache.layers[: self.layer]:
+                    cache_layer.crop(-forwards)
+        self.stats.draft_forwards += forwards
+        proposed = ids.shape[1] - input_ids.shape[1]
+        self.last, self.window = (proposed, forwards, time.perf_counter() - start), proposed + 1
+        if proposed == 0:
+            return input_ids, None
+        return ids, (torch.stack(scores, dim=1) if self.do_sample else None)
+
+    def _forward(self, ids: torch.LongTensor) -> torch.Tensor:
+        """Logits of the last position of `ids`, its predecessors being in the cache of the draft layers."""
+        kwargs = extend_model_kwargs(self.kwargs, ids.shape[1])
+        inputs = self.model.prepare_inputs_for_generation(ids, next_sequence_length=1, past_key_values=self.cache,
+                                                          **kwargs)
+        if "logits_to_keep" in inputs:
+            inputs["logits_to_keep"] = 1
+        return self.model(**inputs).logits[:, -1].to(dtype=torch.float32, device=ids.device)
+
+    def _close_round(self, seconds: float) -> None:
+        """Fold the finished round into the controller: does drafting beat plain steps?"""
+        self.elapsed += seconds  # the budget is a share of the whole call, prefill included, like tokens/s
+        if self.round_index == 1:  # the prefill: not a plain step's time
+            return
+        if self.last is None or self.last[1] == 0:  # a plain step
+            self.plain_time = seconds if self.plain_time is None else _ema(self.plain_time, seconds)
+            self.promising = False
+            return
+        # a verification of n tokens costs at least a plain step: `min` keeps a noisy plain time from
+        # crediting rounds that emitted one token (no draft accepted) with a saving
+        proposed, forwards, draft_seconds = self.last
+        verify = max(seconds - draft_seconds, 0.0)
+        plain = min(self.plain_time, verify)
+        loss = seconds - (self.matches + 1) * plain
+        self.loss += loss
+        self.stats.net_loss_s += loss
+        # with every token accepted, would `cap` drafts (+ a verification like this one) beat cap + 1 steps?
+        self.promising = (self.matches == proposed and self.cap > proposed
+                          and (self.cap + 1) * plain > self.cap * draft_seconds / forwards + verify)
+
+
+def _ema(old: float, new: float) -> float:
+    return (1.0 - TIMING_EMA) * old + TIMING_EMA * new
+
+
+@contextmanager
+def _patched(model: nn.Module, factory: Callable[..., CandidateGenerator], handle: TideHandle, layer: int,
+             owner: list[TideCandidateGenerator]) -> Iterator[None]:
+    """Route stock `_get_candidate_generator` to `factory` on this instance, with the gate and depth hooks;
+    everything is removed afterwards, also on errors, leaving the model exactly as before."""
+    if CANDIDATE_GENERATOR_FACTORY in vars(model):
+        raise RuntimeError("a speculative generate call is already running on this model (one at a time)")
+    layers = handle.adapter.layers
+    with Patches() as patches:
+        patches.hook(layers[layer - 1].register_forward_hook(lambda *a: owner[-1].gate_hook(*a) if owner else None))
+        patches.hook(layers[layer].register_forward_pre_hook(lambda *a: owner[-1].depth_guard(*a) if owner else None))
+        patches.set_attr(model, CANDIDATE_GENERATOR_FACTORY, factory)
+        yield
+
+
+# -- entry point ------------------------------------------------------------------------------------------
+def _fallback_reason(model: nn.Module, args: tuple, kwargs: dict, batch: int) -> str | None:
+    """Why stock assisted decoding could not reproduce stock generate for this call (None: it can)."""
+    if len(args) > 1:
+        return "positional arguments after the inputs"
+    given = [k for k in _FALLBACK_KWARGS if kwargs.get(k) is not None]
+    if given:
+        return f"{given[0]}= given"
+    if kwargs.get("stopping_criteria"):
+        return "custom stopping criteria (assisted decoding checks them once per round, not per token)"
+    if model.device.type == "meta":  # stock moves candidates to `model.device`, its first parameter's device
+        return "the model's first parameter is offloaded (on the meta device)"
+    gc = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
+    for key, value in kwargs.items():  # plain setattr: `update()` would validate and warn a second time
+        if hasattr(gc, key):
+            setattr(gc, key, value)
+    if (gc.num_beams or 1) > 1 or (gc.num_return_sequences or 1) > 1:
+        return "beam search or several sequences per prompt"
+    if gc.use_cache is False or gc.cache_implementation is not None or gc.use_mtp:
+        return "cache settings that assisted decoding does not support"
+    if gc.guidance_scale not in (None, 1.0) or gc.dola_layers is not None:
+        return "classifier-free guidance or DoLa"
+    if gc.assistant_early_exit is not None or gc.prompt_lookup_num_tokens is not None:
+        return "another assisted-decoding method requested"
+    if batch > 1 and (gc.return_dict_in_generate or kwargs.get("streamer") is not None):
+        return "return_dict_in_generate or a streamer with batch size > 1"
+    return None
+
+
+def generate(handle: TideHandle, original: Callable, model: nn.Module, args: tuple, kwargs: dict,
+             session: Session) -> Any:
+    """Stock `generate` with router-gated self-speculation: the output equals stock generate's (greedy: token
+    for token); `session.stats.speculative` gets the counters of this call."""
+    inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    batch = inputs.shape[0] if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 else 0
+    layer = resolve_draft_layer(handle)
+    stats = SpeculativeStats(layer, prior_speedup(handle.router, handle.adapter, layer))
+    stats.fallback = "no 2-D input_ids" if batch == 0 else _fallback_reason(model, args, kwargs, batch)
+    try:
+        with handle.disabled():  # the router runs only in the gate hook; verification is the stock model
+            if stats.fallback is not None:
+                return original(model, *args, **kwargs)
+            key = "inputs" if "inputs" in kwargs or args else "input_ids"
+            kwargs = {k: v for k, v in kwargs.items() if k != "inputs"} | {key: inputs}
+            if batch == 1:
+                return _generate_row(handle, original, model, kwargs, stats, session)
+            rows = [_generate_row(handle, original, model, _row(kwargs, i, batch), stats, session)
+                    for i in range(batch)]
+            return _stack(rows, model, kwargs)
+    finally:
+        session.stats.speculative = stats.as_dict()
+
+
+def _generate_row(handle: TideHandle, original: Callable, model: nn.Module, kwargs: dict, stats: SpeculativeStats,
+                  session: Session) -> Any:
+    owner: list[TideCandidateGenerator] = []
+
+    def factory(*, generation_config: GenerationConfig, logits_processor: Any, model_kwargs: dict, **_: Any):
+        owner.append(TideCandidateGenerator(handle, stats, generation_config, logits_processor, model_kwargs))
+        return owner[-1]
+
+    with _patched(model, factory, handle, stats.draft_layer, owner):
+        out = original(model, **kwargs, assistant_early_exit=stats.draft_layer)
+    _count_tokens(handle, session, kwargs, out)
+    return out
+
+
+def _count_tokens(handle: TideHandle, session: Session, kwargs: dict, out: Any) -> None:
+    """Every emitted token came from the full model: count prompt and decode tokens at full depth, like
+    select mode counts them (the first new token belongs to the prefill forward)."""
+    inputs = kwargs.get("inputs", kwargs.get("input_ids"))
+    mask = kwargs.get("attention_mask")
+    sequences = out if isinstance(out, torch.Tensor) else out.sequences
+    prompt = int(mask.sum()) if mask is not None else inputs.shape[1]
+    new = sequences.shape[1] - inputs.shape[1]
+    full = handle.num_layers
+    session.stats.prefill.add(torch.full((prompt,), full), full)
+    session.stats.decode.add(torch.full((max(new - 1, 0),), full), full)
+
+
+def _row(kwargs: dict, i: int, batch: int) -> dict:
+    """Row `i` of every per-row tensor argument (left padding and mask kept, as the batch had them)."""
+    return {k: v[i: i + 1] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch else v
+            for k, v in kwargs.items()}
+
+
+def _stack(rows: list[torch.Tensor], model: nn.Module, kwargs: dict) -> torch.Tensor:
+    """Right-pad the rows with the pad id stock batched generate uses after EOS (the EOS id without one)."""
+    gc = kwargs.get("generation_config") or model.generation_config
+    pad = kwargs.get("pad_token_id", gc.pad_token_id)
+    if pad is None:
+        eos = kwargs.get("eos_token_id", gc.eos_token_id)
+        pad = eos[0] if isinstance(eos, (list, tuple)) else eos
+    width = max(r.shape[1] for r in rows)
+    if pad is None and any(r.shape[1] != width for r in rows):
+        raise ValueError("rows ended at different lengths but there is neither a pad nor an EOS token id to pad with")
+    return torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=pad or 0) for r in rows], dim=0)

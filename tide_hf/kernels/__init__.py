@@ -1,0 +1,25 @@
+"""Fused kernels for router scoring and exit-row moves, compiled at first use, with a PyTorch fallback.
+
+`ops` dispatches, `build` compiles the sources of the repository's `cuda/` folder, `reference` is the
+PyTorch path and reads a model's final norm into a `NormSpec`.
+"""
+
+from __future__ import annotations
+
+from .build import active_backend, kernel_build_error, kernels_available
+from .ops import gather_rows, norm_router_scores, scatter_rows_
+from .reference import NORM_KINDS, NormSpec, apply_norm, norm_router_scores_reference, norm_spec
+
+__all__ = [
+    "NORM_KINDS",
+    "NormSpec",
+    "active_backend",
+    "apply_norm",
+    "gather_rows",
+    "kernel_build_error",
+    "kernels_available",
+    "norm_router_scores",
+    "norm_router_scores_reference",
+    "norm_spec",
+    "scatter_rows_",
+]

@@ -1,0 +1,123 @@
+"""Building the compiled kernels: sources in the repository's `cuda/` folder, compiled on first use with
+`torch.utils.cpp_extension.load` into torch's extension cache (a second process reuses the build).
+
+CPU tensors use the C++ extension, CUDA tensors the CUDA one. Without a compiler or device, after a failed
+build, or with `TIDE_HF_NO_KERNELS=1`, `extension()` returns None and the PyTorch reference runs instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def _find_kernel_dir() -> Path:
+    """Kernel sources: shipped in a wheel as tide_hf/_kernel_src, in a checkout (editable install) as cuda/."""
+    package = Path(__file__).resolve().parent.parent
+    shipped = package / "_kernel_src"
+    return shipped if shipped.is_dir() else package.parent / "cuda"
+
+
+ENV_NO_KERNELS = "TIDE_HF_NO_KERNELS"  # "1" forces the PyTorch path
+KERNEL_DIR = _find_kernel_dir()
+EXTENSIONS = {  # flavour -> (torch extension name, sources in KERNEL_DIR)
+    "cpu": ("tide_hf_cpu", ("tide_cpu.cpp",)),
+    "cuda": ("tide_hf_cuda", ("tide_cuda.cpp", "tide_cuda_kernels.cu")),
+}
+OPT_FLAGS = ["/O2"] if os.name == "nt" else ["-O3"]
+
+_build_lock = threading.Lock()
+_extensions: dict[str, ModuleType | None] = {}
+_build_errors: dict[str, str] = {}
+
+
+def flavour_of(device: torch.device | str) -> str | None:
+    kind = torch.device(device).type
+    return kind if kind in EXTENSIONS else None
+
+
+def _toolchain_missing(flavour: str) -> str | None:
+    """Why the extension for `flavour` cannot be built here, or None when it can."""
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available():
+        return "ninja is not installed (pip install ninja)"
+    compiler = os.environ.get("CXX", "cl" if os.name == "nt" else "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler!r} is not on PATH)"
+    if flavour == "cuda":
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+        if cpp_extension.CUDA_HOME is None or not (Path(cpp_extension.CUDA_HOME) / "bin" / "nvcc").exists():
+            return "nvcc not found (set CUDA_HOME)"
+    if not all((KERNEL_DIR / src).is_file() for src in EXTENSIONS[flavour][1]):
+        return f"kernel sources missing from {KERNEL_DIR}"
+    return None
+
+
+def _build(flavour: str) -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    name, sources = EXTENSIONS[flavour]
+    with warnings.catch_warnings(record=True) as caught:  # keep the build quiet; details at DEBUG level
+        warnings.simplefilter("always")
+        module = load(
+            name=name,
+            sources=[str(KERNEL_DIR / src) for src in sources],
+            extra_cflags=OPT_FLAGS,
+            extra_cuda_cflags=OPT_FLAGS if flavour == "cuda" else None,
+            verbose=False,
+        )
+    for warning in caught:
+        logger.debug("building %s: %s", name, warning.message)
+    return module
+
+
+def extension(flavour: str | None) -> ModuleType | None:
+    """The compiled extension for `flavour`, building it once per process (thread-safe); None -> PyTorch."""
+    if flavour is None or os.environ.get(ENV_NO_KERNELS, "0") not in ("", "0"):
+        return None
+    if flavour in _extensions:
+        return _extensions[flavour]
+    with _build_lock:
+        if flavour not in _extensions:
+            reason = _toolchain_missing(flavour)
+            module = None
+            if reason is None:
+                try:
+                    module = _build(flavour)
+                except Exception as err:  # any build failure means: use PyTorch
+                    logger.debug("building the %s kernels failed", flavour, exc_info=True)
+                    lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+                    reason = "build failed: " + next((line for line in lines if "error:" in line), lines[0])
+            if reason is not None:
+                _build_errors[flavour] = reason
+                logger.warning("tide_hf: %s kernels unavailable (%s); using PyTorch", flavour, reason)
+            _extensions[flavour] = module
+    return _extensions[flavour]
+
+
+def kernels_available(device: torch.device | str) -> bool:
+    """Whether compiled kernels serve tensors on `device` (builds them on first call)."""
+    return extension(flavour_of(device)) is not None
+
+
+def active_backend(device: torch.device | str) -> str:
+    """Which implementation runs for `device`: "cpp", "cuda" or "pytorch" (see kernel_build_error)."""
+    flavour = flavour_of(device)
+    return ("cpp" if flavour == "cpu" else "cuda") if extension(flavour) is not None else "pytorch"
+
+
+def kernel_build_error(device: torch.device | str) -> str | None:
+    """Why `device` has no compiled kernels (no compiler, no device, build error), if it was tried."""
+    return _build_errors.get(flavour_of(device) or "")
+

@@ -1,0 +1,11 @@
+"""The model side: where a causal LM keeps its parts (adapters), where modules compute (devices), and
+the router sidecar (`TideRouter`) with the fingerprint that pairs it with its model."""
+
+from __future__ import annotations
+
+from .adapters import ModelAdapter, get_adapter, layer_output, register_adapter, text_config
+from .fingerprint import model_fingerprint
+from .router import RouterMLP, TideRouter
+
+__all__ = ["ModelAdapter", "RouterMLP", "TideRouter", "get_adapter", "layer_output", "model_fingerprint",
+           "register_adapter", "text_config"]

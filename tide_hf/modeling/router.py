@@ -1,0 +1,192 @@
+"""`TideRouter`: the calibrated routers as a Hub model sidecar (safetensors only, Auto-registered)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import torch
+from huggingface_hub import CommitInfo, HfApi, ModelCard, ModelCardData
+from torch import nn
+from transformers import AutoConfig, AutoModel, PreTrainedModel
+
+from ..config import TideRouterConfig
+from ..errors import TideCompatibilityError
+from .adapters import ModelAdapter, get_adapter, text_config
+from .fingerprint import model_fingerprint
+
+
+class RouterMLP(nn.Module):
+    """hidden -> bottleneck -> 1: one checkpoint's convergence predictor (a logit; sigmoid gives the score)."""
+
+    def __init__(self, hidden_size: int, bottleneck: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(hidden_size, bottleneck)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(bottleneck, 1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(features))).squeeze(-1)
+
+
+class TideRouter(PreTrainedModel):
+    """One `RouterMLP` per checkpoint layer, scoring the final-normed hidden state of that layer.
+
+    Routers read `final_norm(h_k)` (the model's own final norm on the k-th layer's output), the same
+    representation in calibration and at serving time.
+    """
+
+    config_class = TideRouterConfig
+    base_model_prefix = "tide_router"
+    main_input_name = "hidden_states"
+
+    def __init__(self, config: TideRouterConfig) -> None:
+        super().__init__(config)
+        self.routers = nn.ModuleDict(
+            {str(k): RouterMLP(config.hidden_size, config.router_bottleneck_dim) for k in config.checkpoint_layers}
+        )
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            module.reset_parameters()
+
+    @property
+    def checkpoint_layers(self) -> list[int]:
+        return list(self.config.checkpoint_layers)
+
+    def logit(self, layer: int, features: torch.Tensor) -> torch.Tensor:
+        """Pre-sigmoid score of checkpoint `layer` for normed features of shape (..., hidden)."""
+        mlp = self.routers[str(layer)]
+        return mlp(features.to(mlp.fc1.weight.device, mlp.fc1.weight.dtype))
+
+    def forward(self, hidden_states: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Scores in [0, 1] for each checkpoint present in `hidden_states` (layer -> normed features)."""
+        return {k: torch.sigmoid(self.logit(k, h)) for k, h in hidden_states.items()}
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *args: Any, **kwargs: Any):
+        """Load from a local folder or Hub repo, from safetensors only (never a pickle)."""
+        if kwargs.get("use_safetensors") is False:
+            raise ValueError("TideRouter loads safetensors only; use_safetensors=False is not supported")
+        kwargs["use_safetensors"] = True
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+    def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+        """Save config + safetensors weights + a model card (README.md with Hub metadata)."""
+        if kwargs.get("safe_serialization") is False:
+            raise ValueError("TideRouter saves safetensors only; safe_serialization=False is not supported")
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            self.model_card().save(os.path.join(save_directory, "README.md"))
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        commit_message: str | None = None,
+        commit_description: str | None = None,
+        private: bool | None = None,
+        token: bool | str | None = None,
+        revision: str | None = None,
+        create_pr: bool = False,
+        max_shard_size: int | str | None = "50GB",
+        tags: list[str] | str | None = None,
+    ) -> CommitInfo:
+        """Upload exactly what `save_pretrained` writes (TIDE model card included) as one commit.
+
+        The inherited `push_to_hub` replaces README.md with a generic transformers card, which drops the
+        Hub metadata (library, base model, tags) and the validation table of `model_card()`.
+        """
+        api = HfApi(library_name="tide_hf")
+        repo_id = api.create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
+        with tempfile.TemporaryDirectory() as tmp_dir:
+            self.save_pretrained(tmp_dir, max_shard_size=max_shard_size)
+            extra_tags = [*(self.model_tags or []), *([tags] if isinstance(tags, str) else tags or [])]
+            if extra_tags:
+                card = self.model_card()
+                card.data.tags = list(dict.fromkeys([*(card.data.tags or []), *extra_tags]))
+                card.save(os.path.join(tmp_dir, "README.md"))
+            if revision is not None and not revision.startswith("refs/pr"):
+                api.create_branch(repo_id, branch=revision, token=token, exist_ok=True)
+            return api.upload_folder(
+                repo_id=repo_id,
+                folder_path=tmp_dir,
+                commit_message=commit_message or "Upload TideRouter",
+                commit_description=commit_description,
+                token=token,
+                revision=revision,
+                create_pr=create_pr,
+            )
+
+    def model_card(self) -> ModelCard:
+        """A Hub model card: metadata (library, base model, tags) and the per-router validation table."""
+        cfg = self.config
+        data = ModelCardData(
+            library_name="tide_hf",
+            base_model=cfg.base_model_name_or_path,
+            tags=["tide", "early-exit", "router", cfg.label],
+            datasets=[cfg.dataset] if cfg.dataset and "/" in cfg.dataset else None,
+        )
+        rows = ["| layer | positive rate | precision | recall | AUC | predicted exit rate |",
+                "|---|---|---|---|---|---|"]
+        for k in cfg.checkpoint_layers:
+            m = cfg.metrics.get(str(k), {})
+            cells = [_fmt(m.get(f)) for f in ("positive_rate", "precision", "recall", "auc", "predicted_rate")]
+            rows.append(f"| {k} | " + " | ".join(cells) + " |")
+        body = (
+            f"# TIDE router for {cfg.base_model_name_or_path or 'a causal LM'}\n\n"
+            f"Early-exit routers ([TIDE](https://arxiv.org/abs/2603.21365)) made with `tide_hf` for "
+            f"{cfg.base_architecture} ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}). "
+            f"Checkpoints after layers {cfg.checkpoint_layers}; label `{cfg.label}`; calibrated on "
+            f"{cfg.num_samples} samples of {cfg.seq_len} tokens from `{cfg.dataset}`.\n\n"
+            "```python\nimport tide_hf\nfrom transformers import AutoModelForCausalLM\n"
+            f"model = AutoModelForCausalLM.from_pretrained({cfg.base_model_name_or_path!r})\n"
+            "router = tide_hf.TideRouter.from_pretrained('<this repo>')\n"
+            f"handle = tide_hf.attach(model, router, exit_threshold={cfg.exit_threshold})\n```\n\n"
+            f"## Validation (held-out {cfg.validation_fraction:.0%} of samples, threshold {cfg.exit_threshold})\n\n"
+            + "\n".join(rows) + "\n"
+        )
+        return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")
+
+    def check_compatible(self, model: nn.Module, *, ignore_fingerprint: bool = False,
+                         adapter: ModelAdapter | None = None) -> None:
+        """Raise `TideCompatibilityError` naming every way `model` differs from the calibration model.
+
+        `ignore_fingerprint=True` accepts different weights of the same shape (e.g. a fine-tune); the
+        architecture, layer count and hidden size must always match. `adapter`: `model`'s, when the caller
+        already has it.
+        """
+        cfg = self.config
+        adapter = adapter or get_adapter(model)
+        text_cfg = text_config(model)
+        problems = []
+        n_layers = adapter.num_layers
+        if n_layers != cfg.num_hidden_layers:
+            problems.append(f"number of layers: router {cfg.num_hidden_layers}, model {n_layers}")
+        if text_cfg.hidden_size != cfg.hidden_size:
+            problems.append(f"hidden size: router {cfg.hidden_size}, model {text_cfg.hidden_size}")
+        arch = type(model).__name__
+        if cfg.base_architecture and arch != cfg.base_architecture:
+            problems.append(f"architecture: router {cfg.base_architecture}, model {arch}")
+        if not ignore_fingerprint and cfg.base_fingerprint and not problems:
+            fp = model_fingerprint(model, adapter)
+            if fp != cfg.base_fingerprint:
+                problems.append(
+                    f"weights fingerprint: router {cfg.base_fingerprint}, model {fp} (different weights; "
+                    "pass ignore_fingerprint=True if this is intended, e.g. a fine-tune of the base model)"
+                )
+        if problems:
+            raise TideCompatibilityError(
+                f"this TIDE router was calibrated for {cfg.base_model_name_or_path or cfg.base_architecture} and "
+                "does not fit the given model: " + "; ".join(problems)
+            )
+
+
+def _fmt(value: Any) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+AutoConfig.register(TideRouterConfig.model_type, TideRouterConfig, exist_ok=True)
+AutoModel.register(TideRouterConfig, TideRouter, exist_ok=True)

@@ -1,0 +1,27 @@
+"""matplotlib, imported only when a plot is drawn (an optional dependency: the `plot` extra)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+PLOT_DPI = 110
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_png(fig: Any, path: str | Path) -> Path:
+    """Write `fig` to `path` as PNG and close it."""
+    path = Path(path)
+    fig.tight_layout()
+    fig.savefig(path, dpi=PLOT_DPI)
+    pyplot().close(fig)
+    return path

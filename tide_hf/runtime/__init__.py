@@ -1,0 +1,12 @@
+"""Serving: attach / detach (`TideHandle`), per-call state, skip mode and its KV policies, exit statistics,
+and the one reversible patching mechanism they all use."""
+
+from __future__ import annotations
+
+from .handle import TideHandle, attach, detach, get_handle, last_stats
+from .patching import Patches
+from .session import Session, Step
+from .stats import ExitStats, PhaseStats
+
+__all__ = ["ExitStats", "Patches", "PhaseStats", "Session", "Step", "TideHandle", "attach", "detach", "get_handle",
+           "last_stats"]

@@ -1,0 +1,301 @@
+"""attach / detach (`TideHandle`): forward hooks that make TIDE exit decisions inside the model's own forward pass.
+
+Per forward, a hook at each checkpoint layer scores the positions of the step with that checkpoint's
+router (on `final_norm(h)`, the representation the router was trained on) and records, per row and
+position, the first checkpoint whose score reaches `exit_threshold`. A hook on the last layer then
+replaces the output of the positions that exited by their exit hidden state, so the model's own final
+norm and LM head produce the exit logits, and every stock logits processor (repetition penalty,
+temperature, top-k/p...) and every stock decoding strategy acts on them. Nothing is asked of the model
+beyond its layers' outputs: no `output_hidden_states`, no second forward.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import TideOptions
+from ..kernels import NormSpec, gather_rows, norm_router_scores, norm_spec, scatter_rows_
+from ..modeling import ModelAdapter, TideRouter, get_adapter, layer_output
+from ..modeling.devices import execution_device, onloaded
+from .kv import KVRecompute
+from .patching import Patches
+from .session import Session, Step
+from .skip import LayerSkipper
+from .stats import ExitStats
+
+# Handles are held weakly too: a handle references its model, so a strong value would keep every attached
+# model alive forever. The model's own hooks keep its handle alive while the model lives.
+_HANDLES: weakref.WeakKeyDictionary[nn.Module, weakref.ref[TideHandle]] = weakref.WeakKeyDictionary()
+_LAST_STATS: weakref.WeakKeyDictionary[nn.Module, ExitStats] = weakref.WeakKeyDictionary()
+
+
+class TideHandle:
+    """An attached router: options, hooks, and the stats of the last call (`last_stats`).
+
+    Also a context manager: `with tide_hf.attach(model, router): ...` detaches when the block ends.
+    """
+
+    def __init__(self, model: nn.Module, router: TideRouter, options: TideOptions, adapter: ModelAdapter) -> None:
+        self.model, self.router, self.options, self.adapter = model, router, options, adapter
+        self.num_layers = adapter.num_layers
+        self.checkpoints = [k for k in router.checkpoint_layers if k >= options.min_layers]
+        self.enabled = True
+        self._local = threading.local()
+        self._pending: weakref.WeakKeyDictionary[Any, KVRecompute] = weakref.WeakKeyDictionary()
+        # Routers, and the final norm they read, sit on the execution device of their layer (accelerate's for a
+        # dispatched model); an offloaded final norm is loaded once here for the fused kernel.
+        self._norm_specs: dict[int, NormSpec | None] = {}
+        with onloaded(adapter.final_norm):
+            spec = norm_spec(adapter.final_norm)
+            for k in router.checkpoint_layers:
+                device = execution_device(adapter.layers[k - 1])
+                router.routers[str(k)].to(device)
+                self._norm_specs[k] = None if spec is None else replace(
+                    spec, weight=_to(spec.weight, device), bias=_to(spec.bias, device))
+        self._patches = Patches()
+        self._patches.hook(model.register_forward_pre_hook(self._begin, with_kwargs=True))
+        self._patches.hook(model.register_forward_hook(self._end))
+        for k in self.checkpoints:
+            self._patches.hook(adapter.layers[k - 1].register_forward_hook(self._checkpoint_hook(k)))
+        self._patches.hook(adapter.layers[-1].register_forward_hook(self._final_hook))
+        self._skipper = LayerSkipper(adapter.layers, self.checkpoints[0], options.kv, self.current_step,
+                                     self.recompute_state, self._patches) \
+            if options.mode == "skip" and self.checkpoints else None
+
+    def __enter__(self) -> TideHandle:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.detach()
+
+    def current_step(self) -> Step | None:
+        """Exit decisions of the forward running in this thread (None outside a forward)."""
+        return getattr(self._local, "step", None)
+
+    def recompute_state(self, cache: Any) -> KVRecompute | None:
+        """Tokens of `cache` still awaiting their deep layers (skip mode with kv="recompute" only).
+
+        Kept per cache object: the pending tokens belong to that cache, whatever call uses it next.
+        """
+        if self.options.kv != "recompute" or cache is None:
+            return None
+        if cache not in self._pending:
+            self._pending[cache] = KVRecompute(self.num_layers)
+        return self._pending[cache]
+
+    def _new_session(self, generating: bool, eos: torch.Tensor | None = None) -> Session:
+        return Session(self._new_stats(), generating, eos)
+
+    # -- per-call state -------------------------------------------------------------------------
+    @property
+    def last_stats(self) -> ExitStats | None:
+        """Exit statistics of the latest generate call or plain forward on this model."""
+        return _LAST_STATS.get(self.model)
+
+    def _new_stats(self) -> ExitStats:
+        return ExitStats(self.num_layers, list(self.router.checkpoint_layers))
+
+    @contextmanager
+    def session(self, *, generating: bool, eos: torch.Tensor | None = None) -> Iterator[Session]:
+        """Scope one call: fresh stats, published as `last_stats` when the call ends."""
+        outer = getattr(self._local, "session", None)
+        session = self._new_session(generating, eos)
+        self._local.session = session
+        try:
+            yield session
+        finally:
+            self.commit(session, None)
+            self._local.session = outer
+            _LAST_STATS[self.model] = session.stats
+
+    @contextmanager
+    def disabled(self) -> Iterator[None]:
+        """Run the model as if TIDE were not attached (e.g. `generate(..., tide=False)`).
+
+        Per thread: a stock call in one thread does not turn TIDE off for a call running in another.
+        """
+        previous, self._local.disabled = getattr(self._local, "disabled", False), True
+        try:
+            yield
+        finally:
+            self._local.disabled = previous
+
+    def _bypassed(self) -> bool:
+        return not self.enabled or getattr(self._local, "disabled", False)
+
+    def _active(self) -> bool:
+        return not self._bypassed() and self.options.exit_threshold < 1.0 and bool(self.checkpoints)
+
+    # -- hooks ------------------------------------------------------------------------------------
+    def _begin(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._bypassed():  # a stock call: no exits and no stats (keeps `last_stats` of the last TIDE call)
+            self._local.step = None
+            return
+        session = getattr(self._local, "session", None)
+        if session is None or getattr(self._local, "auto", False):  # a plain forward is a call of its own
+            session = self._new_session(generating=False)
+            self._local.session = session
+            self._local.auto = True
+        tokens = kwargs.get("input_ids", args[0] if args else None)
+        if tokens is None:
+            tokens = kwargs["inputs_embeds"]
+        batch, width = tokens.shape[:2]
+        mask = kwargs.get("attention_mask")
+        valid = mask[:, -width:].bool() if mask is not None and mask.dim() == 2 else torch.ones(
+            batch, width, dtype=torch.bool, device=tokens.device)
+        exit_layer = torch.full((batch, width), self.num_layers, dtype=torch.long, device=tokens.device)
+        self._local.step = Step(valid, exit_layer, mask2d=mask if mask is not None and mask.dim() == 2 else None)
+
+    def _end(self, _module: nn.Module, _args: tuple, _output: Any) -> None:
+        step, self._local.step = getattr(self._local, "step", None), None
+        if step is None:
+            return
+        session = self._local.session
+        session.pending.append(step)
+        if getattr(self._local, "auto", False):
+            self._local.auto = False
+            self._local.session = None
+            self.commit(session, None)
+            _LAST_STATS[self.model] = session.stats
+
+    @torch.no_grad()
+    def score(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Router score in [0, 1] of each position of `hidden` (..., H) at checkpoint `layer`.
+
+        The fused norm + router kernel when the model's final norm is a known kind, else the model's own
+        norm module followed by the router MLP (the two agree; `tests/test_kernels.py` checks it).
+        """
+        spec = self._norm_specs[layer]
+        if spec is None:
+            return torch.sigmoid(self.router.logit(layer, self.adapter.normed(hidden).float()))
+        mlp = self.router.routers[str(layer)]
+        return norm_router_scores(hidden, spec, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias)
+
+    def _checkpoint_hook(self, layer: int):
+        def hook(_module: nn.Module, _args: tuple, output: Any) -> None:
+            step = getattr(self._local, "step", None)
+            if step is None or not self._active():
+                return
+            hidden = layer_output(output)
+            fresh = step.exit_layer == self.num_layers
+            exits = fresh & (self.score(layer, hidden) >= self.options.exit_threshold).to(fresh.device)
+            if not exits.any():
+                return
+            step.exit_layer[exits] = layer
+            if step.exit_state is None:
+                step.exit_state = torch.empty_like(hidden)
+            rows = exits.reshape(-1).nonzero().squeeze(1).to(hidden.device)
+            flat, states = hidden.reshape(-1, hidden.shape[-1]), step.exit_state.view(-1, hidden.shape[-1])
+            # checkpoints of a model split over devices write into the exit states of the first one that exited
+            scatter_rows_(states, rows.to(states.device), gather_rows(flat, rows).to(states.device))
+            if self._skipper is not None and bool(((step.exit_layer < self.num_layers) | ~step.valid).all()):
+                step.skip_after = layer
+        return hook
+
+    def _final_hook(self, _module: nn.Module, _args: tuple, output: Any) -> Any:
+        step = getattr(self._local, "step", None)
+        if step is None or step.exit_state is None or self.options.mode == "speculative":
+            return None  # speculative mode only drafts with exits; verification stays exact
+        hidden = layer_output(output)
+        rows = (step.exit_layer < self.num_layers).reshape(-1).nonzero().squeeze(1).to(hidden.device)
+        in_place = not torch.is_grad_enabled() and hidden.is_contiguous()
+        flat = hidden.reshape(-1, hidden.shape[-1]) if in_place else hidden.reshape(-1, hidden.shape[-1]).clone()
+        states = step.exit_state.to(hidden.device).view(-1, hidden.shape[-1])
+        swapped = scatter_rows_(flat, rows, gather_rows(states, rows)).view_as(hidden)
+        return (swapped, *output[1:]) if isinstance(output, tuple) else swapped
+
+    # -- accounting -------------------------------------------------------------------------------
+    def commit(self, session: Session, last_tokens: torch.Tensor | None) -> None:
+        """Move the pending forwards of `session` into its stats.
+
+        The first forwards of a generate call are prefill (every non-padding prompt position); later
+        ones are decode steps, of which only the newest position of rows still generating counts.
+        `last_tokens` is the token each row fed into the step (None outside generate).
+        """
+        for step in session.pending:
+            executed = self.num_layers - step.skipped
+            if not session.generating or not session.started_decode:
+                session.stats.prefill.add(step.exit_layer[step.valid], executed)
+                continue
+            live = torch.ones(step.exit_layer.shape[0], dtype=torch.bool, device=step.exit_layer.device)
+            if last_tokens is not None and session.eos is not None:
+                ended = torch.isin(last_tokens, session.eos.to(last_tokens.device))
+                session.finished = ended if session.finished is None else session.finished | ended
+                live = ~session.finished
+            session.stats.decode.add(step.exit_layer[:, -1][live & step.valid[:, -1]], executed)
+        session.pending.clear()
+
+    def detach(self) -> None:
+        """Remove every hook and replaced forward: the model is exactly as before `attach`."""
+        self._patches.restore()
+        if get_handle(self.model) is self:
+            del _HANDLES[self.model]
+
+
+def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(device)
+
+
+def attach(
+    model: nn.Module,
+    router: TideRouter,
+    *,
+    exit_threshold: float | None = None,
+    min_layers: int | None = None,
+    mode: str = "select",
+    kv: str = "propagate",
+    draft_layer: int | None = None,
+    ignore_fingerprint: bool = False,
+    handle_class: type[TideHandle] = TideHandle,
+) -> TideHandle:
+    """Attach `router` to `model`; stock `generate()`, `pipeline()` and plain forwards then use TIDE.
+
+    `exit_threshold` and `min_layers` default to the router's calibrated values; `mode`, `kv` and
+    `draft_layer` are described in `TideOptions`. `handle_class` is a `TideHandle` subclass that scores
+    checkpoints differently (the bench's softmax-confidence baseline). Everything is checked before the
+    model is touched: options in range, and the router made for this model.
+    """
+    if get_handle(model) is not None:
+        raise ValueError("this model already has a TIDE router attached; call handle.detach() first")
+    adapter = get_adapter(model)
+    router.check_compatible(model, ignore_fingerprint=ignore_fingerprint, adapter=adapter)
+    options = TideOptions(
+        exit_threshold=router.config.exit_threshold if exit_threshold is None else exit_threshold,
+        min_layers=router.config.min_layers if min_layers is None else min_layers,
+        mode=mode,
+        kv=kv,
+        draft_layer=draft_layer,
+    )
+    options.validate(adapter.num_layers)
+    eligible = [k for k in router.checkpoint_layers if k >= options.min_layers]
+    if options.mode == "skip" and eligible:
+        LayerSkipper.check(adapter.layers, eligible[0], options.kv)
+    handle = handle_class(model, router, options, adapter)
+    _HANDLES[model] = weakref.ref(handle)
+    return handle
+
+
+def get_handle(model: nn.Module) -> TideHandle | None:
+    """The handle of the router attached to `model`, if any."""
+    ref = _HANDLES.get(model)
+    return ref() if ref is not None else None
+
+
+def detach(model: nn.Module) -> None:
+    """Detach the router attached to `model` (no-op when none is)."""
+    handle = get_handle(model)
+    if handle is not None:
+        handle.detach()
+
+
+def last_stats(model: nn.Module) -> ExitStats | None:
+    """Exit statistics of the latest TIDE call on `model`, also after an on-the-fly `tide=` attach."""
+    return _LAST_STATS.get(model)

@@ -1,0 +1,202 @@
+"""Keeping the KV cache sound for layers that skip mode did not run.
+
+`kv="recompute"`: see `KVRecompute` (exact deep K/V, filled later in one batched pass).
+
+`kv="propagate"` (CALM-style state propagation): a skipped layer gets the K/V it would have computed if
+its input were the exit hidden state, which is exactly what flows past it. Only the K and V
+projections run (plus the layer's input norm, the K norm where the family has one, and rotary
+embeddings), a small fraction of a layer, and every layer's cache keeps the same length.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels import norm_spec
+
+
+def propagate_support(layer: nn.Module) -> str | None:
+    """None when `propagate_kv` can run on `layer`, else the reason it cannot."""
+    attn = getattr(layer, "self_attn", None)
+    missing = [name for name, obj in (("self_attn", attn), ("input_layernorm", getattr(layer, "input_layernorm", None)))
+               if obj is None]
+    if attn is not None:
+        missing += [a for a in ("k_proj", "v_proj", "head_dim", "layer_idx") if not hasattr(attn, a)]
+        if not hasattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb"):
+            missing.append("apply_rotary_pos_emb")
+    if missing:
+        return (f"{type(layer).__name__} lacks {', '.join(missing)}: kv='propagate' supports Llama-style attention "
+                "(separate k_proj / v_proj with rotary embeddings)")
+    return None
+
+
+def propagate_kv(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> None:
+    """Append to the cache the K/V `layer` would produce for input `hidden` (B, T, H)."""
+    cache = kwargs.get("past_key_values")
+    if cache is None or not kwargs.get("use_cache", True):
+        return
+    attn = layer.self_attn
+    x = layer.input_layernorm(hidden)
+    shape = (*x.shape[:-1], -1, attn.head_dim)
+    key = attn.k_proj(x).view(shape)
+    if getattr(attn, "k_norm", None) is not None:  # Qwen3 / Gemma3 normalise each head (over head_dim)
+        key = attn.k_norm(key)
+    key, value = key.transpose(1, 2), attn.v_proj(x).view(shape).transpose(1, 2)
+    cos, sin = kwargs["position_embeddings"]
+    _, key = sys.modules[type(attn).__module__].apply_rotary_pos_emb(key, key, cos, sin)
+    cache.update(key, value, attn.layer_idx)
+
+
+class FusedPropagation:
+    """`kv="propagate"` for every layer after an exit at once.
+
+    Each skipped layer's input norm weight (and LayerNorm bias) is folded into its K/V projections, and
+    those are stacked: a skipped step then runs one normalisation, one matmul and one rotary pass for all
+    skipped layers instead of a norm, two projections and a rotary pass each, which is most of
+    propagate's per-layer cost at decode. Used where every layer has the same norm formula and eps, no
+    K norm, and its weights on one device; elsewhere `propagate_kv` runs layer by layer.
+    """
+
+    @classmethod
+    def build(cls, layers: list[nn.Module], first_number: int) -> FusedPropagation | None:
+        """The fused form of `layers` (numbered from `first_number`), or None when they do not qualify."""
+        if not layers or any(propagate_support(layer) is not None for layer in layers):
+            return None
+        attns = [layer.self_attn for layer in layers]
+        specs = [norm_spec(layer.input_layernorm) for layer in layers]
+        params = [p for a in attns for p in (a.k_proj.weight, a.v_proj.weight)]
+        if (any(s is None or s.kind == "none" for s in specs) or len({(s.kind, s.eps) for s in specs}) != 1
+                or any(getattr(a, "k_norm", None) is not None for a in attns)
+                or len({p.device for p in params}) != 1 or params[0].is_meta
+                or len({(a.k_proj.out_features, a.v_proj.out_features, a.head_dim) for a in attns}) != 1):
+            return None
+        return cls(layers, attns, specs, first_number)
+
+    @torch.no_grad()
+    def __init__(self, layers: list[nn.Module], attns: list[nn.Module], specs: list[Any], first_number: int) -> None:
+        self.layers, self.first_number, self.spec = layers, first_number, specs[0]
+        self.head_dim, self.k_out = attns[0].head_dim, attns[0].k_proj.out_features
+        self.width = self.k_out + attns[0].v_proj.out_features
+        weights, biases = [], []
+        for attn, spec in zip(attns, specs):
+            scale = 1.0 + spec.weight.float() if spec.kind == "rms_gemma" else spec.weight.float()
+            for proj in (attn.k_proj, attn.v_proj):
+                w = proj.weight.float()
+                bias = proj.bias.float() if proj.bias is not None else torch.zeros(w.shape[0], device=w.device)
+                if spec.bias is not None:
+                    bias = bias + w @ spec.bias.float()
+                weights.append(w * scale)
+                biases.append(bias)
+        dtype = attns[0].k_proj.weight.dtype
+        self.weight, self.bias = torch.cat(weights).to(dtype), torch.cat(biases).to(dtype)
+
+    def _normalize(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The input norm without its weight (folded into the projections)."""
+        if self.spec.kind == "layernorm":
+            return F.layer_norm(hidden, hidden.shape[-1:], None, None, self.spec.eps)
+        x = hidden.float()
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.spec.eps)).to(hidden.dtype)
+
+    @torch.no_grad()
+    def write(self, after: int, hidden: torch.Tensor, kwargs: dict[str, Any]) -> None:
+        """Append the K/V of every layer numbered > `after` for input `hidden` (B, T, H) to the cache."""
+        cache = kwargs.get("past_key_values")
+        if cache is None or not kwargs.get("use_cache", True):
+            return
+        start = after + 1 - self.first_number
+        layers = self.layers[start:]
+        rows = slice(start * self.width, None)
+        out = F.linear(self._normalize(hidden), self.weight[rows], self.bias[rows])
+        out = out.view(*hidden.shape[:2], len(layers), self.width)
+        batch, length, d = hidden.shape[0], hidden.shape[1], self.head_dim
+        keys = out[..., : self.k_out].reshape(batch, length, -1, d).transpose(1, 2)  # heads of all layers
+        values = out[..., self.k_out :].reshape(batch, length, -1, d).transpose(1, 2)
+        cos, sin = kwargs["position_embeddings"]
+        _, keys = sys.modules[type(layers[0].self_attn).__module__].apply_rotary_pos_emb(keys, keys, cos, sin)
+        heads = keys.shape[1] // len(layers)
+        for i, layer in enumerate(layers):
+            part = slice(i * heads, (i + 1) * heads)
+            cache.update(keys[:, part], values[:, part], layer.self_attn.layer_idx)
+
+
+@dataclass
+class Pending:
+    """Tokens of a skipped step whose deeper layers have not run yet: their state at `depth`."""
+
+    hidden: torch.Tensor  # (B, T, H): output of layer `depth` for these positions
+    depth: int
+    cos: torch.Tensor  # rotary embeddings of these positions, (B, T, d)
+    sin: torch.Tensor
+
+
+def recompute_support(layer: nn.Module) -> str | None:
+    """None when `KVRecompute` can catch `layer` up on skipped tokens, else the reason it cannot."""
+    reason = propagate_support(layer)
+    if reason is None and getattr(layer.self_attn, "sliding_window", None):
+        reason = f"{type(layer).__name__} uses sliding-window attention; kv='recompute' supports full attention"
+    return reason
+
+
+class KVRecompute:
+    """`kv="recompute"`: tokens of a skipped step run the skipped layers later, batched with the next
+    step that runs those layers, as extra query positions ahead of the step's own tokens.
+
+    Their input at layer k+1 is their exit state, which *is* the output of layer k for them, so the
+    deep K/V written this way are exactly what the full model writes: later tokens see an exact cache.
+    Invariant: a pending block at depth j-1 is always the contiguous run of positions right after
+    layer j's cached ones, so appending [pending, step tokens] keeps every layer's cache in order.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self.pending: list[Pending] = []
+
+    def park(self, hidden: torch.Tensor, depth: int, kwargs: dict[str, Any]) -> None:
+        """Remember the exit state of a step whose layers after `depth` are being skipped."""
+        cos, sin = kwargs["position_embeddings"]
+        self.pending.append(Pending(hidden, depth, cos, sin))
+
+    def run(self, number: int, layer: nn.Module, original: Callable, hidden: torch.Tensor,
+            kwargs: dict[str, Any], mask2d: torch.Tensor | None) -> Any:
+        """Run layer `number` on [pending tokens at depth number-1, step tokens]; return the step's part."""
+        due = [p for p in self.pending if p.depth == number - 1]
+        if not due:
+            return original(hidden, **kwargs)
+        block = torch.cat([p.hidden for p in due] + [hidden], dim=1)
+        cos, sin = kwargs["position_embeddings"]
+        ext = dict(kwargs, position_embeddings=(torch.cat([p.cos for p in due] + [cos], dim=1),
+                                                torch.cat([p.sin for p in due] + [sin], dim=1)))
+        ext.pop("position_ids", None)  # rotary comes from position_embeddings
+        ext["attention_mask"] = self._mask(layer, kwargs["past_key_values"], block, mask2d)
+        out = original(block, **ext)
+        states = out[0] if isinstance(out, tuple) else out
+        start = 0
+        for p in due:
+            width = p.hidden.shape[1]
+            p.hidden, p.depth, start = states[:, start : start + width], number, start + width
+        self.pending = [p for p in self.pending if p.depth < self.num_layers]
+        mine = states[:, start:]
+        return (mine, *out[1:]) if isinstance(out, tuple) else mine
+
+    @staticmethod
+    def _mask(layer: nn.Module, cache: Any, block: torch.Tensor, mask2d: torch.Tensor | None) -> torch.Tensor:
+        """Additive mask for the extended queries: causal, padding from the call's 2-D mask."""
+        cached = cache.layers[layer.self_attn.layer_idx].get_seq_length()
+        queries = block.shape[1]
+        width = max(cache.layers[layer.self_attn.layer_idx].get_max_length(), cached + queries)
+        keys = torch.arange(width, device=block.device)
+        allowed = keys[None, :] <= cached + torch.arange(queries, device=block.device)[:, None]
+        allowed = allowed[None].expand(block.shape[0], -1, -1)
+        if mask2d is not None:
+            padding = torch.zeros(block.shape[0], width, dtype=torch.bool, device=block.device)
+            padding[:, : min(width, mask2d.shape[1])] = mask2d[:, :width].bool()
+            allowed = allowed & padding[:, None, :]
+        mask = torch.zeros(allowed.shape, dtype=block.dtype, device=block.device)
+        return mask.masked_fill(~allowed, torch.finfo(block.dtype).min)[:, None]

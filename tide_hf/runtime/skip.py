@@ -1,0 +1,72 @@
+"""Skip mode: layers after an exit are not computed.
+
+The forward of every layer after the first checkpoint is replaced on the instance (on accelerate's
+`_old_forward` when the model is dispatched, so accelerate's device hooks keep running). Once every row
+of a step has exited, the replaced forwards pass the hidden state through untouched and keep the KV
+cache sound (see `kv.py`); otherwise they call the original forward. The replacements are recorded in
+the handle's `Patches`, whose `restore()` leaves the layers exactly as they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from .kv import FusedPropagation, KVRecompute, propagate_kv, propagate_support, recompute_support
+from .patching import Patches
+from .session import Step
+
+
+class LayerSkipper:
+    """Runs the layers after `first_checkpoint` (1-based layer numbers) only for steps that did not all exit."""
+
+    @staticmethod
+    def check(layers: nn.ModuleList, first_checkpoint: int, kv: str) -> None:
+        """Raise before anything is patched when a layer that may be skipped cannot keep its cache sound."""
+        support = propagate_support if kv == "propagate" else recompute_support
+        for number in range(first_checkpoint + 1, len(layers) + 1):
+            reason = support(layers[number - 1])
+            if reason is not None:
+                raise NotImplementedError(f"mode='skip' with kv={kv!r} on layer {number}: {reason}")
+
+    def __init__(self, layers: nn.ModuleList, first_checkpoint: int, kv: str, current_step: Callable[[], Step | None],
+                 recompute_state: Callable[[Any], KVRecompute | None], patches: Patches) -> None:
+        """Replace the forwards of `layers` after `first_checkpoint` (recorded in `patches`).
+
+        `current_step()` gives the exit decisions of the forward running in this thread, `recompute_state(cache)`
+        the tokens of `cache` awaiting their deep layers (None unless kv="recompute").
+        """
+        self.current_step, self.recompute_state = current_step, recompute_state
+        self._returns_tuple: dict[int, bool] = {}
+        skippable = list(layers)[first_checkpoint:]
+        self._fused = FusedPropagation.build(skippable, first_checkpoint + 1) if kv == "propagate" else None
+        for number in range(first_checkpoint + 1, len(layers) + 1):
+            layer = layers[number - 1]
+            patches.replace_forward(
+                layer, lambda original, number=number, layer=layer: self._wrap(number, layer, original))
+
+    def _wrap(self, number: int, layer: nn.Module, original: Callable) -> Callable:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            step = self.current_step()
+            recompute = self.recompute_state(kwargs.get("past_key_values"))
+            if step is None or step.skip_after is None or number <= step.skip_after:
+                if recompute is not None and len(args) == 1:
+                    out = recompute.run(number, layer, original, args[0], kwargs, step.mask2d if step else None)
+                else:
+                    out = original(*args, **kwargs)
+                self._returns_tuple[number] = isinstance(out, tuple)
+                return out
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if recompute is not None:
+                if number == step.skip_after + 1:
+                    recompute.park(hidden, step.skip_after, kwargs)
+            elif self._fused is not None:
+                if number == step.skip_after + 1:  # one pass writes every skipped layer's K/V
+                    self._fused.write(step.skip_after, hidden, kwargs)
+            else:
+                propagate_kv(layer, hidden, kwargs)
+            step.skipped += 1
+            return (hidden,) if self._returns_tuple.get(number) else hidden
+        return forward

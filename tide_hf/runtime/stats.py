@@ -1,0 +1,99 @@
+"""Exit statistics: where tokens left the model, for prefill and decode separately, as text and PNG."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class PhaseStats:
+    """Exit layers of the tokens of one phase (prefill or decode); `num_layers` means no exit."""
+
+    num_layers: int
+    exits: Counter = field(default_factory=Counter)  # layer -> tokens that left after it
+    executed: Counter = field(default_factory=Counter)  # layers really run -> tokens
+
+    def add(self, exit_layers: torch.Tensor, executed: int) -> None:
+        """Count a 1-D tensor of per-token exit layers, each token having run `executed` layers."""
+        values, counts = torch.unique(exit_layers.reshape(-1).cpu(), return_counts=True)
+        self.exits.update(dict(zip(values.tolist(), counts.tolist())))
+        if exit_layers.numel():
+            self.executed[executed] += exit_layers.numel()
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.exits.values())
+
+    @property
+    def exit_rate(self) -> float:
+        """Fraction of tokens that exited before the last layer."""
+        return 1.0 - self.exits.get(self.num_layers, 0) / self.tokens if self.tokens else 0.0
+
+    @property
+    def mean_layers(self) -> float:
+        """Mean depth a token's output came from."""
+        return sum(k * c for k, c in self.exits.items()) / self.tokens if self.tokens else float(self.num_layers)
+
+    @property
+    def mean_executed(self) -> float:
+        """Mean number of layers really computed per token (below `num_layers` only in skip mode)."""
+        total = sum(self.executed.values())
+        return sum(k * c for k, c in self.executed.items()) / total if total else float(self.num_layers)
+
+    def as_dict(self) -> dict:
+        return {"tokens": self.tokens, "exit_rate": self.exit_rate, "mean_layers": self.mean_layers,
+                "mean_executed": self.mean_executed,
+                "exits": {int(k): int(v) for k, v in sorted(self.exits.items())}}
+
+
+@dataclass
+class ExitStats:
+    """Per-call exit statistics (`handle.last_stats`)."""
+
+    num_layers: int
+    checkpoints: list[int]
+    prefill: PhaseStats = None  # type: ignore[assignment]
+    decode: PhaseStats = None  # type: ignore[assignment]
+    speculative: dict | None = None  # speculative mode: drafting counters of the call
+
+    def __post_init__(self) -> None:
+        self.prefill = self.prefill or PhaseStats(self.num_layers)
+        self.decode = self.decode or PhaseStats(self.num_layers)
+
+    def as_dict(self) -> dict:
+        return {"num_layers": self.num_layers, "checkpoints": self.checkpoints,
+                "prefill": self.prefill.as_dict(), "decode": self.decode.as_dict(),
+                **({"speculative": self.speculative} if self.speculative is not None else {})}
+
+    def summary(self) -> str:
+        """A few lines a person can read: exit rate and mean depth per phase, exits per checkpoint."""
+        lines = []
+        for name, phase in (("prefill", self.prefill), ("decode", self.decode)):
+            per_layer = ", ".join(f"L{k}: {phase.exits.get(k, 0)}" for k in self.checkpoints)
+            lines.append(
+                f"{name:7s} {phase.tokens:6d} tokens  exit rate {phase.exit_rate:6.1%}  "
+                f"mean layers {phase.mean_layers:5.2f}/{self.num_layers}  executed {phase.mean_executed:5.2f}  "
+                f"exits [{per_layer}]"
+            )
+        return "\n".join(lines)
+
+    def plot(self, path: str | Path) -> Path:
+        """Draw the per-layer exit histogram (prefill and decode side by side) to a PNG file."""
+        from ..plotting import pyplot, save_png
+
+        plt = pyplot()
+
+        layers = [*self.checkpoints, self.num_layers]
+        labels = [str(k) for k in self.checkpoints] + [f"{self.num_layers}\n(no exit)"]
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+        for ax, (name, phase) in zip(axes, (("prefill", self.prefill), ("decode", self.decode))):
+            total = max(phase.tokens, 1)
+            ax.bar(labels, [100 * phase.exits.get(k, 0) / total for k in layers], color="#3b7dd8")
+            ax.set_title(f"{name}: {phase.tokens} tokens, mean {phase.mean_layers:.1f} layers")
+            ax.set_xlabel("exit after layer")
+        axes[0].set_ylabel("% of tokens")
+        return save_png(fig, path)

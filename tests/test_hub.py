@@ -40,6 +40,10 @@ ROUTER_KWARGS: dict[str, Any] = {
     "base_fingerprint": "0123456789abcdef",
     "dataset": "org/calib-data",
     "metrics": {"2": {"auc": 0.75, "precision": 0.5}, "5": {"auc": 0.875, "recall": 0.25}},
+    # the quality-target table: attach(min_agreement=...) must work from a pulled router as from the original
+    "exit_paths": {"agreement": {"thresholds": [[1.0, 1.0, 1.0], [1.0, 0.625, 1.0], [0.75, 0.625, 0.5]],
+                                 "errors": [0, 3, 40], "n": 1000, "nll_sum": [0.0, 1.5, 30.25],
+                                 "nll_sumsq": [0.0, 2.0, 60.5], "n_next": 990}},
 }
 # Keys that legitimately differ between an in-memory config and one read back from a repo.
 VOLATILE_CONFIG_KEYS = {"_name_or_path", "_commit_hash", "architectures", "transformers_version", "dtype"}
@@ -181,6 +185,7 @@ def test_push_then_pull_round_trips(hub: HubServer, pushed: Path) -> None:
     assert not [p for p, d in files.items() if d[:2] in (b"\x80\x02", b"\x80\x04", b"\x80\x05", b"PK")], "pickle/zip"
     _assert_same_tensors(load(files["model.safetensors"]), original)
     assert json.loads(files["config.json"])["checkpoint_layers"] == ROUTER_KWARGS["checkpoint_layers"]
+    assert json.loads(files["config.json"])["exit_paths"] == ROUTER_KWARGS["exit_paths"]
     readme = files["README.md"].decode()
     assert readme.startswith("---\n") and "library_name: tide_hf" in readme, "the TIDE model card was not pushed"
     assert "base_model: org/base" in readme and "| 5 |" in readme

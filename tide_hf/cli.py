@@ -10,7 +10,7 @@ from .assets import DEFAULT_MODEL
 
 
 def _add_calibration_args(p: argparse.ArgumentParser) -> None:
-    from .config import TideRouterConfig
+    from .config import LABEL_KINDS, TideRouterConfig
 
     d = TideRouterConfig()  # the library's defaults, so the CLI cannot drift from them
     p.add_argument("--model", default=DEFAULT_MODEL,
@@ -19,9 +19,13 @@ def _add_calibration_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset-config", default=None, help="Hub dataset config (e.g. wikitext-103-raw-v1)")
     p.add_argument("--split", default="train")
     p.add_argument("--text-field", default="text")
-    p.add_argument("--label", default="top1", choices=["cosine", "top1", "kl"],
+    p.add_argument("--label", default=d.label, choices=list(LABEL_KINDS),
                    help="what 'converged' means: cosine(h_k, h_final) > --convergence-threshold, top-1 agreement, "
-                        "or KL(final || exit) < --kl-threshold")
+                        "KL(final || exit) < --kl-threshold, or top-1 agreement and that KL (top1_kl)")
+    p.add_argument("--min-agreement", type=float, default=d.min_agreement,
+                   help="the router's default quality target: top-1 agreement attach() keeps without arguments")
+    p.add_argument("--confidence", type=float, default=d.confidence,
+                   help="probability with which a quality target holds (Learn-then-Test)")
     p.add_argument("--num-samples", type=int, default=2000)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8)
@@ -128,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--agreements", nargs="+", type=float, default=[1.0, 0.95, 0.9, 0.8, 0.7],
                    help="top-1 agreements the oracle is computed at")
     p.add_argument("--bins", type=int, default=40, help="cosine bins of the heatmap")
+    p.add_argument("--targets", nargs="+", type=float, default=[0.99, 0.97, 0.95, 0.9],
+                   help="min_agreement quality targets whose per-checkpoint thresholds are evaluated")
     p.add_argument("--thresholds", nargs="+", type=float, default=[0.95, 0.9, 0.85, 0.7, 0.5, 0.3])
     p.add_argument("--num-prompts", type=int, default=16, help="held-out prompts the model continues greedily")
     p.add_argument("--prompt-len", type=int, default=64)

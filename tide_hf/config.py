@@ -7,7 +7,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-LABEL_KINDS = ("cosine", "top1", "kl")
+LABEL_KINDS = ("cosine", "top1", "kl", "top1_kl")
 MODES = ("select", "skip", "speculative")
 KV_POLICIES = ("propagate", "recompute")
 
@@ -26,10 +26,16 @@ class TideRouterConfig(PretrainedConfig):
 
     Architecture: `hidden_size`, `router_bottleneck_dim`, `checkpoint_layers` (a checkpoint `k` scores
     the output of the `k`-th decoder layer, 1-based). Provenance (what the router belongs to and how it
-    was made): the `base_*` fields, the label, the data and the training hyper-parameters. Defaults for
-    serving: `exit_threshold`, `min_layers`. Training runs at most `num_epochs` per router and stops after
-    `early_stopping_patience` epochs without a better held-out loss (0: never stops early). Results:
-    `metrics`, one dict per checkpoint, and `calibration_seconds` (model body, labelling, training).
+    was made): the `base_*` fields, the label, the data and the training hyper-parameters. Training runs at
+    most `num_epochs` per router and stops after `early_stopping_patience` epochs without a better loss on the
+    validation samples (`validation_fraction`; 0: never stops early).
+
+    Quality targets: `exit_paths` holds the calibrated exit paths (see `tide_hf.modeling.targets`), ordered on
+    the validation samples with `path_grid` candidate thresholds per checkpoint and tested on the threshold
+    samples (`threshold_fraction`), which neither training nor the ordering saw. Serving defaults:
+    `min_agreement` at `confidence` when the router has paths (None: no default target), else the global
+    `exit_threshold` (routers calibrated before paths existed); `min_layers` always. Results: `metrics`, one
+    dict per checkpoint, and `calibration_seconds` (model body, labelling, training).
     """
 
     model_type = "tide_router"
@@ -41,7 +47,7 @@ class TideRouterConfig(PretrainedConfig):
         checkpoint_interval: int = 4,
         checkpoint_layers: list[int] | None = None,
         router_bottleneck_dim: int = 128,
-        label: str = "cosine",
+        label: str = "top1",
         convergence_threshold: float = 0.98,
         kl_threshold: float = 0.1,
         exit_threshold: float = 0.85,
@@ -60,6 +66,11 @@ class TideRouterConfig(PretrainedConfig):
         train_batch_size: int = 1024,
         max_train_tokens: int = 65536,
         validation_fraction: float = 0.1,
+        threshold_fraction: float = 0.1,
+        path_grid: int = 40,
+        min_agreement: float | None = 0.95,
+        confidence: float = 0.9,
+        exit_paths: dict[str, Any] | None = None,
         seed: int = 0,
         metrics: dict[str, dict[str, Any]] | None = None,
         calibration_seconds: dict[str, float] | None = None,
@@ -93,6 +104,11 @@ class TideRouterConfig(PretrainedConfig):
         self.train_batch_size = train_batch_size
         self.max_train_tokens = max_train_tokens
         self.validation_fraction = validation_fraction
+        self.threshold_fraction = threshold_fraction
+        self.path_grid = path_grid
+        self.min_agreement = min_agreement
+        self.confidence = confidence
+        self.exit_paths = exit_paths or {}
         self.seed = seed
         self.metrics = metrics or {}
         self.calibration_seconds = calibration_seconds or {}
@@ -123,6 +139,15 @@ class TideRouterConfig(PretrainedConfig):
                 f"early_stopping_patience must be >= 0 (0 trains every epoch), got {self.early_stopping_patience}")
         if not 0.0 < self.validation_fraction < 1.0:
             raise ValueError(f"validation_fraction must be in (0, 1), got {self.validation_fraction}")
+        if not 0.0 < self.threshold_fraction < 1.0 - self.validation_fraction:
+            raise ValueError(
+                f"threshold_fraction must be in (0, 1 - validation_fraction), got {self.threshold_fraction}")
+        if self.path_grid < 1:
+            raise ValueError(f"path_grid must be >= 1, got {self.path_grid}")
+        if self.min_agreement is not None and not 0.0 < self.min_agreement <= 1.0:
+            raise ValueError(f"min_agreement must be in (0, 1] or None, got {self.min_agreement}")
+        if not 0.0 < self.confidence < 1.0:
+            raise ValueError(f"confidence must be in (0, 1), got {self.confidence}")
         _check_threshold(self.exit_threshold)
         _check_min_layers(self.min_layers, self.num_hidden_layers)
 
@@ -141,12 +166,15 @@ def _check_min_layers(value: int, num_hidden_layers: int) -> None:
 class TideOptions:
     """Serving options of one attach: how eagerly tokens exit and what an exit saves.
 
-    `exit_threshold`: a row exits at the first checkpoint >= `min_layers` whose router score is at
-    least this (1.0 disables exits). `mode`: "select" runs every layer and feeds the exit state to the
-    head (the paper's system); "skip" stops computing layers once every row of a step has exited;
-    "speculative" drafts with early exit while the routers say converged and verifies every draft at
-    full depth (lossless). `kv`: how skip mode fills the cache of the layers it did not run.
-    `draft_layer`: the checkpoint speculative mode drafts at (None: chosen from the router's metrics).
+    A row exits at the first checkpoint >= `min_layers` whose router score reaches that checkpoint's
+    threshold: `thresholds[k]` when given (chosen for a quality target, see `tide_hf.modeling.targets`),
+    else the global `exit_threshold` (1.0 closes a checkpoint; 1.0 everywhere disables exits). `target`
+    records the quality target the thresholds were chosen for (None: an explicit threshold). `mode`:
+    "select" runs every layer and feeds the exit state to the head (the paper's system); "skip" stops
+    computing layers once every row of a step has exited; "speculative" drafts with early exit while the
+    routers say converged and verifies every draft at full depth (lossless). `kv`: how skip mode fills the
+    cache of the layers it did not run. `draft_layer`: the checkpoint speculative mode drafts at (None:
+    chosen from the router's metrics).
     """
 
     exit_threshold: float = 0.85
@@ -154,10 +182,18 @@ class TideOptions:
     mode: str = "select"
     kv: str = "propagate"
     draft_layer: int | None = None
+    thresholds: dict[int, float] | None = None
+    target: dict[str, float] | None = None
+
+    def threshold(self, layer: int) -> float:
+        """The exit threshold of checkpoint `layer`."""
+        return self.thresholds[layer] if self.thresholds is not None else self.exit_threshold
 
     def validate(self, num_hidden_layers: int) -> None:
         """Raise before any work is done when an option cannot apply to this model."""
         _check_threshold(self.exit_threshold)
+        for value in (self.thresholds or {}).values():
+            _check_threshold(value)
         _check_min_layers(self.min_layers, num_hidden_layers)
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")

@@ -33,6 +33,7 @@ def calibrate_from_args(args: argparse.Namespace) -> tuple[Any, Any, TideRouter]
         kl_threshold=args.kl_threshold, num_epochs=args.num_epochs,
         early_stopping_patience=args.early_stopping_patience, max_train_tokens=args.max_train_tokens,
         exit_threshold=args.exit_threshold, min_layers=args.min_layers, seed=args.seed,
+        min_agreement=args.min_agreement, confidence=args.confidence,
     )
     return model, tokenizer, router
 

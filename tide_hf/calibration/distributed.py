@@ -149,7 +149,8 @@ def _broadcast_bytes(payload: bytes, state: PartialState) -> bytes:
 
 def train_on_main(train: Callable[..., None], router: TideRouter, data: Any, *, progress: bool) -> None:
     """`train(router, data, progress=progress)` in the main process only; then every process holds the main
-    process's router parameters and `config.metrics`. An error in training is raised in every process."""
+    process's router parameters, `config.metrics` and `config.exit_paths`. An error in training is raised in
+    every process."""
     state = _state()
     if state is None:
         train(router, data, progress=progress)
@@ -168,6 +169,7 @@ def train_on_main(train: Callable[..., None], router: TideRouter, data: Any, *, 
     if report["error"] is not None:
         raise RuntimeError(f"router training failed in the main process: {report['error']}")
     router.config.metrics = report["metrics"]
+    router.config.exit_paths = report["exit_paths"]
     device = _comm_device(state)
     with torch.no_grad():
         for tensor in router.state_dict().values():

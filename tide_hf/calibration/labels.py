@@ -26,6 +26,7 @@ from .distributed import gather_collected, local_batches
 from .samples import pad_right
 
 LABEL_CHUNK_ROWS = 256  # tokens whose vocab-sized exit logits are held at once while labelling
+KL_LABELS = ("kl", "top1_kl")  # labels that need the KL of every kept token, not only held-out ones
 
 
 @dataclass
@@ -36,7 +37,9 @@ class Collected:
     cosine: dict[int, torch.Tensor]  # layer -> (n,) cos(h_k, h_final), pre-norm, fp32
     top1: dict[int, torch.Tensor]  # layer -> (n,) bool, exit argmax == final argmax
     kl: dict[int, torch.Tensor]  # layer -> (n,) KL(final || exit) in nats
-    is_val: torch.Tensor  # (n,) bool, token comes from a held-out sample
+    nll: dict[int, torch.Tensor]  # layer -> (n,) NLL(next token | exit) - NLL(next token | final); NaN: not computed
+    is_val: torch.Tensor  # (n,) bool, token comes from a held-out sample (validation or threshold split)
+    is_test: torch.Tensor  # (n,) bool, token comes from the threshold split (never used to train or to order)
     labelled: dict[str, torch.Tensor]  # "top1" / "kl" -> (n,) bool, computed for this token
     seconds: dict[str, float]  # wall time of the model body ("forward") and of labelling ("label")
 
@@ -54,6 +57,8 @@ class Collected:
             return self.cosine[layer] > cfg.convergence_threshold
         if kind == "top1":
             return self.top1[layer]
+        if kind == "top1_kl":  # the argmax agrees and the distribution is close: protects perplexity too
+            return self.top1[layer] & (self.kl[layer] < cfg.kl_threshold)
         return self.kl[layer] < cfg.kl_threshold
 
 
@@ -66,12 +71,23 @@ class FinalDistribution:
     """The final layer's next-token distribution, to measure KL(final || exit) against."""
 
     def __init__(self, final_logits: torch.Tensor) -> None:
+        self.logp = F.log_softmax(final_logits.float(), dim=-1)
         self.prob = F.softmax(final_logits.float(), dim=-1)
-        self.neg_entropy = rowdot(self.prob, F.log_softmax(final_logits.float(), dim=-1))
+        self.neg_entropy = rowdot(self.prob, self.logp)
 
     def kl(self, exit_logits: torch.Tensor) -> torch.Tensor:
         """KL(final || exit) per row, as a batched dot (no vocab-sized temporaries beyond log q)."""
-        return self.neg_entropy - rowdot(self.prob, F.log_softmax(exit_logits.float(), dim=-1))
+        return self.kl_logq(F.log_softmax(exit_logits.float(), dim=-1))
+
+    def kl_logq(self, logq: torch.Tensor) -> torch.Tensor:
+        """KL(final || exit) per row from the exit log-probabilities."""
+        return self.neg_entropy - rowdot(self.prob, logq)
+
+    def nll_change(self, logq: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """NLL of `targets` under the exit distribution minus under the final one; NaN where a target is < 0."""
+        index = targets.clamp(min=0)[:, None]
+        change = (self.logp.gather(1, index) - logq.gather(1, index)).squeeze(1)
+        return torch.where(targets >= 0, change, torch.full_like(change, math.nan))
 
 
 @torch.no_grad()
@@ -94,10 +110,12 @@ def collect(
     total = sum(len(s) for s in samples)
     keep_p = min(1.0, cfg.max_train_tokens / max(total, 1))
     keep = [torch.rand(len(s), generator=gen) < keep_p for s in samples]
-    n_val_samples = max(1, math.ceil(cfg.validation_fraction * len(samples)))
+    n_test_samples = max(1, math.ceil(cfg.threshold_fraction * len(samples)))
+    n_val_samples = max(1, math.ceil(cfg.validation_fraction * len(samples))) + n_test_samples
     is_val = torch.cat([k.new_full((int(k.sum()),), i >= len(samples) - n_val_samples) for i, k in enumerate(keep)])
+    is_test = torch.cat([k.new_full((int(k.sum()),), i >= len(samples) - n_test_samples) for i, k in enumerate(keep)])
     starts, local_rows = local_batches(keep, batch_size)  # all batches, unless launched (accelerate)
-    is_val = is_val[local_rows]
+    is_val, is_test = is_val[local_rows], is_test[local_rows]
     n = int(is_val.numel())
     layers = list(cfg.checkpoint_layers)
     out = Collected(
@@ -105,8 +123,10 @@ def collect(
         cosine={k: torch.empty(n) for k in layers},
         top1={k: torch.zeros(n, dtype=torch.bool) for k in layers},
         kl={k: torch.full((n,), math.nan) for k in layers},
+        nll={k: torch.full((n,), math.nan) for k in layers},
         is_val=is_val,
-        labelled={kind: torch.zeros(n, dtype=torch.bool) for kind in ("top1", "kl")},
+        is_test=is_test,
+        labelled={kind: torch.zeros(n, dtype=torch.bool) for kind in ("top1", "kl", "top1_kl")},
         seconds={"forward": 0.0, "label": 0.0},
     )
     final_layer = adapter.num_layers
@@ -128,6 +148,8 @@ def collect(
             ids, mask = pad_right(samples[start : start + batch_size], pad_id)
             sel, _ = pad_right(keep[start : start + batch_size], 0)
             selection[:] = [sel.bool().to(device)]
+            following = torch.where(mask[:, 1:].bool(), ids[:, 1:], -1)  # each position's next token (-1: none)
+            next_ids = torch.cat([following, following.new_full((len(ids), 1), -1)], 1)[sel.bool()].to(device)
             t0 = time.perf_counter()
             model.base_model(input_ids=ids.to(in_device), attention_mask=mask.to(in_device), use_cache=False)
             t1 = time.perf_counter()
@@ -136,7 +158,8 @@ def collect(
             rows = torch.arange(cursor, cursor + m)
             # Head-based labels cost a vocab-sized matmul per token and checkpoint: compute them for every
             # kept token only when they are the training label, else on held-out tokens for the report.
-            # The KL also needs two vocab-sized softmaxes per row, so unless it is the label it is held-out only.
+            # The KL and the NLL change also need vocab-sized softmaxes per row, so unless the label needs
+            # the KL they are held-out only (the threshold fit and the report use held-out tokens only).
             head = rows if cfg.label != "cosine" else rows[is_val[rows]]
             for k in layers:
                 h = captured[k]
@@ -145,16 +168,20 @@ def collect(
             # vocab-sized logits in row chunks, so their memory does not grow with the batch
             for part in head.split(LABEL_CHUNK_ROWS):
                 local = (part - cursor).to(device)
-                with_kl = torch.ones_like(part, dtype=torch.bool) if cfg.label == "kl" else is_val[part]
+                with_kl = torch.ones_like(part, dtype=torch.bool) if cfg.label in KL_LABELS else is_val[part]
                 final_logits = adapter.logits(h_final[local])
                 final_argmax = final_logits.argmax(-1)
                 final = FinalDistribution(final_logits[with_kl.to(device)])
+                targets = next_ids[local][with_kl.to(device)]
                 for k in layers:
                     exit_logits = adapter.logits(captured[k][local])
                     out.top1[k][part] = (exit_logits.argmax(-1) == final_argmax).cpu()
-                    out.kl[k][part[with_kl]] = final.kl(exit_logits[with_kl.to(device)]).cpu()
+                    logq = F.log_softmax(exit_logits[with_kl.to(device)].float(), dim=-1)
+                    out.kl[k][part[with_kl]] = final.kl_logq(logq).cpu()
+                    out.nll[k][part[with_kl]] = final.nll_change(logq, targets).cpu()
                 out.labelled["top1"][part] = True
                 out.labelled["kl"][part[with_kl]] = True
+                out.labelled["top1_kl"][part[with_kl]] = True
             cursor += m
             captured.clear()
             out.seconds["forward"] += t1 - t0

@@ -18,8 +18,9 @@ from ..config import LABEL_KINDS, TideRouterConfig
 from ..modeling import TideRouter, get_adapter, model_fingerprint, text_config
 from .data import DEFAULT_DATASET, load_texts
 from .distributed import is_main_process, main_process_first, train_on_main
-from .labels import collect
+from .labels import Collected, collect
 from .samples import make_samples, pad_token_id
+from .thresholds import fit_exit_paths
 from .training import train_routers
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,12 @@ def warn_if_silent(cfg: TideRouterConfig) -> None:
                f"has 0% positive tokens {scope}. On this model {hint}; recalibrate with one of those.")
     logger.warning(message)
     warnings.warn(message, stacklevel=3)
+
+
+def fit(router: TideRouter, data: Collected, *, progress: bool = True) -> None:
+    """Train the routers, then calibrate their exit paths for quality targets (`config.exit_paths`)."""
+    train_routers(router, data, progress=progress)
+    router.config.exit_paths = fit_exit_paths(router, data)
 
 
 def calibrate(
@@ -92,7 +99,7 @@ def calibrate(
         model.train(was_training)
     started = time.perf_counter()
     router = TideRouter(cfg)
-    train_on_main(train_routers, router, data, progress=progress)  # every process gets its result
+    train_on_main(fit, router, data, progress=progress)  # every process gets its result
     cfg.calibration_seconds = {**data.seconds, "train": time.perf_counter() - started}
     if is_main_process():
         warn_if_silent(cfg)

@@ -48,7 +48,7 @@ def train_routers(router: TideRouter, data: Collected, *, progress: bool = True)
     """
     cfg = router.config
     gen = torch.Generator().manual_seed(cfg.seed)
-    train, val = ~data.is_val, data.is_val
+    train, val = ~data.is_val, data.is_val & ~data.is_test  # the threshold split stays unseen
     if not train.any() or not val.any():
         raise ValueError(
             f"calibration kept {int(train.sum())} training and {int(val.sum())} held-out tokens; both must be > 0 "

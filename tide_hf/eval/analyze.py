@@ -25,6 +25,7 @@ from ..calibration import held_out_texts, load_texts, make_samples, pad_right, p
 from ..calibration.labels import LABEL_CHUNK_ROWS, FinalDistribution
 from ..config import default_checkpoints
 from ..modeling import ModelAdapter, TideRouter, get_adapter, layer_output
+from ..modeling.targets import select
 from .plots import convergence as plot_convergence
 from .plots import efficiency as plot_efficiency
 from .plots import heatmap as plot_heatmap
@@ -131,38 +132,68 @@ def greedy_text(model: Any, prompts: list[torch.Tensor], new_tokens: int, pad_id
 
 
 @torch.no_grad()
-def router_efficiency(model: Any, router: TideRouter, prompts: list[torch.Tensor], *, new_tokens: int,
-                      thresholds: list[float], pad_id: int, progress: bool = True) -> dict:
-    """Layers saved by the routers / by the oracle at the same agreement, on the model's own greedy text."""
+def _scored_text(model: Any, router: TideRouter, texts: list[tuple[torch.Tensor, int]], checkpoints: list[int],
+                 progress: bool, desc: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top-1 match, router score) per token x checkpoint of each sequence from its position `start` on."""
     adapter = get_adapter(model)
     n = adapter.num_layers
-    cfg = router.config
-    checkpoints = [k for k in cfg.checkpoint_layers if k >= cfg.min_layers]
     matches, scores = [], []
-    for seq, p in tqdm(list(zip(greedy_text(model, prompts, new_tokens, pad_id), prompts)),
-                       desc="analyze: router efficiency", disable=not progress):
+    for seq, start in tqdm(texts, desc=desc, disable=not progress):
         ids = seq[None]
         states = _layer_states(model, adapter, ids, torch.ones_like(ids), [*checkpoints, n])
-        generated = slice(len(p) - 1, len(seq) - 1)  # positions whose next token is the model's own
-        states = {k: h[generated] for k, h in states.items()}
+        positions = slice(start, len(seq) - 1)  # positions whose next token is part of the text
+        states = {k: h[positions] for k, h in states.items()}
         matches.append(_compare(adapter, states, n, kl=False)["match"][:, :-1])
         scores.append(torch.stack([torch.sigmoid(router.logit(k, adapter.normed(states[k]).float())).cpu()
                                    for k in checkpoints], 1))
-    match, score = torch.cat(matches), torch.cat(scores)
-    depth_of = torch.tensor([*checkpoints, n], dtype=torch.float64)
-    rows = []
-    for t in thresholds:
-        fires = score >= t
-        first = torch.where(fires.any(1), fires.int().argmax(1), len(checkpoints))
-        correct = torch.cat([match, torch.ones(len(match), 1, dtype=torch.bool)], 1).gather(1, first[:, None])
-        agreement = int(correct.sum()) / len(correct)  # exact count: the oracle gets the same budget
-        saved = n - float(depth_of[first].mean())
-        best = oracle(match, checkpoints, n, [agreement])[0]["layers_saved"]
-        rows.append({"threshold": t, "agreement": agreement, "layers_saved": saved, "oracle_layers_saved": best,
-                     "efficiency": saved / best if best > 0 else None})
-    curve = sorted({round(x, 4) for x in [*(1.0 - i / 20 for i in range(11)), *(r["agreement"] for r in rows)]})
-    return {"tokens": len(match), "num_layers": n, "checkpoints": checkpoints, "router": rows,
-            "oracle": oracle(match, checkpoints, n, curve[::-1])}
+    return torch.cat(matches), torch.cat(scores)
+
+
+def _exits(match: torch.Tensor, score: torch.Tensor, thresholds: torch.Tensor, checkpoints: list[int], n: int
+           ) -> dict[str, Any]:
+    """Agreement and layers saved (the routers', the oracle's at that agreement) under per-checkpoint thresholds."""
+    fires = (score >= thresholds) & (thresholds < 1.0)
+    first = torch.where(fires.any(1), fires.int().argmax(1), len(checkpoints))
+    correct = torch.cat([match, torch.ones(len(match), 1, dtype=torch.bool)], 1).gather(1, first[:, None])
+    agreement = int(correct.sum()) / len(correct)  # exact count: the oracle gets the same budget
+    saved = n - float(torch.tensor([*checkpoints, n], dtype=torch.float64)[first].mean())
+    best = oracle(match, checkpoints, n, [agreement])[0]["layers_saved"]
+    return {"agreement": agreement, "layers_saved": saved, "oracle_layers_saved": best,
+            "efficiency": saved / best if best > 0 else None}
+
+
+@torch.no_grad()
+def router_efficiency(model: Any, router: TideRouter, prompts: list[torch.Tensor], *, new_tokens: int,
+                      thresholds: list[float], pad_id: int, targets: list[float] = (), progress: bool = True,
+                      heldout: list[torch.Tensor] = ()) -> dict:
+    """Layers saved by the routers / by the oracle at the same agreement, on the model's own greedy text, at
+    global `thresholds` and at quality `targets` (min_agreement, the router's per-checkpoint thresholds; also
+    on the teacher-forced `heldout` samples when given: the agreement delivered on text like the calibration's)."""
+    n = get_adapter(model).num_layers
+    cfg = router.config
+    checkpoints = [k for k in cfg.checkpoint_layers if k >= cfg.min_layers]
+    texts = [(seq, len(p) - 1) for seq, p in zip(greedy_text(model, prompts, new_tokens, pad_id), prompts)]
+    match, score = _scored_text(model, router, texts, checkpoints, progress, "analyze: router efficiency")
+    rows = [{"threshold": t, **_exits(match, score, torch.full((len(checkpoints),), float(t)), checkpoints, n)}
+            for t in thresholds]
+    out = {"tokens": len(match), "num_layers": n, "checkpoints": checkpoints, "router": rows}
+    if targets:
+        chosen = {a: select(cfg.exit_paths, list(cfg.checkpoint_layers), min_agreement=a, confidence=cfg.confidence)
+                  for a in targets}
+        vectors = {a: torch.tensor([chosen[a][k] for k in checkpoints]) for a in targets}
+        out["confidence"] = cfg.confidence
+        out["targets"] = [{"target": a, "thresholds": chosen[a], **_exits(match, score, vectors[a], checkpoints, n)}
+                          for a in targets]
+        if heldout:
+            h_match, h_score = _scored_text(model, router, [(s, 0) for s in heldout], checkpoints, progress,
+                                            "analyze: targets on held-out text")
+            out["heldout_tokens"] = len(h_match)
+            out["heldout_targets"] = [{"target": a, **_exits(h_match, h_score, vectors[a], checkpoints, n)}
+                                      for a in targets]
+    agreements = [r["agreement"] for r in rows + out.get("targets", [])]
+    curve = sorted({round(x, 4) for x in [*(1.0 - i / 20 for i in range(11)), *agreements]})
+    out["oracle"] = oracle(match, checkpoints, n, curve[::-1])
+    return out
 
 
 def format_analysis(result: dict) -> str:
@@ -185,6 +216,19 @@ def format_analysis(result: dict) -> str:
             e = "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}"
             lines.append(f"| {r['threshold']} | {r['agreement']:.1%} | {r['layers_saved']:.2f} | "
                          f"{r['oracle_layers_saved']:.2f} | {e} |")
+        if eff.get("targets"):
+            lines += ["", f"quality targets (per-checkpoint thresholds, confidence {eff['confidence']}): agreement "
+                      "delivered on the model's own greedy text and on held-out text "
+                      f"({eff.get('heldout_tokens', 0)} teacher-forced tokens):", "",
+                      "| target | greedy text: agreement | layers saved | oracle saves | efficiency | "
+                      "held-out text: agreement | layers saved |", "|---|---|---|---|---|---|---|"]
+            held = {r["target"]: r for r in eff.get("heldout_targets", [])}
+            for r in eff["targets"]:
+                e = "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}"
+                h = held.get(r["target"])
+                tail = f"{h['agreement']:.1%} | {h['layers_saved']:.2f}" if h else "- | -"
+                lines.append(f"| {r['target']} | {r['agreement']:.1%} | {r['layers_saved']:.2f} | "
+                             f"{r['oracle_layers_saved']:.2f} | {e} | {tail} |")
     return "\n".join(lines)
 
 
@@ -212,8 +256,11 @@ def run(args: Any) -> dict:
     if router is not None:
         ids = [torch.tensor(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
         prompts = [d[: args.prompt_len] for d in ids if len(d) > args.prompt_len][: args.num_prompts]
+        heldout = make_samples(tokenizer, texts, args.num_samples, args.seq_len, args.seed)
+        targets = args.targets if router.config.exit_paths else []
         result["efficiency"] = router_efficiency(model, router, prompts, new_tokens=args.new_tokens,
-                                                 thresholds=args.thresholds, pad_id=pad_id)
+                                                 thresholds=args.thresholds, pad_id=pad_id, targets=targets,
+                                                 heldout=heldout)
         files.append(plot_efficiency(result["efficiency"], out / "efficiency.png"))
     (out / "analyze.json").write_text(json.dumps(result, indent=2))
     table = format_analysis(result)

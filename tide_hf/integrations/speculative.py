@@ -106,7 +106,7 @@ class TideCandidateGenerator(CandidateGenerator):
         self.do_sample = bool(generation_config.do_sample)
         self.max_length = generation_config.max_length
         self.eos = eos_token_tensor(generation_config)
-        self.threshold = handle.options.exit_threshold
+        self.threshold = handle.options.threshold(self.layer)
         self.cap = INITIAL_DRAFT_TOKENS
         self.drafting = False  # set around draft forwards (read by the hooks)
         self.gate_open = False  # the router's verdict on the newest draft token

@@ -25,6 +25,7 @@ from ..config import TideOptions
 from ..kernels import NormSpec, gather_rows, norm_router_scores, norm_spec, scatter_rows_
 from ..modeling import ModelAdapter, TideRouter, get_adapter, layer_output
 from ..modeling.devices import execution_device, onloaded
+from ..modeling.targets import select
 from .kv import KVRecompute
 from .patching import Patches
 from .session import Session, Step
@@ -47,6 +48,7 @@ class TideHandle:
         self.model, self.router, self.options, self.adapter = model, router, options, adapter
         self.num_layers = adapter.num_layers
         self.checkpoints = [k for k in router.checkpoint_layers if k >= options.min_layers]
+        self.open_checkpoints = [k for k in self.checkpoints if options.threshold(k) < 1.0]  # those that can exit
         self.enabled = True
         self._local = threading.local()
         self._pending: weakref.WeakKeyDictionary[Any, KVRecompute] = weakref.WeakKeyDictionary()
@@ -66,9 +68,9 @@ class TideHandle:
         for k in self.checkpoints:
             self._patches.hook(adapter.layers[k - 1].register_forward_hook(self._checkpoint_hook(k)))
         self._patches.hook(adapter.layers[-1].register_forward_hook(self._final_hook))
-        self._skipper = LayerSkipper(adapter.layers, self.checkpoints[0], options.kv, self.current_step,
+        self._skipper = LayerSkipper(adapter.layers, self.open_checkpoints[0], options.kv, self.current_step,
                                      self.recompute_state, self._patches) \
-            if options.mode == "skip" and self.checkpoints else None
+            if options.mode == "skip" and self.open_checkpoints else None
 
     def __enter__(self) -> TideHandle:
         return self
@@ -132,7 +134,7 @@ class TideHandle:
         return not self.enabled or getattr(self._local, "disabled", False)
 
     def _active(self) -> bool:
-        return not self._bypassed() and self.options.exit_threshold < 1.0 and bool(self.checkpoints)
+        return not self._bypassed() and bool(self.open_checkpoints)
 
     # -- hooks ------------------------------------------------------------------------------------
     def _begin(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -180,13 +182,15 @@ class TideHandle:
         return norm_router_scores(hidden, spec, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias)
 
     def _checkpoint_hook(self, layer: int):
+        threshold = self.options.threshold(layer)
+
         def hook(_module: nn.Module, _args: tuple, output: Any) -> None:
             step = getattr(self._local, "step", None)
-            if step is None or not self._active():
+            if step is None or threshold >= 1.0 or not self._active():
                 return
             hidden = layer_output(output)
             fresh = step.exit_layer == self.num_layers
-            exits = fresh & (self.score(layer, hidden) >= self.options.exit_threshold).to(fresh.device)
+            exits = fresh & (self.score(layer, hidden) >= threshold).to(fresh.device)
             if not exits.any():
                 return
             step.exit_layer[exits] = layer
@@ -248,6 +252,9 @@ def attach(
     model: nn.Module,
     router: TideRouter,
     *,
+    min_agreement: float | None = None,
+    max_perplexity_increase: float | None = None,
+    confidence: float | None = None,
     exit_threshold: float | None = None,
     min_layers: int | None = None,
     mode: str = "select",
@@ -258,24 +265,45 @@ def attach(
 ) -> TideHandle:
     """Attach `router` to `model`; stock `generate()`, `pipeline()` and plain forwards then use TIDE.
 
-    `exit_threshold` and `min_layers` default to the router's calibrated values; `mode`, `kv` and
-    `draft_layer` are described in `TideOptions`. `handle_class` is a `TideHandle` subclass that scores
-    checkpoints differently (the bench's softmax-confidence baseline). Everything is checked before the
-    model is touched: options in range, and the router made for this model.
+    How eagerly tokens exit, in order of precedence: an explicit global `exit_threshold`; else a quality
+    target, `min_agreement` (top-1 agreement with the full model, e.g. 0.97) and/or
+    `max_perplexity_increase` (e.g. 0.05 for +5 %), met with probability `confidence` by per-checkpoint
+    thresholds from the router's calibrated exit paths (`tide_hf.modeling.targets`); else the router's
+    default target (`config.min_agreement`); else, for routers calibrated before exit paths existed, the
+    router's global `exit_threshold`. `min_layers` defaults to the router's; `mode`, `kv` and `draft_layer`
+    are described in `TideOptions`. `handle_class` is a `TideHandle` subclass that scores checkpoints
+    differently (the bench's softmax-confidence baseline). Everything is checked before the model is
+    touched: options in range, and the router made for this model.
     """
     if get_handle(model) is not None:
         raise ValueError("this model already has a TIDE router attached; call handle.detach() first")
     adapter = get_adapter(model)
     router.check_compatible(model, ignore_fingerprint=ignore_fingerprint, adapter=adapter)
+    cfg = router.config
+    targeted = min_agreement is not None or max_perplexity_increase is not None
+    if exit_threshold is not None and targeted:
+        raise ValueError("give either exit_threshold (one global threshold) or a quality target "
+                         "(min_agreement / max_perplexity_increase), not both")
+    if exit_threshold is None and not targeted and cfg.exit_paths and cfg.min_agreement is not None:
+        min_agreement = cfg.min_agreement  # the router's default target
+    thresholds, target = None, None
+    if exit_threshold is None and (min_agreement is not None or max_perplexity_increase is not None):
+        level = cfg.confidence if confidence is None else confidence
+        thresholds = select(cfg.exit_paths, list(cfg.checkpoint_layers), min_agreement=min_agreement,
+                            max_perplexity_increase=max_perplexity_increase, confidence=level)
+        target = {k: v for k, v in (("min_agreement", min_agreement), ("confidence", level),
+                                    ("max_perplexity_increase", max_perplexity_increase)) if v is not None}
     options = TideOptions(
-        exit_threshold=router.config.exit_threshold if exit_threshold is None else exit_threshold,
-        min_layers=router.config.min_layers if min_layers is None else min_layers,
+        exit_threshold=cfg.exit_threshold if exit_threshold is None else exit_threshold,
+        min_layers=cfg.min_layers if min_layers is None else min_layers,
         mode=mode,
         kv=kv,
         draft_layer=draft_layer,
+        thresholds=thresholds,
+        target=target,
     )
     options.validate(adapter.num_layers)
-    eligible = [k for k in router.checkpoint_layers if k >= options.min_layers]
+    eligible = [k for k in router.checkpoint_layers if k >= options.min_layers and options.threshold(k) < 1.0]
     if options.mode == "skip" and eligible:
         LayerSkipper.check(adapter.layers, eligible[0], options.kv)
     handle = handle_class(model, router, options, adapter)

@@ -1,0 +1,169 @@
+"""Quality targets: exit paths ordered on one split, tested on another, and the Learn-then-Test choice of
+per-checkpoint thresholds, checked on synthetic problems whose true risk is known, and end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ByteTokenizer, make_tiny_llama, new_router
+
+import tide_hf
+from tide_hf.calibration.thresholds import build_path, exit_index, path_losses
+from tide_hf.modeling.targets import TideTargetError, binomial_pvalue, normal_pvalue, select
+
+SAVED = torch.tensor([6.0, 2.0], dtype=torch.float64)  # layers saved by an exit at each of two checkpoints
+ERROR_SCALE = torch.tensor([0.9, 0.1])  # wrong-exit probability per unit of (1 - score), per checkpoint
+
+
+def synthetic(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores uniform in [0, 1]; a token's exit at checkpoint j is wrong with probability (1 - score) * c_j, so
+    high scores are reliable and the deep checkpoint is more reliable than the shallow one."""
+    scores = torch.rand(n, 2, generator=gen)
+    wrong = torch.rand(n, 2, generator=gen) < (1.0 - scores) * ERROR_SCALE
+    return scores, wrong
+
+
+def true_agreement(thresholds: dict[int, float]) -> float:
+    """Exact agreement of a threshold pair under `synthetic`: integrate over the score square."""
+    t = torch.tensor([thresholds[4], thresholds[8]])
+    grid = (torch.arange(400, dtype=torch.float64) + 0.5) / 400
+    s1, s2 = grid[:, None], grid[None, :]
+    first = (s1 >= t[0]) & (t[0] < 1.0)
+    second = ~first & (s2 >= t[1]) & (t[1] < 1.0)
+    error = first * (1 - s1) * ERROR_SCALE[0] + second * (1 - s2) * ERROR_SCALE[1]
+    return 1.0 - float(error.mean())
+
+
+def fitted(seed: int, n: int = 3000) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    scores_a, wrong_a = synthetic(n, gen)
+    scores_b, wrong_b = synthetic(n, gen)
+    path = build_path(scores_a, wrong_a.double(), SAVED, grid=20)
+    return {"agreement": path_losses(path, scores_b, wrong_b, torch.zeros(n, 2))}
+
+
+def test_binomial_pvalue_is_the_binomial_tail() -> None:
+    for errors, n, alpha in ((0, 10, 0.1), (3, 40, 0.05), (17, 200, 0.1)):
+        want = sum(math.comb(n, k) * alpha**k * (1 - alpha) ** (n - k) for k in range(errors + 1))
+        assert binomial_pvalue(errors, n, alpha) == pytest.approx(want, rel=1e-9)
+    assert binomial_pvalue(0, 100, 0.0) == 1.0  # zero errors never prove a zero error rate
+
+
+def test_normal_pvalue_is_one_sided() -> None:
+    assert normal_pvalue(total=0.0, total_sq=10.0, n=1000, bound=0.1) < 0.01  # mean 0 well under 0.1
+    assert normal_pvalue(total=200.0, total_sq=1000.0, n=1000, bound=0.1) > 0.99  # mean 0.2 over it
+    assert normal_pvalue(total=5.0, total_sq=5.0, n=1, bound=10.0) == 1.0  # one loss certifies nothing
+
+
+def test_path_goes_from_closed_to_open_and_saves_more_at_each_step() -> None:
+    gen = torch.Generator().manual_seed(0)
+    scores, wrong = synthetic(2000, gen)
+    path = build_path(scores, wrong.double(), SAVED, grid=10)
+    assert path[0] == [1.0, 1.0] and all(max(p) < 1.0 for p in path[-1:])
+    assert len(path) == 1 + 2 * 10  # one step per candidate threshold of each checkpoint
+    totals = []
+    for point in path:
+        first = exit_index(scores, torch.tensor(point))
+        totals.append(float(torch.cat([SAVED, torch.zeros(1, dtype=torch.float64)])[first].sum()))
+        assert all(b <= a for a, b in zip(path[0], point))
+    assert all(b >= a for a, b in zip(totals, totals[1:])), "every step lowers a threshold: exits only grow"
+
+
+def test_shallow_unreliable_checkpoint_opens_later_than_the_deep_one() -> None:
+    """The point of per-checkpoint thresholds: at a strict target the error-prone shallow checkpoint stays
+    closed (or much stricter) while the reliable deep one already exits."""
+    paths = fitted(seed=1)
+    chosen = select(paths, [4, 8], min_agreement=0.97, confidence=0.9)
+    assert chosen[8] < 1.0 and chosen[4] > chosen[8]
+
+
+@pytest.mark.parametrize("target", [0.97, 0.9])
+def test_target_holds_with_the_stated_confidence(target: float) -> None:
+    """Over independent calibration draws, the true agreement of the chosen thresholds is below the target in
+    at most 1 - confidence of them (binomial slack for 20 draws), and the choice is not vacuous."""
+    confidence, draws = 0.9, 20
+    delivered = [true_agreement(select(fitted(seed), [4, 8], min_agreement=target, confidence=confidence))
+                 for seed in range(draws)]
+    misses = sum(a < target for a in delivered)
+    assert misses <= 5, f"{misses} of {draws} draws missed {target}: {delivered}"  # P(>5 | 10 %) ~ 1 %
+    assert sum(delivered) / draws < target + 0.03, "the thresholds are so strict that nothing exits"
+
+
+def test_select_refuses_what_it_cannot_do() -> None:
+    paths = fitted(seed=0)
+    with pytest.raises(TideTargetError, match="min_agreement"):
+        select(paths, [4, 8], min_agreement=1.5, confidence=0.9)
+    with pytest.raises(TideTargetError, match="confidence"):
+        select(paths, [4, 8], min_agreement=0.9, confidence=1.0)
+    with pytest.raises(TideTargetError, match="perplexity path"):
+        select(paths, [4, 8], max_perplexity_increase=0.05, confidence=0.9)
+    assert select(paths, [4, 8], min_agreement=1.0, confidence=0.9) == {4: 1.0, 8: 1.0}
+
+
+def test_calibrated_router_attaches_at_its_default_target(tmp_path: Path) -> None:
+    """calibrate() with defaults: label top1, both paths stored; attach() without arguments keeps the
+    router's default target; the table survives save_pretrained / from_pretrained."""
+    model = make_tiny_llama()
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    gen = torch.Generator().manual_seed(0)
+    for i in range(40):
+        (docs / f"d{i}.txt").write_text(" ".join(str(int(x)) for x in torch.randint(0, 99, (60,), generator=gen)))
+    router = tide_hf.calibrate(model, ByteTokenizer(), str(docs), num_samples=40, seq_len=64, num_epochs=3,
+                               router_bottleneck_dim=16, progress=False)
+    cfg = router.config
+    assert cfg.label == "top1" and set(cfg.exit_paths) == {"agreement", "perplexity"}
+    path = cfg.exit_paths["agreement"]
+    assert path["thresholds"][0] == [1.0] * len(cfg.checkpoint_layers) and path["errors"][0] == 0
+    assert path["n"] >= path["n_next"] > 0  # the last token of a sample has no next token for the NLL
+    want = select(cfg.exit_paths, cfg.checkpoint_layers, min_agreement=cfg.min_agreement, confidence=cfg.confidence)
+    with tide_hf.attach(model, router) as handle:
+        assert handle.options.thresholds == want and handle.options.target == {"min_agreement": 0.95,
+                                                                                "confidence": 0.9}
+    router.save_pretrained(tmp_path / "r")
+    loaded = tide_hf.TideRouter.from_pretrained(tmp_path / "r")
+    assert loaded.config.exit_paths == cfg.exit_paths
+    with tide_hf.attach(model, loaded, min_agreement=0.9) as handle:
+        assert handle.options.thresholds == select(cfg.exit_paths, cfg.checkpoint_layers, min_agreement=0.9,
+                                                   confidence=cfg.confidence)
+    with pytest.raises(ValueError, match="not both"):
+        tide_hf.attach(model, loaded, exit_threshold=0.5, min_agreement=0.9)
+
+
+def test_older_router_without_the_table_uses_its_global_threshold(tmp_path: Path) -> None:
+    model = make_tiny_llama()
+    router = new_router(model, exit_threshold=0.7)
+    router.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for key in ("exit_paths", "min_agreement", "confidence", "threshold_fraction", "path_grid"):
+        config.pop(key)  # what a router saved before quality targets existed looks like
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    old = tide_hf.TideRouter.from_pretrained(tmp_path)
+    with tide_hf.attach(model, old) as handle:
+        assert handle.options.thresholds is None and handle.options.exit_threshold == 0.7
+        assert all(handle.options.threshold(k) == 0.7 for k in old.checkpoint_layers)
+    with pytest.raises(TideTargetError, match="no calibrated agreement path"):
+        tide_hf.attach(model, old, min_agreement=0.9)
+
+
+def test_select_mode_exits_follow_the_per_checkpoint_thresholds() -> None:
+    """A checkpoint closed by its threshold never exits even where its router would fire."""
+    model = make_tiny_llama()
+    router = new_router(model, seed=3)
+    with torch.no_grad():
+        for mlp in router.routers.values():  # every score saturates at 1: any open checkpoint fires
+            mlp.fc2.weight.zero_()
+            mlp.fc2.bias.fill_(30.0)
+    k1, k2 = router.checkpoint_layers
+    router.config.exit_paths = {"agreement": {"thresholds": [[1.0, 1.0], [1.0, 0.5]], "errors": [0, 0], "n": 10**6,
+                                              "nll_sum": [0.0, 0.0], "nll_sumsq": [0.0, 0.0], "n_next": 10**6}}
+    ids = torch.randint(3, 200, (2, 6), generator=torch.Generator().manual_seed(0))
+    with tide_hf.attach(model, router, min_agreement=0.99) as handle:
+        assert handle.options.thresholds == {k1: 1.0, k2: 0.5}
+        with torch.no_grad():
+            model(input_ids=ids)
+        assert dict(handle.last_stats.prefill.exits) == {k2: ids.numel()}

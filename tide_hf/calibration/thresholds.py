@@ -1,0 +1,112 @@
+"""Exit paths for quality targets: per-checkpoint threshold vectors ordered from "no exit" to aggressive on
+the validation samples, with their losses counted on the threshold samples (see `tide_hf.modeling.targets`
+for how attach picks a point with a guarantee).
+
+Ordering: greedy. From every checkpoint closed (threshold 1.0), each step lowers one checkpoint's threshold
+to its next candidate (score quantiles on the validation tokens), choosing the move that saves the most
+layers per unit of added loss under the serving rule (a token exits at the first checkpoint whose score
+reaches its threshold). The agreement path counts top-1 mismatches as loss, the perplexity path the change
+in next-token NLL. Because the ordering never sees the threshold samples, testing along it is valid.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..config import TideRouterConfig
+from ..modeling import TideRouter
+from .labels import Collected
+
+CLOSED = 1.0  # a checkpoint with this threshold never exits (the serving rule skips it)
+DECIMALS = 6  # thresholds are rounded before they are evaluated, so the stored values are the tested ones
+
+
+def exit_index(scores: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
+    """Per token, the first checkpoint (column) whose score reaches its threshold; K (columns) for none."""
+    fires = (scores >= thresholds) & (thresholds < CLOSED)
+    return torch.where(fires.any(1), fires.int().argmax(1), scores.shape[1])
+
+
+def _totals(scores: torch.Tensor, loss: torch.Tensor, saved: torch.Tensor, thresholds: torch.Tensor
+            ) -> tuple[float, float]:
+    """(layers saved, loss) summed over tokens under `thresholds`; `loss` / `saved` have a no-exit column."""
+    first = exit_index(scores, thresholds)
+    return float(saved[first].sum()), float(loss.gather(1, first[:, None]).sum())
+
+
+def build_path(scores: torch.Tensor, loss: torch.Tensor, saved: torch.Tensor, grid: int) -> list[list[float]]:
+    """Threshold vectors from all closed to all at their lowest candidate (scores / loss: tokens x checkpoints)."""
+    n, k = scores.shape
+    loss = torch.cat([loss, loss.new_zeros(n, 1)], 1)
+    saved = torch.cat([saved, saved.new_zeros(1)])
+    levels = torch.linspace(1.0, 0.0, grid + 1, dtype=torch.float64)[1:]
+    candidates = [[CLOSED] + sorted({round(float(v), DECIMALS) for v in torch.quantile(scores[:, j].double(), levels)
+                                     if round(float(v), DECIMALS) < CLOSED}, reverse=True) for j in range(k)]
+    position = [0] * k
+    current = torch.tensor([c[0] for c in candidates], dtype=scores.dtype)
+    path = [current.tolist()]
+    base_saved, base_loss = _totals(scores, loss, saved, current)
+    while True:
+        best, best_gain, best_totals = None, -math.inf, None
+        for j in range(k):
+            if position[j] + 1 >= len(candidates[j]):
+                continue
+            trial = current.clone()
+            trial[j] = candidates[j][position[j] + 1]
+            s, l_ = _totals(scores, loss, saved, trial)
+            added = l_ - base_loss
+            gain = math.inf if added <= 0 else (s - base_saved) / added
+            if gain > best_gain:
+                best, best_gain, best_totals = j, gain, (s, l_)
+        if best is None:
+            return path
+        position[best] += 1
+        current[best] = candidates[best][position[best]]
+        base_saved, base_loss = best_totals
+        path.append(current.tolist())
+
+
+def path_losses(path: list[list[float]], scores: torch.Tensor, mismatch: torch.Tensor, nll: torch.Tensor
+                ) -> dict[str, Any]:
+    """Losses of every path point on held-out tokens: top-1 mismatches and the NLL change's sum and sum of
+    squares (tokens without a next token count for agreement only)."""
+    n = scores.shape[0]
+    mismatch = torch.cat([mismatch.float(), mismatch.new_zeros(n, 1).float()], 1)
+    has_next = ~nll.isnan().any(1)
+    change = torch.cat([torch.nan_to_num(nll.double()), nll.new_zeros(n, 1).double()], 1)[has_next]
+    errors, sums, squares = [], [], []
+    for point in path:
+        first = exit_index(scores, torch.tensor(point, dtype=scores.dtype))
+        errors.append(int(mismatch.gather(1, first[:, None]).sum()))
+        taken = change.gather(1, first[has_next][:, None]).squeeze(1)
+        sums.append(float(taken.sum()))
+        squares.append(float((taken * taken).sum()))
+    return {"thresholds": path, "errors": errors, "n": n, "nll_sum": sums, "nll_sumsq": squares,
+            "n_next": int(has_next.sum())}
+
+
+@torch.no_grad()
+def fit_exit_paths(router: TideRouter, data: Collected) -> dict[str, Any]:
+    """The agreement and perplexity paths of `router` (ordered on validation tokens, tested on threshold ones)."""
+    cfg: TideRouterConfig = router.config
+    layers = list(cfg.checkpoint_layers)
+    order, test = data.is_val & ~data.is_test, data.is_test
+
+    def matrices(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        scores = torch.stack([torch.sigmoid(router.logit(k, data.features[k][rows])).float().cpu() for k in layers], 1)
+        mismatch = torch.stack([~data.top1[k][rows] for k in layers], 1)
+        nll = torch.stack([data.nll[k][rows] for k in layers], 1)
+        return scores, mismatch, nll
+
+    saved = torch.tensor([cfg.num_hidden_layers - k for k in layers], dtype=torch.float64)
+    scores_o, mismatch_o, nll_o = matrices(order)
+    scores_t, mismatch_t, nll_t = matrices(test)
+    nll_order = torch.nan_to_num(nll_o.double())  # tokens without a next token cost nothing on this path
+    return {
+        "agreement": path_losses(build_path(scores_o, mismatch_o.double(), saved, cfg.path_grid),
+                                 scores_t, mismatch_t, nll_t),
+        "perplexity": path_losses(build_path(scores_o, nll_order, saved, cfg.path_grid), scores_t, mismatch_t, nll_t),
+    }

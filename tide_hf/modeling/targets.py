@@ -1,0 +1,86 @@
+"""Quality targets: per-checkpoint exit thresholds chosen from the router's calibrated exit path, with a
+Learn-then-Test guarantee (Angelopoulos et al. 2021; the risk control of CALM, Schuster et al. 2022).
+
+Calibration stores an *exit path*: a sequence of per-checkpoint threshold vectors, from "no exit" to
+ever more aggressive settings, built on one held-out split (the validation samples), and, for each point,
+the losses it incurs on a second held-out split the path never saw (the threshold samples): how many
+tokens' exit argmax differs from the full model's, and the sum / sum of squares of each token's change in
+next-token NLL. At attach time `select` walks the path in order and keeps a point while its risk is
+certified below the target (fixed-sequence testing, family-wise error at most 1 - `confidence`):
+
+- `min_agreement=a`: top-1 agreement with the full model >= a. Exact binomial p-value per point: with
+  probability >= `confidence` over the draw of the calibration text, the chosen thresholds' true agreement
+  on text from the same distribution is >= a (treating tokens as exchangeable).
+- `max_perplexity_increase=e`: mean NLL change <= log(1 + e), i.e. perplexity at most (1 + e) x stock's.
+  Normal-approximation p-value (asymptotic: the NLL change is unbounded, so no finite-sample bound).
+
+Both together: a point must pass both (the larger p-value), on the agreement path.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..errors import TideError
+
+PATH_KINDS = ("agreement", "perplexity")
+
+
+class TideTargetError(TideError, ValueError):
+    """A quality target cannot be met or used with this router."""
+
+
+def binomial_pvalue(errors: int, n: int, alpha: float) -> float:
+    """P(Binomial(n, alpha) <= errors): a valid p-value for H0 "error rate > alpha" given `errors` of `n`."""
+    if n == 0 or alpha <= 0.0:  # no data, or H0 "error rate > 0", which no finite sample can reject
+        return 1.0
+    k = torch.arange(errors + 1, dtype=torch.float64)
+    dist = torch.distributions.Binomial(total_count=n, probs=torch.tensor(alpha, dtype=torch.float64))
+    return float(torch.logsumexp(dist.log_prob(k), 0).exp().clamp(max=1.0))
+
+
+def normal_pvalue(total: float, total_sq: float, n: int, bound: float) -> float:
+    """Asymptotic p-value for H0 "mean > bound" from the sum and sum of squares of n losses."""
+    if n < 2:
+        return 1.0
+    mean = total / n
+    var = max(total_sq / n - mean * mean, 0.0) * n / (n - 1)
+    if var == 0.0:
+        return 0.0 if mean <= bound else 1.0
+    z = (mean - bound) / math.sqrt(var / n)
+    return 0.5 * math.erfc(-z / math.sqrt(2.0))
+
+
+def select(paths: dict[str, Any], checkpoints: list[int], *, min_agreement: float | None = None,
+           max_perplexity_increase: float | None = None, confidence: float) -> dict[int, float]:
+    """Per-checkpoint thresholds (1.0 = that checkpoint never exits) of the last path point whose risk is
+    certified within the target(s) by fixed-sequence testing at level 1 - `confidence`."""
+    if min_agreement is None and max_perplexity_increase is None:
+        raise TideTargetError("give min_agreement and/or max_perplexity_increase")
+    if min_agreement is not None and not 0.0 < float(min_agreement) <= 1.0:
+        raise TideTargetError(f"min_agreement must be in (0, 1], got {min_agreement}")
+    if max_perplexity_increase is not None and not float(max_perplexity_increase) >= 0.0:
+        raise TideTargetError(f"max_perplexity_increase must be >= 0, got {max_perplexity_increase}")
+    if not 0.0 < float(confidence) < 1.0:
+        raise TideTargetError(f"confidence must be in (0, 1), got {confidence}")
+    kind = "agreement" if min_agreement is not None else "perplexity"
+    path = paths.get(kind)
+    if not path:
+        raise TideTargetError(f"this router has no calibrated {kind} path: recalibrate it with this tide_hf "
+                              "version, or pass exit_threshold=")
+    delta = 1.0 - float(confidence)
+    chosen = 0
+    for j in range(len(path["thresholds"])):
+        pvalues = []
+        if min_agreement is not None:
+            pvalues.append(binomial_pvalue(int(path["errors"][j]), int(path["n"]), 1.0 - float(min_agreement)))
+        if max_perplexity_increase is not None:
+            pvalues.append(normal_pvalue(path["nll_sum"][j], path["nll_sumsq"][j], int(path["n_next"]),
+                                         math.log1p(float(max_perplexity_increase))))
+        if max(pvalues) > delta:
+            break
+        chosen = j
+    return {k: float(t) for k, t in zip(checkpoints, path["thresholds"][chosen])}

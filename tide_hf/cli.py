@@ -102,7 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "softmax-confidence exit: quality, layers and speed, with a Pareto plot")
     p.add_argument("--confidence-thresholds", nargs="+", type=float, default=[0.9, 0.8, 0.6, 0.4],
                    help="--baselines: exit when the exit logits' top probability reaches this")
-    p.add_argument("--drop-counts", nargs="+", type=int, default=[2, 4, 6, 8],
+    p.add_argument("--targets", nargs="+", type=float, default=[0.99, 0.97, 0.95, 0.9],
+                   help="--baselines: TIDE at these min_agreement targets (routers with exit paths)")
+    p.add_argument("--ppl-targets", nargs="+", type=float, default=[0.05, 0.10, 0.25],
+                   help="--baselines: TIDE at these max_perplexity_increase targets (routers with exit paths)")
+    p.add_argument("--drop-counts", nargs="+", type=int, default=[1, 2, 3, 4, 6, 8],
                    help="--baselines: how many layers static skipping drops")
     p.add_argument("--baseline-calib-samples", type=int, default=8,
                    help="--baselines: calibration-text samples static skipping chooses its layers on")

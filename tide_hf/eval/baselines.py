@@ -29,6 +29,7 @@ from .measure import generate, left_pad, match_rate, perplexity
 from .modes import truncated
 
 _TUPLE_LAYERS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+PPL_LEVELS = (0.05, 0.10, 0.25)  # perplexity changes at which methods are compared
 
 
 class ConfidenceHandle(TideHandle):
@@ -134,12 +135,17 @@ def run_baselines(model: Any, tokenizer: Any, router: TideRouter, dataset: str, 
     tokens, first = _stock(model, batches, args.new_tokens)
     stock = {"tokens": tokens, "perplexity": perplexity(model, chunks, args.quality_batch_size)[0]}
 
-    def exits(cls: type[TideHandle], thr: float) -> Callable[[], ContextManager]:
-        return lambda: _attached(model, router, thr, cls)
+    def exits(cls: type[TideHandle], **options: Any) -> Callable[[], ContextManager]:
+        return lambda: _attached(model, router, cls, **options)
 
     plan: list[tuple[str, Any, Callable[[], ContextManager], float | None]] = []
-    plan += [("tide", t, exits(TideHandle, t), None) for t in args.thresholds]
-    plan += [("confidence", t, exits(ConfidenceHandle, t), None) for t in args.confidence_thresholds]
+    if router.config.exit_paths:  # quality targets: per-checkpoint thresholds chosen by the router's calibration
+        plan += [("tide", f"agreement {a}", exits(TideHandle, min_agreement=a), None) for a in args.targets]
+        plan += [("tide", f"ppl +{e:.0%}", exits(TideHandle, max_perplexity_increase=e), None)
+                 for e in args.ppl_targets]
+    else:  # a router calibrated before exit paths existed: one global threshold
+        plan += [("tide", t, exits(TideHandle, exit_threshold=t), None) for t in args.thresholds]
+    plan += [("confidence", t, exits(ConfidenceHandle, exit_threshold=t), None) for t in args.confidence_thresholds]
     plan += [("fixed_depth", d, lambda d=d: _no_handle(truncated(model, d)), float(d))
              for d in router.config.checkpoint_layers if d >= num_layers // 2]
     plan += [("static_skip", n, lambda n=n: _no_handle(dropped(model, [o["layer"] for o in order[:n]])),
@@ -151,12 +157,12 @@ def run_baselines(model: Any, tokenizer: Any, router: TideRouter, dataset: str, 
         r["speed_ratio"] = (first + last) / 2 / r["seconds"]
     return {"num_layers": num_layers, "static_skip_order": order,
             "stock": {"perplexity": stock["perplexity"], "seconds_first": first, "seconds_last": last},
-            "rows": rows, "verdict": verdict(rows)}
+            "rows": rows, "verdict": verdict(rows), "at_perplexity": at_perplexity(rows, num_layers, PPL_LEVELS)}
 
 
 @contextmanager
-def _attached(model: Any, router: TideRouter, threshold: float, cls: type[TideHandle]) -> Iterator[TideHandle]:
-    handle = attach(model, router, exit_threshold=threshold, mode="skip", kv="recompute", handle_class=cls)
+def _attached(model: Any, router: TideRouter, cls: type[TideHandle], **options: Any) -> Iterator[TideHandle]:
+    handle = attach(model, router, mode="skip", kv="recompute", handle_class=cls, **options)
     try:
         yield handle
     finally:
@@ -187,6 +193,26 @@ def verdict(rows: list[dict]) -> list[dict]:
     return out
 
 
+def at_perplexity(rows: list[dict], num_layers: int, levels: tuple[float, ...]) -> list[dict]:
+    """Per perplexity-change level: the most layers each method saves (on held-out text) at or under it, and
+    TIDE's savings over the best baseline's."""
+    out = []
+    for level in levels:
+        best: dict[str, dict] = {}
+        for r in rows:
+            if r["perplexity_change"] <= level and (r["method"] not in best or r["text_mean_layers"]
+                                                     < best[r["method"]]["text_mean_layers"]):
+                best[r["method"]] = r
+        saved = {m: num_layers - r["text_mean_layers"] for m, r in best.items()}
+        rivals = {m: s for m, s in saved.items() if m != "tide"}
+        rival = max(rivals, key=rivals.__getitem__, default=None)
+        out.append({"level": level, "tide": saved.get("tide"), "tide_setting": best.get("tide", {}).get("param"),
+                    "best_baseline": None if rival is None else f"{rival}={best[rival]['param']}",
+                    "baseline_saved": rivals.get(rival), "ratio": saved["tide"] / rivals[rival]
+                    if "tide" in saved and rival is not None and rivals[rival] > 0 else None})
+    return out
+
+
 def format_baselines(result: dict) -> str:
     """Markdown table of every point, then the verdict per TIDE threshold."""
     lines = [f"stock perplexity {result['stock']['perplexity']:.3f}; static skipping drops, in order: "
@@ -211,4 +237,12 @@ def format_baselines(result: dict) -> str:
                      f"{v['tide_layers']:.2f} | "
                      f"{v['best_baseline'] or 'none'} | {theirs} | {layers} | "
                      f"{'yes' if v['tide_saves_more'] else 'no'} |")
+    if result.get("at_perplexity"):
+        lines += ["", "| perplexity change at most | TIDE layers saved | TIDE setting | best baseline | "
+                  "its layers saved | TIDE / baseline |", "|---|---|---|---|---|---|"]
+        for a in result["at_perplexity"]:
+            def cell(value: float | None, fmt: str = "{:.2f}") -> str:
+                return "-" if value is None else fmt.format(value)
+            lines.append(f"| +{a['level']:.0%} | {cell(a['tide'])} | {a['tide_setting'] or '-'} | "
+                         f"{a['best_baseline'] or 'none'} | {cell(a['baseline_saved'])} | {cell(a['ratio'])} |")
     return "\n".join(lines)

@@ -19,7 +19,8 @@ from .assets import DEFAULT_MODEL
 ROUTER_DEFAULTS = {"checkpoint_interval": 4, "convergence_threshold": 0.98, "kl_threshold": 0.1, "num_epochs": 100,
                    "early_stopping_patience": 10, "max_train_tokens": 65536, "exit_threshold": 0.85, "seed": 0}
 CPU = "on a 2-core CPU"
-DEMO_SAMPLES, DEMO_SEQ_LEN = 160, 128  # the demo's calibration: fast, and its routers still exit
+# the demo's calibration: fast (labelling every kept token dominates, hence the token cap), its routers still exit
+DEMO_SAMPLES, DEMO_SEQ_LEN, DEMO_TRAIN_TOKENS = 128, 128, 8192
 
 
 class RouterDefaults:
@@ -133,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "example: tide-hf demo --prompt 'What should Congress do about taxes?'\n"
                     f"time {CPU}: ~2-3 min the first time (calibration), ~1 min once the router is cached")
     _add_calibration_args(p)
-    p.set_defaults(num_samples=DEMO_SAMPLES, seq_len=DEMO_SEQ_LEN)
+    p.set_defaults(num_samples=DEMO_SAMPLES, seq_len=DEMO_SEQ_LEN, max_train_tokens=DEMO_TRAIN_TOKENS)
     p.add_argument("--output", default=None, help="folder to save the router in (default: a folder under the "
                    "tide_hf cache keyed by model and calibration settings, printed)")
     p.add_argument("--recalibrate", action="store_true", help="calibrate again even if a cached router exists")

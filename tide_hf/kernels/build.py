@@ -67,13 +67,15 @@ def _toolchain_missing(flavour: str) -> str | None:
 
 
 def _already_built(name: str, sources: tuple[str, ...]) -> bool:
-    """Whether torch's extension cache holds a `name` newer than its sources (then loading takes a second)."""
+    """Whether torch's extension cache holds `name` built from these very sources (then loading takes a second)."""
     from torch.utils.cpp_extension import _get_build_directory
 
     try:
         folder = Path(_get_build_directory(name, verbose=False))
         built = [p.stat().st_mtime for p in (*folder.glob(f"{name}*.so"), *folder.glob(f"{name}*.pyd"))]
-        return bool(built) and max(built) >= max((KERNEL_DIR / src).stat().st_mtime for src in sources)
+        same_sources = all(str(KERNEL_DIR / src) in (folder / "build.ninja").read_text() for src in sources)
+        return bool(built) and same_sources and max(built) >= max((KERNEL_DIR / src).stat().st_mtime
+                                                                   for src in sources)
     except Exception:  # a private torch helper: if it changes, just say that a build may happen
         return False
 

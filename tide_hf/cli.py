@@ -1,24 +1,57 @@
-"""`tide-hf`: argument parsing; each subcommand runs from the room it belongs to (calibration, eval)."""
+"""`tide-hf`: argument parsing; each subcommand runs from the room it belongs to (calibration, eval).
+
+Arguments are parsed before torch or transformers is imported, so `tide-hf --help` answers at once: this
+module imports only light modules at its top, and each command imports its room when it runs.
+"""
 
 from __future__ import annotations
 
 import argparse
 import shlex
 import sys
+import textwrap
+from typing import Any
 
 from .assets import DEFAULT_MODEL
 
+# TideRouterConfig's defaults, known without importing transformers (tests/test_cli.py checks they agree);
+# a name missing here is read from TideRouterConfig itself (slower, still correct).
+ROUTER_DEFAULTS = {"checkpoint_interval": 4, "convergence_threshold": 0.98, "kl_threshold": 0.1, "num_epochs": 100,
+                   "early_stopping_patience": 10, "max_train_tokens": 65536, "exit_threshold": 0.85, "seed": 0,
+                   "label": "top1", "min_agreement": 0.95, "confidence": 0.9}
+LABEL_KINDS = ("cosine", "top1", "kl", "top1_kl")  # config.LABEL_KINDS, without importing transformers
+CPU = "on a 2-core CPU"
+# the demo's calibration: fast (labelling every kept token dominates, hence the token cap), its routers still exit
+DEMO_SAMPLES, DEMO_SEQ_LEN, DEMO_TRAIN_TOKENS = 128, 128, 8192
+
+
+class RouterDefaults:
+    """`TideRouterConfig()`'s default values by attribute, without importing torch for the common ones."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ROUTER_DEFAULTS:
+            return ROUTER_DEFAULTS[name]
+        from .config import TideRouterConfig
+
+        return getattr(TideRouterConfig(), name)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown after every option's help; each line of a description is wrapped on its own."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n".join(textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent)
+                         for line in text.splitlines())
+
 
 def _add_calibration_args(p: argparse.ArgumentParser) -> None:
-    from .config import LABEL_KINDS, TideRouterConfig
-
-    d = TideRouterConfig()  # the library's defaults, so the CLI cannot drift from them
+    d = RouterDefaults()  # the library's defaults, so the CLI cannot drift from them
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="Hub id or folder of a causal LM ('smollm2' = embedded default)")
     p.add_argument("--dataset", default="sotu", help="Hub dataset name, local .txt/.jsonl file or folder, or 'sotu'")
     p.add_argument("--dataset-config", default=None, help="Hub dataset config (e.g. wikitext-103-raw-v1)")
-    p.add_argument("--split", default="train")
-    p.add_argument("--text-field", default="text")
+    p.add_argument("--split", default="train", help="dataset split to read (a Hub dataset's; local files: train)")
+    p.add_argument("--text-field", default="text", help="column / jsonl field holding the text")
     p.add_argument("--label", default=d.label, choices=list(LABEL_KINDS),
                    help="what 'converged' means: cosine(h_k, h_final) > --convergence-threshold, top-1 agreement, "
                         "KL(final || exit) < --kl-threshold, or top-1 agreement and that KL (top1_kl)")
@@ -26,21 +59,29 @@ def _add_calibration_args(p: argparse.ArgumentParser) -> None:
                    help="the router's default quality target: top-1 agreement attach() keeps without arguments")
     p.add_argument("--confidence", type=float, default=d.confidence,
                    help="probability with which a quality target holds (Learn-then-Test)")
-    p.add_argument("--num-samples", type=int, default=2000)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--checkpoint-interval", type=int, default=d.checkpoint_interval)
-    p.add_argument("--convergence-threshold", type=float, default=d.convergence_threshold)
-    p.add_argument("--kl-threshold", type=float, default=d.kl_threshold)
-    p.add_argument("--num-epochs", type=int, default=d.num_epochs)
+    p.add_argument("--num-samples", type=int, default=2000,
+                   help="text windows to calibrate on (SmolLM2, 2 cores: ~0.5 s per 256-token sample)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sample")
+    p.add_argument("--batch-size", type=int, default=8, help="samples per forward pass")
+    p.add_argument("--checkpoint-interval", type=int, default=d.checkpoint_interval,
+                   help="a router after every this many layers")
+    p.add_argument("--convergence-threshold", type=float, default=d.convergence_threshold,
+                   help="--label cosine: cosine similarity that counts as converged")
+    p.add_argument("--kl-threshold", type=float, default=d.kl_threshold,
+                   help="--label kl: KL divergence below which a token counts as converged")
+    p.add_argument("--num-epochs", type=int, default=d.num_epochs,
+                   help="most epochs per router (early stopping usually ends far sooner)")
     p.add_argument("--early-stopping-patience", type=int, default=d.early_stopping_patience,
                    help="stop a router after this many epochs without a better held-out loss (0: never)")
     p.add_argument("--max-train-tokens", type=int, default=d.max_train_tokens,
                    help="kept tokens per checkpoint (bounds memory)")
-    p.add_argument("--exit-threshold", type=float, default=d.exit_threshold)
-    p.add_argument("--min-layers", type=int, default=None)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--exit-threshold", type=float, default=d.exit_threshold,
+                   help="router score at which a token exits (saved in the router; attach can override it)")
+    p.add_argument("--min-layers", type=int, default=None,
+                   help="no exit before this many layers (default: the first checkpoint)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of sampling, the split and training")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype the model is loaded in")
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
@@ -70,11 +111,18 @@ def cmd_analyze(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .config import TideRouterConfig
-
-    parser = argparse.ArgumentParser(prog="tide-hf", description="TIDE early exit for HuggingFace causal LMs")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("calibrate", help="calibrate routers for a model and save them (optionally push to the Hub)")
+    d = RouterDefaults()
+    parser = argparse.ArgumentParser(
+        prog="tide-hf", formatter_class=HelpFormatter,
+        description="TIDE early exit for HuggingFace causal LMs.\n\nStart with `tide-hf demo` (~2 min " + CPU + ")."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser(
+        "calibrate", formatter_class=HelpFormatter,
+        help="calibrate routers for a model and save them (optionally push to the Hub)",
+        description="Calibrate routers for a model on real text and save them (safetensors + model card).\n\n"
+                    "example: tide-hf calibrate --num-samples 512 --output router-smollm2\n"
+                    f"time: ~0.5 s per 256-token sample on SmolLM2-135M {CPU} (the default 2000: ~19 min)")
     _add_calibration_args(p)
     p.add_argument("--output", required=True, help="folder to save the router in")
     p.add_argument("--push-to-hub", default=None, metavar="REPO", help="also push the router to this Hub repo")
@@ -82,19 +130,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-bare-forward", action="store_true",
                    help="first time stock forward passes over the same tokens, and report calibration's overhead")
     p.set_defaults(func=cmd_calibrate)
-    p = sub.add_parser("demo", help="calibrate the embedded SmolLM2 on SOTU, print metrics, generate with TIDE")
+    p = sub.add_parser(
+        "demo", formatter_class=HelpFormatter,
+        help="calibrate the embedded SmolLM2 on SOTU (cached), generate with TIDE and stock side by side",
+        description="Calibrate routers for the embedded SmolLM2-135M on State of the Union text (a small, fast "
+                    "set; cached, so a second run reuses them), then answer one prompt with stock generate and "
+                    "with TIDE (skip mode: exited tokens skip the remaining layers) and print both side by side: "
+                    "text, tokens/s, layers executed per token, agreement with stock.\n\n"
+                    "example: tide-hf demo --prompt 'What should Congress do about taxes?'\n"
+                    f"time {CPU}: ~2-3 min the first time (calibration), ~1 min once the router is cached")
     _add_calibration_args(p)
-    p.set_defaults(num_samples=512)
-    p.add_argument("--output", default="tide-router-smollm2", help="folder to save the router in")
-    p.add_argument("--prompt", default="What should Congress do about the economy?")
-    p.add_argument("--max-new-tokens", type=int, default=40)
-    p.add_argument("--stats-png", default="tide-exits.png", help="where to draw the exit histogram ('' = none)")
+    p.set_defaults(num_samples=DEMO_SAMPLES, seq_len=DEMO_SEQ_LEN, max_train_tokens=DEMO_TRAIN_TOKENS)
+    p.add_argument("--output", default=None, help="folder to save the router in (default: a folder under the "
+                   "tide_hf cache keyed by model and calibration settings, printed)")
+    p.add_argument("--recalibrate", action="store_true", help="calibrate again even if a cached router exists")
+    p.add_argument("--prompt", default="What should Congress do about the economy?", help="the user message")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per answer")
+    p.add_argument("--stats-png", default=None, help="where to draw the exit histogram ('' = none; default: next "
+                   "to the router, printed)")
     p.set_defaults(func=cmd_demo)
-    p = sub.add_parser("bench", help="stock generate vs TIDE in one run: overhead, exit rates, quality")
-    p.add_argument("--model", default=DEFAULT_MODEL)
+    p = sub.add_parser(
+        "bench", formatter_class=HelpFormatter,
+        usage="tide-hf bench (--router DIR [DIR ...] | --kernels) [options]",
+        help="stock generate vs TIDE in one run: overhead, exit rates, quality",
+        description="Stock generate vs TIDE with the given routers in one run: overhead, exit rates, perplexity "
+                    "and agreement; --modes, --baselines and --kernels add sections. --router is required, "
+                    "except with --kernels alone.\n\n"
+                    "example: tide-hf bench --router router-smollm2 --output bench-out\n"
+                    f"time {CPU}: ~5-10 min with the defaults (--modes / --baselines: add ~10-20 min each)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="Hub id or folder of the causal LM ('smollm2' = embedded)")
     p.add_argument("--dataset", default="sotu", help="text for prompts and perplexity (documents the router never saw)")
-    p.add_argument("--router", nargs="+", default=[], help="router folders / Hub ids (e.g. one cosine, one top1); "
-                   "--modes uses the last one")
+    p.add_argument("--router", nargs="+", default=[], metavar="DIR", help="REQUIRED except with --kernels: router "
+                   "folders / Hub ids (e.g. one cosine, one top1); --modes uses the last one")
     p.add_argument("--modes", action="store_true", help="skip mode vs stock and vs the ideal truncated model")
     p.add_argument("--depths", nargs="+", type=int, default=[8, 16, 24], help="--modes: forced exit depths")
     p.add_argument("--kernels", action="store_true", help="microbenchmark the fused kernels vs the PyTorch path")
@@ -110,49 +177,61 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--baselines: how many layers static skipping drops")
     p.add_argument("--baseline-calib-samples", type=int, default=8,
                    help="--baselines: calibration-text samples static skipping chooses its layers on")
-    p.add_argument("--baseline-calib-len", type=int, default=128)
-    p.add_argument("--thresholds", nargs="+", type=float, default=[0.95, 0.85, 0.7, 0.5])
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--baseline-calib-len", type=int, default=128,
+                   help="--baselines: tokens per static-skipping calibration sample")
+    p.add_argument("--thresholds", nargs="+", type=float, default=[0.95, 0.85, 0.7, 0.5],
+                   help="exit thresholds to measure TIDE at")
+    p.add_argument("--num-prompts", type=int, default=16, help="held-out prompts generated from")
+    p.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt")
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per prompt")
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8], help="batch sizes of the overhead run")
     p.add_argument("--reps", type=int, default=3, help="interleaved repetitions of the overhead run")
     p.add_argument("--num-chunks", type=int, default=16, help="held-out chunks for perplexity")
-    p.add_argument("--chunk-len", type=int, default=256)
-    p.add_argument("--quality-batch-size", type=int, default=8)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--chunk-len", type=int, default=256, help="tokens per perplexity chunk")
+    p.add_argument("--quality-batch-size", type=int, default=8, help="chunks per forward pass of the quality run")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype the model is loaded in")
     p.add_argument("--output", default="bench-out", help="folder for bench.json and bench.md")
     p.set_defaults(func=cmd_bench)
-    p = sub.add_parser("analyze", help="per-layer convergence, the oracle, and router efficiency (tables, JSON, PNG)")
-    d = TideRouterConfig()
-    p.add_argument("--model", default=DEFAULT_MODEL)
+    p = sub.add_parser(
+        "analyze", formatter_class=HelpFormatter,
+        help="per-layer convergence, the oracle, and router efficiency (tables, JSON, PNG)",
+        description="Per-layer convergence of a model on real text, the oracle (the best any router could do at "
+                    "each agreement) and, with --router, that router's efficiency against it.\n\n"
+                    "example: tide-hf analyze --router router-smollm2 --output analyze-out\n"
+                    f"time {CPU}: ~3-5 min with the defaults")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="Hub id or folder of the causal LM ('smollm2' = embedded)")
     p.add_argument("--dataset", default="sotu", help="real text: Hub dataset, local .txt/.jsonl file or folder, 'sotu'")
     p.add_argument("--router", default=None, help="also measure this router's efficiency against the oracle")
-    p.add_argument("--num-samples", type=int, default=32)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--checkpoint-interval", type=int, default=d.checkpoint_interval)
-    p.add_argument("--convergence-threshold", type=float, default=d.convergence_threshold)
+    p.add_argument("--num-samples", type=int, default=32, help="text windows the convergence is measured on")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sample")
+    p.add_argument("--batch-size", type=int, default=4, help="samples per forward pass")
+    p.add_argument("--checkpoint-interval", type=int, default=d.checkpoint_interval,
+                   help="checkpoints every this many layers")
+    p.add_argument("--convergence-threshold", type=float, default=d.convergence_threshold,
+                   help="cosine similarity that counts as converged")
     p.add_argument("--agreements", nargs="+", type=float, default=[1.0, 0.95, 0.9, 0.8, 0.7],
                    help="top-1 agreements the oracle is computed at")
     p.add_argument("--bins", type=int, default=40, help="cosine bins of the heatmap")
     p.add_argument("--targets", nargs="+", type=float, default=[0.99, 0.97, 0.95, 0.9],
-                   help="min_agreement quality targets whose per-checkpoint thresholds are evaluated")
-    p.add_argument("--thresholds", nargs="+", type=float, default=[0.95, 0.9, 0.85, 0.7, 0.5, 0.3])
+                   help="--router: min_agreement quality targets whose per-checkpoint thresholds are evaluated")
+    p.add_argument("--thresholds", nargs="+", type=float, default=[0.95, 0.9, 0.85, 0.7, 0.5, 0.3],
+                   help="--router: global exit thresholds its efficiency is measured at")
     p.add_argument("--num-prompts", type=int, default=16, help="held-out prompts the model continues greedily")
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the sampling")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype the model is loaded in")
     p.add_argument("--output", default="analyze-out", help="folder for analyze.json, analyze.md and the PNGs")
     p.set_defaults(func=cmd_analyze)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    from .calibration.distributed import finish
-
     args = build_parser().parse_args(argv)
+    from .calibration.distributed import finish  # torch: only once the arguments are known to be good
+
     args.command = shlex.join(["tide-hf", *(sys.argv[1:] if argv is None else argv)])  # recorded in result JSON
     args.func(args)
     finish()  # under `accelerate launch`: every process waits for the others before it exits

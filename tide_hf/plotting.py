@@ -8,9 +8,20 @@ from typing import Any
 PLOT_DPI = 110
 
 
+PLOT_EXTRA = "pip install 'tide_hf[plot]'"
+
+
+class PlottingUnavailable(ImportError):
+    """matplotlib is not installed: the message says which extra brings it."""
+
+
 def pyplot() -> Any:
-    """matplotlib's pyplot on the Agg backend (no display needed)."""
-    import matplotlib
+    """matplotlib's pyplot on the Agg backend (no display needed); a clear error naming the extra without it."""
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise PlottingUnavailable(f"drawing plots needs matplotlib, which a plain install leaves out: "
+                                  f"{PLOT_EXTRA} (or pip install matplotlib)") from err
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import TideDataError
+from ..modeling import quiet_hf
 
 DEFAULT_DATASET = "wikitext"
 DEFAULT_DATASET_CONFIG = "wikitext-103-raw-v1"
@@ -48,7 +49,8 @@ def load_texts(
         if local.exists():
             builder, files = _local_files(local)
             extra = {"sample_by": "document"} if builder == "text" else {}
-            ds = load_dataset(builder, data_files=files, split="train", **extra)
+            with quiet_hf(datasets=True):  # local text: no "Downloading data" / "Generating train split" bars
+                ds = load_dataset(builder, data_files=files, split="train", **extra)
         else:
             ds = load_dataset(name, config, split=split)
     except TideDataError:

@@ -143,8 +143,10 @@ def collect(
     handles = [adapter.layers[k - 1].register_forward_hook(hook_for(k)) for k in (*layers, final_layer)]
     cursor = 0
     try:
-        for start in tqdm(starts, desc="tide_hf: collecting hidden states",
-                          disable=not progress, unit="batch"):
+        bar = tqdm(total=sum(len(s) for i in starts for s in samples[i : i + batch_size]), unit="tok",
+                   unit_scale=True, desc="tide_hf: collecting hidden states (1 forward pass per token)",
+                   disable=not progress)
+        for start in starts:
             ids, mask = pad_right(samples[start : start + batch_size], pad_id)
             sel, _ = pad_right(keep[start : start + batch_size], 0)
             selection[:] = [sel.bool().to(device)]
@@ -186,6 +188,8 @@ def collect(
             captured.clear()
             out.seconds["forward"] += t1 - t0
             out.seconds["label"] += time.perf_counter() - t1
+            bar.update(sum(len(s) for s in samples[start : start + batch_size]))
+        bar.close()
     finally:
         for handle in handles:
             handle.remove()

@@ -55,8 +55,9 @@ def train_routers(router: TideRouter, data: Collected, *, progress: bool = True)
             f"(raise max_train_tokens={cfg.max_train_tokens}, num_samples or "
             f"validation_fraction={cfg.validation_fraction})"
         )
-    bar = tqdm(total=len(cfg.checkpoint_layers) * cfg.num_epochs, desc="tide_hf: training routers",
-               disable=not progress, unit="epoch")
+    # one step per router; the postfix counts its epochs, which early stopping usually ends long before num_epochs
+    bar = tqdm(total=len(cfg.checkpoint_layers), desc="tide_hf: training routers", disable=not progress,
+               unit="router")
     for k in cfg.checkpoint_layers:
         mlp = router.routers[str(k)]
         x, y = data.features[k], data.labels(k, cfg).float()
@@ -77,10 +78,10 @@ def train_routers(router: TideRouter, data: Collected, *, progress: bool = True)
             if val_loss < best_loss:
                 best_loss, best_epoch = val_loss, epoch
                 best_state = {n: t.detach().clone() for n, t in mlp.state_dict().items()}
-            bar.update()
+            bar.set_postfix_str(f"layer {k}: epoch {epoch + 1}, best {best_epoch + 1}")
             if cfg.early_stopping_patience and epoch - best_epoch >= cfg.early_stopping_patience:
-                bar.update(cfg.num_epochs - 1 - epoch)
                 break
+        bar.update()
         mlp.load_state_dict(best_state)
         with torch.no_grad():
             scores = torch.sigmoid(mlp(x_va))

@@ -1,27 +1,185 @@
-"""`tide-hf demo`: calibrate the embedded SmolLM2 on SOTU, print the routers' metrics, generate with TIDE."""
+"""`tide-hf demo`: routers for the embedded SmolLM2 (calibrated on SOTU once, then reused from the cache), one
+prompt answered by stock generate and by TIDE, and the two side by side: text, tokens/s, layers executed per
+token, agreement with stock.
+
+The TIDE options the demo attaches with live in `DEMO_ATTACH` / `attach_options()` alone.
+"""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
+import torch
+from tqdm.auto import tqdm
+from transformers.generation.streamers import BaseStreamer
+
+from ..assets import cache_dir, load_model
 from ..calibration.command import calibrate_from_args, print_metrics
 from ..calibration.distributed import is_main_process
+from ..modeling import TideRouter, get_adapter
+from ..plotting import PlottingUnavailable
 from ..runtime import attach
+
+# How the demo attaches its router: skip mode, so a token that exits really skips the remaining layers (the
+# saving is compute, not a label), with the skipped layers' cache recomputed. The one place to change them.
+DEMO_ATTACH: dict[str, Any] = {"mode": "skip", "kv": "recompute"}
+# Options that change what the demo shows, not the router it calibrates (left out of the cache key).
+NOT_CALIBRATION = {"output", "recalibrate", "prompt", "max_new_tokens", "stats_png", "func", "command"}
+ROUTER_FILES = ("config.json", "model.safetensors")
+
+
+def attach_options(router: TideRouter) -> dict[str, Any]:
+    """Keyword arguments of the demo's `attach(model, router, ...)`."""
+    return dict(DEMO_ATTACH)
+
+
+def router_folder(args: argparse.Namespace) -> Path:
+    """`--output`, else a folder under the tide_hf cache keyed by the model and every calibration setting."""
+    if args.output:
+        return Path(args.output)
+    settings = {k: v for k, v in sorted(vars(args).items()) if k not in NOT_CALIBRATION}
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    slug = "".join(c if c.isalnum() or c in "-_." else "-" for c in str(args.model))[-40:]
+    return cache_dir() / "demo" / f"router-{slug}-{key}"
+
+
+def is_complete(folder: Path) -> bool:
+    """A router folder written to the end (folders are renamed into place only once complete)."""
+    return all((folder / name).is_file() for name in ROUTER_FILES)
+
+
+def save_atomically(router: TideRouter, folder: Path) -> None:
+    """Write the router next to `folder`, then rename it into place: a killed run never leaves half a router."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = folder.with_name(f".{folder.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        router.save_pretrained(staging)
+        shutil.rmtree(folder, ignore_errors=True)
+        staging.rename(folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def get_router(args: argparse.Namespace, *, calibrate: Callable = calibrate_from_args,
+               load: Callable = load_model) -> tuple[Any, Any, TideRouter | None, bool]:
+    """(model, tokenizer, router, reused): the cached router when its folder is complete, else a calibrated one
+    (saved to the folder). The router is None on the non-main processes of `accelerate launch`."""
+    folder = router_folder(args)
+    if is_complete(folder) and not getattr(args, "recalibrate", False):
+        print(f"tide_hf demo: reusing the router calibrated earlier in {folder} (--recalibrate to redo)")
+        model, tokenizer = load(args.model, args.dtype)
+        return model, tokenizer, TideRouter.from_pretrained(folder), True
+    print(f"tide_hf demo: calibrating routers on {args.num_samples} samples x {args.seq_len} tokens "
+          f"(once; cached in {folder})")
+    model, tokenizer, router = calibrate(args)
+    if not is_main_process():  # under `accelerate launch` the main process saves and generates
+        return model, tokenizer, None, False
+    save_atomically(router, folder)
+    return model, tokenizer, router, False
+
+
+class TokenBar(BaseStreamer):
+    """A progress bar over generated tokens (the first `put` is the prompt)."""
+
+    def __init__(self, total: int, desc: str) -> None:
+        self.bar, self.prompt_seen = tqdm(total=total, desc=desc, unit="tok", leave=False), False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.prompt_seen:
+            self.bar.update(value.numel())
+        self.prompt_seen = True
+
+    def end(self) -> None:
+        self.bar.close()
+
+
+def timed_generate(model: Any, inputs: dict, new_tokens: int, desc: str) -> tuple[torch.Tensor, float]:
+    """Greedy new tokens of one prompt and the seconds they took."""
+    started = time.perf_counter()
+    out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False,
+                         streamer=TokenBar(new_tokens, desc))
+    return out[0, inputs["input_ids"].shape[1]:], time.perf_counter() - started
+
+
+def teacher_forced_top1(model: Any, inputs: dict, reference: torch.Tensor) -> float:
+    """Share of stock's generated tokens that the attached model also ranks first, each given stock's prefix."""
+    ids = torch.cat([inputs["input_ids"][0], reference]).unsqueeze(0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits[0]
+    start = inputs["input_ids"].shape[1]
+    predicted = logits[start - 1 : start - 1 + len(reference)].argmax(-1)
+    return float((predicted == reference).float().mean())
+
+
+def compare(model: Any, tokenizer: Any, router: TideRouter, prompt: str, new_tokens: int) -> dict[str, Any]:
+    """Stock and TIDE on the same prompt: their texts, tokens/s, layers per token and agreement."""
+    inputs = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)
+    num_layers = get_adapter(model).num_layers
+    model.generate(**inputs, max_new_tokens=2, do_sample=False)  # warm-up: first-call costs out of the timing
+    stock, stock_s = timed_generate(model, inputs, new_tokens, "stock generate")
+    with attach(model, router, **attach_options(router)) as handle:
+        model.generate(**inputs, max_new_tokens=2, do_sample=False)  # warm-up (builds the kernels once)
+        tide, tide_s = timed_generate(model, inputs, new_tokens, "TIDE generate")
+        decode = handle.last_stats.decode
+        stats = handle.last_stats
+        top1 = teacher_forced_top1(model, inputs, stock)
+    n = min(len(stock), len(tide))
+    same = (stock[:n] == tide[:n]).tolist()
+    return {
+        "stock": {"text": tokenizer.decode(stock, skip_special_tokens=True), "tokens": len(stock),
+                  "tok_s": len(stock) / stock_s, "layers": float(num_layers)},
+        "tide": {"text": tokenizer.decode(tide, skip_special_tokens=True), "tokens": len(tide),
+                 "tok_s": len(tide) / tide_s, "layers": decode.mean_executed, "exit_rate": decode.exit_rate},
+        "num_layers": num_layers, "same_tokens": sum(same) / max(len(stock), 1),
+        "first_difference": next((i for i, s in enumerate(same) if not s), None), "top1": top1, "stats": stats,
+    }
+
+
+def print_comparison(result: dict[str, Any]) -> None:
+    """The two answers and their figures, side by side."""
+    s, t, n = result["stock"], result["tide"], result["num_layers"]
+    mode = ", ".join(f"{k}={v}" for k, v in DEMO_ATTACH.items())
+    first = result["first_difference"]
+    rows = [
+        ("", "stock", f"TIDE ({mode})"),
+        ("tokens/s", f"{s['tok_s']:.1f}", f"{t['tok_s']:.1f} ({t['tok_s'] / s['tok_s'] - 1:+.0%})"),
+        ("layers executed per token", f"{s['layers']:.2f}/{n}",
+         f"{t['layers']:.2f}/{n} ({t['exit_rate']:.0%} of tokens exited early)"),
+        ("generated tokens equal to stock's", "100%",
+         f"{result['same_tokens']:.0%}" + ("" if first is None else f" (first difference at token {first + 1})")),
+        ("top-1 agreement, stock's prefix", "100%", f"{result['top1']:.0%}"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    print()
+    for label, a, b in rows:
+        print(f"{label:<{width}}  {a:>10}  {b}")
+    print(f"\nstock: {s['text']!r}\nTIDE:  {t['text']!r}")
 
 
 def run(args: argparse.Namespace) -> None:
-    """Calibrate, save, show metrics, and generate one answer with TIDE attached."""
-    model, tokenizer, router = calibrate_from_args(args)
-    if not is_main_process():  # under `accelerate launch` the main process saves and generates
+    """Routers (cached or calibrated), then stock and TIDE on one prompt, side by side; the exit histogram."""
+    model, tokenizer, router, reused = get_router(args)
+    if router is None:
         return
-    router.save_pretrained(args.output)
-    print_metrics(router)
-    print(f"router saved to {args.output}")
-    handle = attach(model, router)
-    messages = [{"role": "user", "content": args.prompt}]
-    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)
-    print("\nTIDE generation:", tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
-    print(handle.last_stats.summary())
-    if args.stats_png:
-        print("exit histogram:", handle.last_stats.plot(args.stats_png))
+    folder = router_folder(args)
+    if not reused:
+        print_metrics(router)
+    print(f"router: {folder}")
+    result = compare(model, tokenizer, router, args.prompt, args.max_new_tokens)
+    print_comparison(result)
+    png = folder / "exits.png" if args.stats_png is None else (Path(args.stats_png) if args.stats_png else None)
+    if png is not None:
+        try:
+            print("exit histogram:", result["stats"].plot(png))
+        except PlottingUnavailable as err:
+            print(f"exit histogram skipped: {err}")

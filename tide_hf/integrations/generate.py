@@ -27,6 +27,7 @@ from .speculative import generate as speculative_generate
 
 _ROUTER_CACHE_SIZE = 8
 _INSTALLED = Patches()  # the wrapped `GenerationMixin.generate`, while installed
+TRAMPOLINE_FLAG = "__tide_trampoline__"  # `import tide_hf`'s placeholder wrapper (see tide_hf/__init__.py)
 
 
 @functools.lru_cache(maxsize=_ROUTER_CACHE_SIZE)
@@ -64,6 +65,7 @@ def install() -> None:
     """Wrap `GenerationMixin.generate` to understand `tide=` (idempotent; `uninstall` reverts it)."""
     if _INSTALLED:
         return
+    _drop_trampoline()
     original = GenerationMixin.generate
 
     @functools.wraps(original)
@@ -94,6 +96,13 @@ def install() -> None:
     _INSTALLED.set_attr(GenerationMixin, "generate", generate)
 
 
+def _drop_trampoline() -> None:
+    """Replace the placeholder that `import tide_hf` put on `generate` (if still there) by the stock method."""
+    if getattr(GenerationMixin.generate, TRAMPOLINE_FLAG, False):
+        GenerationMixin.generate = GenerationMixin.generate.__wrapped__
+
+
 def uninstall() -> None:
     """Put stock `GenerationMixin.generate` back (`install` wraps it again)."""
     _INSTALLED.restore()
+    _drop_trampoline()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -33,6 +34,7 @@ EXTENSIONS = {  # flavour -> (torch extension name, sources in KERNEL_DIR)
     "cpu": ("tide_hf_cpu", ("tide_cpu.cpp",)),
     "cuda": ("tide_hf_cuda", ("tide_cuda.cpp", "tide_cuda_kernels.cu")),
 }
+BUILD_SECONDS = {"cpu": 45, "cuda": 120}  # a first build's rough time on a 2-core machine
 OPT_FLAGS = ["/O2"] if os.name == "nt" else ["-O3"]
 
 _build_lock = threading.Lock()
@@ -64,10 +66,27 @@ def _toolchain_missing(flavour: str) -> str | None:
     return None
 
 
+def _already_built(name: str, sources: tuple[str, ...]) -> bool:
+    """Whether torch's extension cache holds `name` built from these very sources (then loading takes a second)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    try:
+        folder = Path(_get_build_directory(name, verbose=False))
+        built = [p.stat().st_mtime for p in (*folder.glob(f"{name}*.so"), *folder.glob(f"{name}*.pyd"))]
+        same_sources = all(str(KERNEL_DIR / src) in (folder / "build.ninja").read_text() for src in sources)
+        return bool(built) and same_sources and max(built) >= max((KERNEL_DIR / src).stat().st_mtime
+                                                                   for src in sources)
+    except Exception:  # a private torch helper: if it changes, just say that a build may happen
+        return False
+
+
 def _build(flavour: str) -> ModuleType:
     from torch.utils.cpp_extension import load
 
     name, sources = EXTENSIONS[flavour]
+    if not _already_built(name, sources):  # one line, so a first build (~45 s on 2 cores) does not look like a hang
+        print(f"tide_hf: compiling the {flavour.upper()} kernels (first use, ~{BUILD_SECONDS[flavour]} s)...",
+              file=sys.stderr, flush=True)
     with warnings.catch_warnings(record=True) as caught:  # keep the build quiet; details at DEBUG level
         warnings.simplefilter("always")
         module = load(

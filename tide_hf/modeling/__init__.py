@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from .adapters import ModelAdapter, get_adapter, layer_output, register_adapter, text_config
 from .fingerprint import model_fingerprint
+from .quiet import quiet_hf
 from .router import RouterMLP, TideRouter
 
 __all__ = ["ModelAdapter", "RouterMLP", "TideRouter", "get_adapter", "layer_output", "model_fingerprint",
-           "register_adapter", "text_config"]
+           "quiet_hf", "register_adapter", "text_config"]

@@ -15,6 +15,7 @@ from ..config import TideRouterConfig
 from ..errors import TideCompatibilityError
 from .adapters import ModelAdapter, get_adapter, text_config
 from .fingerprint import model_fingerprint
+from .quiet import quiet_hf
 
 
 class RouterMLP(nn.Module):
@@ -71,13 +72,15 @@ class TideRouter(PreTrainedModel):
         if kwargs.get("use_safetensors") is False:
             raise ValueError("TideRouter loads safetensors only; use_safetensors=False is not supported")
         kwargs["use_safetensors"] = True
-        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        with quiet_hf():  # a router is a few MB: no "Loading weights" bar
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
         """Save config + safetensors weights + a model card (README.md with Hub metadata)."""
         if kwargs.get("safe_serialization") is False:
             raise ValueError("TideRouter saves safetensors only; safe_serialization=False is not supported")
-        super().save_pretrained(save_directory, *args, **kwargs)
+        with quiet_hf():  # no "Writing model shards" bar for a few MB
+            super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
             self.model_card().save(os.path.join(save_directory, "README.md"))
 

@@ -1,0 +1,52 @@
+"""The CLI: `--help` answers without importing torch, every option says what it does and shows its default,
+and the defaults the CLI knows without transformers are TideRouterConfig's."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tide_hf.cli import LABEL_KINDS, ROUTER_DEFAULTS, build_parser
+
+
+def subparsers() -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["bench", "--help"]])
+def test_help_does_not_import_torch(argv: list[str]) -> None:
+    code = ("import json, sys\nfrom tide_hf.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n"
+            "    pass\nprint(json.dumps(sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, check=True)
+    assert "usage: tide-hf" in out.stdout
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_every_option_has_help_and_every_command_a_description() -> None:
+    for name, parser in subparsers().items():
+        assert parser.description and "example: tide-hf " + name in parser.description
+        assert "2-core CPU" in parser.description, f"{name}: no time expectation"
+        for action in parser._actions:
+            assert action.help and action.help.strip(), f"{name} {action.option_strings}: no help"
+
+
+def test_help_shows_defaults_and_bench_requires_router() -> None:
+    parsers = subparsers()
+    assert "(default: 2000)" in " ".join(parsers["calibrate"].format_help().split())
+    usage = parsers["bench"].format_usage()
+    assert "--router" in usage and "[--router" not in usage and "--kernels" in usage
+
+
+def test_router_defaults_are_the_library_defaults() -> None:
+    from tide_hf.config import TideRouterConfig
+
+    cfg = TideRouterConfig()
+    assert {k: getattr(cfg, k) for k in ROUTER_DEFAULTS} == ROUTER_DEFAULTS
+    from tide_hf.config import LABEL_KINDS as CONFIG_LABELS
+
+    assert LABEL_KINDS == CONFIG_LABELS

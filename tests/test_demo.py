@@ -1,0 +1,75 @@
+"""The demo's router cache (a second run does not calibrate again; a half-written folder is never reused) and
+the plotting error after a plain install."""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+from pathlib import Path
+
+import pytest
+from helpers import make_model, new_router
+
+from tide_hf.eval import demo
+
+
+def demo_args(**overrides) -> argparse.Namespace:
+    from tide_hf.cli import build_parser
+
+    return build_parser().parse_args(["demo", *sum(([f"--{k.replace('_', '-')}", str(v)]
+                                                     for k, v in overrides.items()), [])])
+
+
+def test_second_run_reuses_the_cached_router(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIDE_HF_CACHE", str(tmp_path))
+    model = make_model()
+    calls = []
+
+    def calibrate(args):
+        calls.append(args)
+        return model, "tok", new_router(model)
+
+    def load(name, dtype):
+        return model, "tok"
+
+    args = demo_args()
+    folder = demo.router_folder(args)
+    assert folder.is_relative_to(tmp_path) and folder != Path.cwd()
+    *_, first, reused = demo.get_router(args, calibrate=calibrate, load=load)
+    assert not reused and len(calls) == 1 and demo.is_complete(folder)
+    *_, second, reused = demo.get_router(demo_args(), calibrate=calibrate, load=load)
+    assert reused and len(calls) == 1, "the second run calibrated again"
+    assert second.config.base_fingerprint == first.config.base_fingerprint
+    assert all((a == b).all() for a, b in zip(first.state_dict().values(), second.state_dict().values()))
+    other = demo.router_folder(demo_args(num_samples=7))
+    assert other != folder, "another calibration setting must not reuse this router"
+
+
+def test_a_half_written_folder_is_not_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIDE_HF_CACHE", str(tmp_path))
+    folder = demo.router_folder(demo_args())
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")  # a run killed before the weights were written
+    assert not demo.is_complete(folder)
+    model = make_model()
+    demo.save_atomically(new_router(model), folder)
+    assert demo.is_complete(folder) and not list(folder.parent.glob(".*partial*"))
+
+
+def test_attach_options_live_in_one_place() -> None:
+    assert demo.attach_options(None) == demo.DEMO_ATTACH == {"mode": "skip", "kv": "recompute"}
+
+
+def test_plot_without_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tide_hf.plotting import PlottingUnavailable, pyplot
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.split(".")[0] == "matplotlib":
+            raise ModuleNotFoundError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(PlottingUnavailable, match=r"pip install 'tide_hf\[plot\]'"):
+        pyplot()

@@ -10,7 +10,15 @@ from importlib.metadata import PackageNotFoundError, version
 
 from .calibration import calibrate, load_texts
 from .config import TideOptions, TideRouterConfig
-from .errors import TideCompatibilityError, TideDataError, TideError
+from .errors import (
+    TideArgumentError,
+    TideArgumentTypeError,
+    TideCompatibilityError,
+    TideConcurrencyError,
+    TideDataError,
+    TideError,
+    TideRouterFileError,
+)
 from .integrations import TideLogitsProcessor, install
 from .modeling import ModelAdapter, TideRouter, get_adapter, model_fingerprint, register_adapter
 from .runtime import ExitStats, TideHandle, attach, detach, get_handle, last_stats
@@ -25,13 +33,17 @@ install()
 __all__ = [
     "ExitStats",
     "ModelAdapter",
+    "TideArgumentError",
+    "TideArgumentTypeError",
     "TideCompatibilityError",
+    "TideConcurrencyError",
     "TideDataError",
     "TideError",
     "TideHandle",
     "TideLogitsProcessor",
     "TideOptions",
     "TideRouter",
+    "TideRouterFileError",
     "TideRouterConfig",
     "__version__",
     "attach",

@@ -14,7 +14,7 @@ def run(args: argparse.Namespace) -> None:
     model, tokenizer, router = calibrate_from_args(args)
     if not is_main_process():  # under `accelerate launch` the main process saves and generates
         return
-    router.save_pretrained(args.output)
+    router.save_pretrained(args.output, overwrite=True)  # the demo's own folder; never a model's
     print_metrics(router)
     print(f"router saved to {args.output}")
     handle = attach(model, router)

@@ -13,6 +13,7 @@ arguments: stock behaviour is unchanged.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from collections.abc import Callable
 from typing import Any
@@ -30,16 +31,36 @@ _INSTALLED = Patches()  # the wrapped `GenerationMixin.generate`, while installe
 
 
 @functools.lru_cache(maxsize=_ROUTER_CACHE_SIZE)
-def _load_router(name: str) -> TideRouter:
+def _load_router(name: str, _version: tuple) -> TideRouter:
     return TideRouter.from_pretrained(name)
 
 
+def _folder_version(path: str) -> tuple:
+    """What identifies the current contents of a local router folder: (name, size, mtime) of each file.
+
+    Part of the cache key, so a folder saved again (or deleted) is never answered with the old router.
+    """
+    try:
+        entries = sorted(os.scandir(path), key=lambda e: e.name)
+        files = tuple((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in entries if e.is_file())
+        with open(os.path.join(path, "config.json"), "rb") as f:  # small: its content too
+            return (*files, hashlib.sha256(f.read()).hexdigest())
+    except OSError:
+        return ("missing",)
+
+
 def resolve_router(tide: Any) -> TideRouter:
-    """A `TideRouter` from what a user may pass as `tide=`: the object, a local folder or a Hub repo id."""
+    """A `TideRouter` from what a user may pass as `tide=`: the object, a local folder or a Hub repo id.
+
+    Routers loaded by name are cached: a Hub id by name, a local folder by name and file sizes / times.
+    """
     if isinstance(tide, TideRouter):
         return tide
     if isinstance(tide, (str, os.PathLike)):
-        return _load_router(os.fspath(tide))
+        name = os.fspath(tide)
+        if os.path.isdir(name):
+            return _load_router(os.path.realpath(name), _folder_version(name))
+        return _load_router(name, ())
     raise TypeError(f"tide= takes True/False, a TideRouter, a local folder or a Hub repo id; got {type(tide).__name__}")
 
 

@@ -146,7 +146,10 @@ class TideHandle:
             self._local.auto = True
         tokens = kwargs.get("input_ids", args[0] if args else None)
         if tokens is None:
-            tokens = kwargs["inputs_embeds"]
+            tokens = kwargs.get("inputs_embeds")
+        if tokens is None:  # neither ids nor embeddings: the model itself will refuse this forward
+            self._local.step = None
+            return
         batch, width = tokens.shape[:2]
         mask = kwargs.get("attention_mask")
         valid = mask[:, -width:].bool() if mask is not None and mask.dim() == 2 else torch.ones(
@@ -179,6 +182,14 @@ class TideHandle:
         mlp = self.router.routers[str(layer)]
         return norm_router_scores(hidden, spec, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias)
 
+    def exit_mask(self, scores: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Positions that may exit: a finite hidden state whose finite score reaches the threshold.
+
+        A NaN / inf state (a broken forward) never exits, whatever a backend makes of its score.
+        """
+        ok = torch.isfinite(scores) & (scores >= self.options.exit_threshold)
+        return ok & torch.isfinite(hidden).all(-1).to(ok.device)
+
     def _checkpoint_hook(self, layer: int):
         def hook(_module: nn.Module, _args: tuple, output: Any) -> None:
             step = getattr(self._local, "step", None)
@@ -186,7 +197,7 @@ class TideHandle:
                 return
             hidden = layer_output(output)
             fresh = step.exit_layer == self.num_layers
-            exits = fresh & (self.score(layer, hidden) >= self.options.exit_threshold).to(fresh.device)
+            exits = fresh & self.exit_mask(self.score(layer, hidden), hidden).to(fresh.device)
             if not exits.any():
                 return
             step.exit_layer[exits] = layer

@@ -3,9 +3,12 @@ thread cases (arguments, router files, NaN states, stale caches, inputs_embeds, 
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
-from helpers import ByteTokenizer, constant_router, make_model, make_tiny_llama, new_router
+from helpers import ByteTokenizer, constant_router, hooks, make_model, make_tiny_llama, new_router
+from transformers import LogitsProcessor, LogitsProcessorList
 
 import tide_hf
 from tide_hf import TideArgumentError, TideArgumentTypeError, TideError, TideHandle, TideRouterConfig
@@ -217,3 +220,79 @@ def test_router_load_needs_its_config(tmp_path, model) -> None:
     make_tiny_llama().save_pretrained(model_dir)
     with pytest.raises(tide_hf.TideRouterFileError, match="model_type 'llama'"):
         tide_hf.TideRouter.from_pretrained(model_dir)
+
+
+# --- 2. a per-call tide= is invisible to other threads -----------------------------------------------------------
+class PauseOnce(LogitsProcessor):
+    """Pauses its generate call at the first step (hooks attached, mid-generation) until released."""
+
+    def __init__(self) -> None:
+        self.paused, self.resume = threading.Event(), threading.Event()
+
+    def __call__(self, input_ids, scores):
+        if not self.paused.is_set():
+            self.paused.set()
+            assert self.resume.wait(120), "never released"
+        return scores
+
+
+def _in_thread(fn):
+    result: dict = {}
+
+    def target():
+        try:
+            result["value"] = fn()
+        except BaseException as err:  # reported in the main thread
+            result["error"] = err
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    return thread, result
+
+
+def test_per_call_tide_is_scoped_to_its_thread() -> None:
+    model = make_model()
+    ids = torch.randint(3, 256, (2, 5))
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    always, never = constant_router(model, 30.0), constant_router(model, -30.0)
+    stock = model.generate(ids, **kwargs)
+    alone = model.generate(ids, **kwargs, tide=always)
+    alone_stats = tide_hf.last_stats(model).as_dict()
+    assert not torch.equal(alone, stock)  # the router changes the output: a leak would show
+    before = hooks(model)
+
+    pause = PauseOnce()
+    thread, result = _in_thread(lambda: model.generate(
+        ids, **kwargs, tide=always, logits_processor=LogitsProcessorList([pause])))
+    assert pause.paused.wait(120)
+    try:
+        assert torch.equal(model.generate(ids, **kwargs), stock)  # another thread: stock, although A is attached
+        with torch.no_grad():  # a plain forward in another thread: stock too, and no stats of its own
+            assert tide_hf.get_handle(model) is None
+        other = model.generate(ids, **kwargs, tide=never)  # a second router meanwhile: no "already attached"
+        assert torch.equal(other, stock)  # never exits = stock, and A's hooks did not act here
+    finally:
+        pause.resume.set()
+        thread.join(120)
+    assert "error" not in result, result.get("error")
+    assert torch.equal(result["value"], alone)  # B's detach left A's hooks in place
+    assert tide_hf.last_stats(model).as_dict() == alone_stats
+    assert hooks(model) == before and tide_hf.get_handle(model) is None
+
+
+def test_attach_waits_for_running_per_call_tide() -> None:
+    model = make_model()
+    ids = torch.randint(3, 256, (1, 4))
+    pause = PauseOnce()
+    thread, result = _in_thread(lambda: model.generate(
+        ids, max_new_tokens=3, do_sample=False, pad_token_id=0, tide=constant_router(model, 30.0),
+        logits_processor=LogitsProcessorList([pause])))
+    assert pause.paused.wait(120)
+    try:
+        with pytest.raises(tide_hf.TideConcurrencyError, match="generate"):
+            tide_hf.attach(model, constant_router(model, 30.0))
+    finally:
+        pause.resume.set()
+        thread.join(120)
+    assert "error" not in result
+    tide_hf.attach(model, constant_router(model, 30.0)).detach()  # after it ended: fine

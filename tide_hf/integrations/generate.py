@@ -7,7 +7,8 @@ arguments: stock behaviour is unchanged.
     tide=True          use the router attached with `tide_hf.attach` (error if none)
     tide=False         run stock generate even though a router is attached
     tide=<TideRouter | local dir | Hub repo id>
-                       attach that router for this call only (routers loaded by name are cached)
+                       attach that router for this call, in this thread only: other threads (stock calls,
+                       other tide= calls) never see it (routers loaded by name are cached)
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from transformers import GenerationMixin, LogitsProcessorList
 
 from ..modeling import TideRouter
-from ..runtime import Patches, TideHandle, attach, get_handle
+from ..runtime import Patches, TideHandle, attach_for_call, get_handle
 from .processor import TideLogitsProcessor
 from .speculative import generate as speculative_generate
 
@@ -101,12 +102,9 @@ def install() -> None:
                                  "or pass tide=<TideRouter | local dir | Hub repo id>")
             return _run(handle, original, self, args, kwargs)
         router = resolve_router(tide)
-        if handle is not None:
-            if handle.router is router:
-                return _run(handle, original, self, args, kwargs)
-            raise ValueError("a different TIDE router is already attached to this model; use tide=True, "
-                             "or detach it before passing another router")
-        handle = attach(self, router)
+        if handle is not None and handle.router is router:
+            return _run(handle, original, self, args, kwargs)
+        handle = attach_for_call(self, router)  # this thread only; refused if another router is attached
         try:
             return _run(handle, original, self, args, kwargs)
         finally:

@@ -296,3 +296,46 @@ def test_attach_waits_for_running_per_call_tide() -> None:
         thread.join(120)
     assert "error" not in result
     tide_hf.attach(model, constant_router(model, 30.0)).detach()  # after it ended: fine
+
+
+# --- 5. the fingerprint is dtype-independent and still tells a fine-tune ----------------------------------------
+def _fine_tuned(model, scale: float, seed: int = 0):
+    """A copy of `model` whose weights moved by `scale` x each tensor's std (random directions, like a short
+    full fine-tune; real ones move weights by 1e-3 .. 1e-2 of their spread and more)."""
+    copy = type(model)(model.config).eval()
+    copy.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in copy.parameters():
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+            param.add_((noise * scale * param.float().std().clamp(min=1e-3)).to(param.dtype))
+    return copy
+
+
+def _dtype_copies(model):
+    import copy
+
+    return [copy.deepcopy(model).to(dtype) for dtype in (torch.bfloat16, torch.float16)]
+
+
+def test_fingerprint_is_dtype_independent_tiny() -> None:
+    for seed in range(3):
+        model = make_tiny_llama(seed=seed)
+        fp = tide_hf.model_fingerprint(model)
+        assert [tide_hf.model_fingerprint(m) for m in _dtype_copies(model)] == [fp, fp]
+        assert tide_hf.model_fingerprint(_fine_tuned(model, 1e-3)) != fp
+
+
+@pytest.mark.slow
+def test_fingerprint_is_dtype_independent_smollm2() -> None:
+    from tide_hf.assets import load_model, smollm2_path
+
+    model, _ = load_model(str(smollm2_path()), "float32")
+    fp = tide_hf.model_fingerprint(model)
+    copies = _dtype_copies(model)
+    assert [tide_hf.model_fingerprint(m) for m in copies] == [fp, fp]
+    router = new_router(model)  # calibrated (fingerprinted) in fp32, served in bf16 / fp16
+    for served in copies:
+        router.check_compatible(served)
+    del copies
+    assert tide_hf.model_fingerprint(_fine_tuned(model, 1e-3)) != fp

@@ -73,11 +73,15 @@ class TideRouterConfig(PretrainedConfig):
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
         self.checkpoint_interval = checkpoint_interval
-        self.checkpoint_layers = (
-            list(checkpoint_layers)
-            if checkpoint_layers is not None
-            else default_checkpoints(num_hidden_layers, checkpoint_interval)
-        )
+        if checkpoint_layers is None:  # derived: the inputs are checked first
+            check_int("num_hidden_layers", num_hidden_layers, minimum=1)
+            check_int("checkpoint_interval", checkpoint_interval, minimum=1)
+            checkpoint_layers = default_checkpoints(num_hidden_layers, checkpoint_interval)
+        elif not isinstance(checkpoint_layers, (list, tuple)):
+            raise TideArgumentTypeError(f"checkpoint_layers must be a list of ints, got {checkpoint_layers!r}")
+        for k in checkpoint_layers:
+            check_int("checkpoint_layers", k)
+        self.checkpoint_layers = list(checkpoint_layers)
         self.router_bottleneck_dim = router_bottleneck_dim
         self.label = label
         self.convergence_threshold = convergence_threshold

@@ -81,10 +81,7 @@ def atomic_save(path: str | os.PathLike, write: Callable[[str], None], *, overwr
 def check_config_source(name: str | os.PathLike, config_cls: Any, kwargs: dict[str, Any]) -> None:
     """The router at `name` has a config.json of a TIDE router (a missing one would load defaults)."""
     hub = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
-    try:
-        config, _ = config_cls.get_config_dict(name, **hub)
-    except OSError as err:
-        raise TideRouterFileError(f"cannot read the config.json of TIDE router {name}: {err}") from err
+    config, _ = config_cls.get_config_dict(name, **hub)  # a missing repo / no network: transformers' OSError
     if not config:
         raise TideRouterFileError(f"{name} has no config.json: not a TIDE router (its weights alone do not say "
                                   "which model, checkpoints and threshold they belong to)")

@@ -235,7 +235,10 @@ at::Tensor norm_router_scores(const at::Tensor& hidden, int64_t kind, const std:
   at::parallel_for(0, N, std::max<int64_t>(1, kGrainWork / B), [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       float logit = b2v;
-      for (int64_t j = 0; j < B; ++j) logit += std::max(hp[i * B + j], 0.f) * w2p[j];
+      for (int64_t j = 0; j < B; ++j) {  // relu keeping NaN (like torch.relu): a broken state never scores high
+        const float v = hp[i * B + j];
+        logit += (v > 0.f || std::isnan(v) ? v : 0.f) * w2p[j];
+      }
       op[i] = 1.f / (1.f + std::exp(-logit));
     }
   });

@@ -68,6 +68,10 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 
 __device__ __forceinline__ float sigmoid(float v) { return 1.f / (1.f + expf(-v)); }
 
+// relu that keeps NaN (fmaxf(NaN, 0) is 0, which would turn a broken hidden state into a confident score),
+// like torch.relu and the CPU kernel: a NaN / inf state must give a NaN score, never an exit.
+__device__ __forceinline__ float relu_keep_nan(float v) { return (v > 0.f || isnan(v)) ? v : 0.f; }
+
 // z[k] = norm(x)[k] in fp32 (z in shared or global memory). Each thread only revisits its own k, so callers
 // need a __syncthreads() before other threads read z.
 template <typename scalar_t>
@@ -142,7 +146,7 @@ __global__ void __launch_bounds__(kThreads)
     } else {
       for (int64_t k = lane; k < H; k += kWarp) acc += __ldg(wj + k) * z[k];
     }
-    partial += fmaxf(warp_sum(acc) + b1[j], 0.f) * w2[j];
+    partial += relu_keep_nan(warp_sum(acc) + b1[j]) * w2[j];
   }
   const float logit = block_sum(lane == 0 ? partial : 0.f, scratch);
   if (threadIdx.x == 0) {

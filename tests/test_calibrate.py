@@ -460,7 +460,7 @@ def test_smollm2_sotu_end_to_end(tmp_path) -> None:
     weight = model.get_input_embeddings().weight
     with torch.no_grad():
         original = float(weight.view(-1)[0])
-        weight.view(-1)[0] += 1.0  # a fingerprinted (sampled) value
+        weight.view(-1)[0] = 1.0 if original < 0 else -1.0  # a fingerprinted (sampled) value, across zero
     try:
         with pytest.raises(TideCompatibilityError, match=r"weights fingerprint: router [0-9a-f]{16}, model"):
             loaded.check_compatible(model)

@@ -215,12 +215,33 @@ def test_gather_scatter_write_every_row(shape: tuple[int, ...], dtype: torch.dty
 
 
 @pytest.mark.usefixtures("cpu_kernels")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", (1, 17))  # the blocked-dot / fused route and the GEMM route
+def test_nonfinite_hidden_gives_nan_score(device: str, n: int) -> None:
+    """A NaN or inf hidden state scores NaN in every backend (fmaxf(NaN, 0) = 0 once turned it into
+    sigmoid(b2) on CUDA): a broken state must never reach the exit threshold."""
+    for kind in KINDS:
+        hidden, spec, router = _inputs(kind, n, 64, 16, torch.float32, device, seed=3)
+        router[3].fill_(30.0)  # a large b2: a dropped NaN would score ~1.0
+        hidden[0, 5] = float("nan")
+        hidden[-1, 7] = float("inf")
+        for fn in (norm_router_scores, norm_router_scores_reference):
+            scores = fn(hidden, spec, *router)
+            assert scores[0].isnan(), (fn.__name__, kind)
+            if kind != "none":  # an inf before a norm is NaN after it; without a norm it may saturate
+                assert scores[-1].isnan(), (fn.__name__, kind)
+            assert scores[1:-1].isfinite().all() if n > 2 else True
+
+
+@pytest.mark.usefixtures("cpu_kernels")
 def test_gather_scatter_check_indices() -> None:
     x = torch.zeros(4, 3)
     with pytest.raises((IndexError, RuntimeError)):
         gather_rows(x, torch.tensor([4]))
     with pytest.raises((IndexError, RuntimeError)):
         kernels.scatter_rows_(x, torch.tensor([-1]), torch.ones(1, 3))
+    with pytest.raises(IndexError, match="out of range"):  # raised in Python, before the extension reads it
+        kernels.scatter_rows_(x, torch.tensor([0, 9]), torch.ones(2, 3))
     strided = torch.zeros(3, 4).t()  # not contiguous: PyTorch path, same result
     kernels.scatter_rows_(strided, torch.tensor([1]), torch.ones(1, 3))
     assert strided[1].eq(1).all() and strided.sum() == 3

@@ -13,12 +13,14 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tide_hf"
 MAX_LINES = 400
-# room -> rooms it may import. The base (errors, config, plotting, assets) imports no room; the model side
+# room -> rooms it may import. The base (errors, config, plotting, assets) imports no room but config, which
+# raises the errors of errors.py; the model side
 # comes next, then kernels, the runtime and the transformers integration; calibration needs only the model
 # side; eval may use everything but the CLI; the CLI everything; the package root everything but eval / cli.
 BASE = {"errors", "config", "plotting", "assets"}
 ALLOWED = {
     **{room: set() for room in BASE},
+    "config": {"errors"},
     "modeling": {"errors", "config"},
     "kernels": {"errors", "config"},
     "runtime": {"errors", "config", "plotting", "modeling", "kernels"},

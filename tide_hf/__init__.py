@@ -26,6 +26,8 @@ _API = {  # public name -> the room that holds it
     "calibrate": "calibration", "load_texts": "calibration",
     "TideOptions": "config", "TideRouterConfig": "config",
     "TideCompatibilityError": "errors", "TideDataError": "errors", "TideError": "errors",
+    "TideArgumentError": "errors", "TideArgumentTypeError": "errors", "TideConcurrencyError": "errors",
+    "TideRouterFileError": "errors",
     "TideLogitsProcessor": "integrations",
     "ModelAdapter": "modeling", "TideRouter": "modeling", "get_adapter": "modeling",
     "model_fingerprint": "modeling", "register_adapter": "modeling",

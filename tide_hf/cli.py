@@ -7,6 +7,7 @@ module imports only light modules at its top, and each command imports its room 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import textwrap
@@ -124,7 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "example: tide-hf calibrate --num-samples 512 --output router-smollm2\n"
                     f"time: ~0.5 s per 256-token sample on SmolLM2-135M {CPU} (the default 2000: ~19 min)")
     _add_calibration_args(p)
-    p.add_argument("--output", required=True, help="folder to save the router in")
+    p.add_argument("--output", required=True, help="folder to save the router in (new or empty; never a model's)")
+    p.add_argument("--overwrite", action="store_true", help="replace the TIDE router already in --output "
+                   "(a folder holding anything else is always refused)")
     p.add_argument("--push-to-hub", default=None, metavar="REPO", help="also push the router to this Hub repo")
     p.add_argument("--results", default=None, metavar="JSON", help="also write the run's figures to this JSON file")
     p.add_argument("--compare-bare-forward", action="store_true",
@@ -229,11 +232,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run one subcommand. An error tide_hf raises on purpose (`TideError`: bad argument, bad file, refused
+    overwrite...) or a file that cannot be read prints as one line on stderr and exits with status 1;
+    `TIDE_HF_TRACEBACK=1` shows the traceback instead."""
+    from .errors import TideError
+
     args = build_parser().parse_args(argv)
     from .calibration.distributed import finish  # torch: only once the arguments are known to be good
 
     args.command = shlex.join(["tide-hf", *(sys.argv[1:] if argv is None else argv)])  # recorded in result JSON
-    args.func(args)
+    try:
+        args.func(args)
+    except (TideError, OSError) as err:
+        if os.environ.get("TIDE_HF_TRACEBACK") == "1":
+            raise
+        message = " ".join(str(err).split()) or type(err).__name__
+        print(f"tide-hf {args.func.__name__.removeprefix('cmd_')}: error: {message}", file=sys.stderr)
+        raise SystemExit(1) from None
     finish()  # under `accelerate launch`: every process waits for the others before it exits
 
 

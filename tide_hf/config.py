@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
 from transformers import PretrainedConfig
+
+from .errors import TideArgumentError, TideArgumentTypeError
 
 LABEL_KINDS = ("cosine", "top1", "kl", "top1_kl")
 MODES = ("select", "skip", "speculative")
@@ -79,11 +84,15 @@ class TideRouterConfig(PretrainedConfig):
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
         self.checkpoint_interval = checkpoint_interval
-        self.checkpoint_layers = (
-            list(checkpoint_layers)
-            if checkpoint_layers is not None
-            else default_checkpoints(num_hidden_layers, checkpoint_interval)
-        )
+        if checkpoint_layers is None:  # derived: the inputs are checked first
+            check_int("num_hidden_layers", num_hidden_layers, minimum=1)
+            check_int("checkpoint_interval", checkpoint_interval, minimum=1)
+            checkpoint_layers = default_checkpoints(num_hidden_layers, checkpoint_interval)
+        elif not isinstance(checkpoint_layers, (list, tuple)):
+            raise TideArgumentTypeError(f"checkpoint_layers must be a list of ints, got {checkpoint_layers!r}")
+        for k in checkpoint_layers:
+            check_int("checkpoint_layers", k)
+        self.checkpoint_layers = list(checkpoint_layers)
         self.router_bottleneck_dim = router_bottleneck_dim
         self.label = label
         self.convergence_threshold = convergence_threshold
@@ -116,50 +125,86 @@ class TideRouterConfig(PretrainedConfig):
         self.validate()
 
     def validate(self) -> None:
-        """Raise a `ValueError` naming the first inconsistent field."""
+        """Raise a `TideArgumentError` (a `ValueError`) or `TideArgumentTypeError` (a `TypeError`) naming the
+        first inconsistent field."""
+        for name in ("hidden_size", "num_hidden_layers", "checkpoint_interval", "router_bottleneck_dim",
+                     "num_epochs", "train_batch_size", "max_train_tokens"):
+            check_int(name, getattr(self, name), minimum=1)
+        check_int("early_stopping_patience", self.early_stopping_patience, minimum=0)
+        check_int("seed", self.seed)
+        for name in ("num_samples", "seq_len"):  # provenance, set by calibrate()
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), minimum=1)
+        check_real("learning_rate", self.learning_rate, low=0.0, low_open=True)
+        check_real("convergence_threshold", self.convergence_threshold, low=-1.0, high=1.0)
+        check_real("kl_threshold", self.kl_threshold, low=0.0)
+        check_real("validation_fraction", self.validation_fraction, low=0.0, high=1.0, low_open=True, high_open=True)
         if self.label not in LABEL_KINDS:
-            raise ValueError(f"label must be one of {LABEL_KINDS}, got {self.label!r}")
-        if self.checkpoint_interval < 1:
-            raise ValueError(f"checkpoint_interval must be >= 1, got {self.checkpoint_interval}")
+            raise TideArgumentError(f"label must be one of {LABEL_KINDS}, got {self.label!r}")
+        if not isinstance(self.checkpoint_layers, (list, tuple)):
+            raise TideArgumentTypeError(f"checkpoint_layers must be a list of ints, got {self.checkpoint_layers!r}")
+        for k in self.checkpoint_layers:
+            check_int("checkpoint_layers", k)
         if not self.checkpoint_layers:
-            raise ValueError(
+            raise TideArgumentError(
                 f"no checkpoint layers: a model with {self.num_hidden_layers} layers and checkpoint_interval="
                 f"{self.checkpoint_interval} has no layer before the last to exit at"
             )
         bad = [k for k in self.checkpoint_layers if not 1 <= k < self.num_hidden_layers]
         if bad:
-            raise ValueError(
+            raise TideArgumentError(
                 f"checkpoint_layers {bad} out of range: each must be in [1, {self.num_hidden_layers - 1}] "
                 "(the final layer gets no router)"
             )
         if sorted(set(self.checkpoint_layers)) != list(self.checkpoint_layers):
-            raise ValueError(f"checkpoint_layers must be strictly increasing, got {self.checkpoint_layers}")
-        if self.early_stopping_patience < 0:
-            raise ValueError(
-                f"early_stopping_patience must be >= 0 (0 trains every epoch), got {self.early_stopping_patience}")
-        if not 0.0 < self.validation_fraction < 1.0:
-            raise ValueError(f"validation_fraction must be in (0, 1), got {self.validation_fraction}")
-        if not 0.0 < self.threshold_fraction < 1.0 - self.validation_fraction:
-            raise ValueError(
-                f"threshold_fraction must be in (0, 1 - validation_fraction), got {self.threshold_fraction}")
-        if self.path_grid < 1:
-            raise ValueError(f"path_grid must be >= 1, got {self.path_grid}")
-        if self.min_agreement is not None and not 0.0 < self.min_agreement <= 1.0:
-            raise ValueError(f"min_agreement must be in (0, 1] or None, got {self.min_agreement}")
-        if not 0.0 < self.confidence < 1.0:
-            raise ValueError(f"confidence must be in (0, 1), got {self.confidence}")
-        _check_threshold(self.exit_threshold)
-        _check_min_layers(self.min_layers, self.num_hidden_layers)
+            raise TideArgumentError(f"checkpoint_layers must be strictly increasing, got {self.checkpoint_layers}")
+        check_real("threshold_fraction", self.threshold_fraction, low=0.0, high=1.0 - self.validation_fraction,
+                   low_open=True, high_open=True)
+        check_int("path_grid", self.path_grid, minimum=1)
+        if self.min_agreement is not None:
+            check_real("min_agreement", self.min_agreement, low=0.0, high=1.0, low_open=True)
+        check_real("confidence", self.confidence, low=0.0, high=1.0, low_open=True, high_open=True)
+        check_threshold(self.exit_threshold)
+        check_min_layers(self.min_layers, self.num_hidden_layers)
+
+    @classmethod
+    def field_names(cls) -> frozenset[str]:
+        """The fields `__init__` names explicitly (what `calibrate(**config_kwargs)` may set)."""
+        params = inspect.signature(cls.__init__).parameters
+        return frozenset(n for n, p in params.items() if n != "self" and p.kind is p.POSITIONAL_OR_KEYWORD)
 
 
-def _check_threshold(value: float) -> None:
-    if not 0.0 <= float(value) <= 1.0:
-        raise ValueError(f"exit_threshold must be in [0, 1], got {value}")
+def check_int(name: str, value: Any, *, minimum: int | None = None) -> None:
+    """`value` is an int (not a bool, not a float such as 2.5), at least `minimum`; else an error naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TideArgumentTypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if minimum is not None and value < minimum:
+        raise TideArgumentError(f"{name} must be >= {minimum}, got {value}")
 
 
-def _check_min_layers(value: int, num_hidden_layers: int) -> None:
-    if not 1 <= int(value) <= num_hidden_layers:
-        raise ValueError(f"min_layers must be in [1, {num_hidden_layers}] for this model, got {value}")
+def check_real(name: str, value: Any, *, low: float | None = None, high: float | None = None,
+               low_open: bool = False, high_open: bool = False) -> None:
+    """`value` is a finite real number (not a bool or a string) in the given range; else an error naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TideArgumentTypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    out = not math.isfinite(value)
+    out |= low is not None and (value <= low if low_open else value < low)
+    out |= high is not None and (value >= high if high_open else value > high)
+    if out:
+        lo = "-inf" if low is None else f"{'(' if low_open else '['}{low}"
+        hi = "inf" if high is None else f"{high}{')' if high_open else ']'}"
+        raise TideArgumentError(f"{name} must be a finite number in {lo}, {hi}, got {value}")
+
+
+def check_threshold(value: Any) -> None:
+    check_real("exit_threshold", value, low=0.0, high=1.0)
+
+
+def check_min_layers(value: Any, num_hidden_layers: int) -> None:
+    check_int("min_layers", value)
+    if not 1 <= value <= num_hidden_layers:
+        raise TideArgumentError(f"min_layers must be in [1, {num_hidden_layers}] for this model, got {value}")
 
 
 @dataclass(frozen=True)
@@ -191,13 +236,16 @@ class TideOptions:
 
     def validate(self, num_hidden_layers: int) -> None:
         """Raise before any work is done when an option cannot apply to this model."""
-        _check_threshold(self.exit_threshold)
+        check_threshold(self.exit_threshold)
         for value in (self.thresholds or {}).values():
-            _check_threshold(value)
-        _check_min_layers(self.min_layers, num_hidden_layers)
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.kv not in KV_POLICIES:
-            raise ValueError(f"kv must be one of {KV_POLICIES}, got {self.kv!r}")
-        if self.draft_layer is not None and not 1 <= self.draft_layer < num_hidden_layers:
-            raise ValueError(f"draft_layer must be in [1, {num_hidden_layers - 1}], got {self.draft_layer}")
+            check_threshold(value)
+        check_min_layers(self.min_layers, num_hidden_layers)
+        if not isinstance(self.mode, str) or self.mode not in MODES:
+            raise TideArgumentError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not isinstance(self.kv, str) or self.kv not in KV_POLICIES:
+            raise TideArgumentError(f"kv must be one of {KV_POLICIES}, got {self.kv!r}")
+        if self.draft_layer is not None:
+            check_int("draft_layer", self.draft_layer)
+            if not 1 <= self.draft_layer < num_hidden_layers:
+                raise TideArgumentError(
+                    f"draft_layer must be in [1, {num_hidden_layers - 1}], got {self.draft_layer}")

@@ -17,3 +17,19 @@ class TideCompatibilityError(TideError, ValueError):
 
 class TideDataError(TideError, RuntimeError):
     """Calibration text could not be loaded (the message names the source and the cause)."""
+
+
+class TideArgumentError(TideError, ValueError):
+    """An argument or option is out of range or of the wrong kind (the message names it)."""
+
+
+class TideArgumentTypeError(TideError, TypeError):
+    """An argument has the wrong type, or a keyword is unknown (the message names it)."""
+
+
+class TideRouterFileError(TideError, ValueError):
+    """A router folder is incomplete or inconsistent, or a save would overwrite something that is not a router."""
+
+
+class TideConcurrencyError(TideError, RuntimeError):
+    """Two calls would fight over the same model's hooks."""

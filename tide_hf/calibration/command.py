@@ -15,9 +15,10 @@ from tqdm.auto import tqdm
 
 from ..assets import default_dataset, load_model
 from ..modeling import TideRouter
+from ..modeling.files import check_save_target
 from .data import load_texts
 from .distributed import is_main_process, to_process_device
-from .pipeline import calibrate
+from .pipeline import calibrate, check_calibrate_args
 from .samples import make_samples, pad_right
 
 
@@ -80,13 +81,18 @@ def write_calibration_results(args: argparse.Namespace, router: Any, wall: float
 
 def run(args: argparse.Namespace) -> None:
     """The `tide-hf calibrate` command: calibrate, save, print metrics; optionally results JSON and push."""
+    overwrite = getattr(args, "overwrite", False)
+    # before loading anything or hours of calibration, not after
+    check_calibrate_args(num_samples=args.num_samples, seq_len=args.seq_len, batch_size=args.batch_size,
+                         config_kwargs={})
+    check_save_target(Path(args.output), overwrite)
     bare = bare_forward_seconds(args) if args.compare_bare_forward else None
     started = time.perf_counter()
     _, _, router = calibrate_from_args(args)
     wall = time.perf_counter() - started
     if not is_main_process():  # under `accelerate launch` the main process reports, saves and pushes
         return
-    router.save_pretrained(args.output)
+    router.save_pretrained(args.output, overwrite=overwrite)
     print_metrics(router)
     peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"calibration wall time {wall:.1f} s, peak RSS {peak_gb:.2f} GB")

@@ -6,6 +6,7 @@ collected and `training.py` for how routers are fitted.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import time
 import warnings
@@ -14,7 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import LABEL_KINDS, TideRouterConfig
+from ..config import LABEL_KINDS, TideRouterConfig, check_int
+from ..errors import TideArgumentTypeError
 from ..modeling import TideRouter, get_adapter, model_fingerprint, text_config
 from .data import DEFAULT_DATASET, load_texts
 from .distributed import is_main_process, main_process_first, train_on_main
@@ -41,6 +43,24 @@ def warn_if_silent(cfg: TideRouterConfig) -> None:
                f"has 0% positive tokens {scope}. On this model {hint}; recalibrate with one of those.")
     logger.warning(message)
     warnings.warn(message, stacklevel=3)
+
+
+# Set by calibrate() itself from the model (passing them is an error, not an override).
+_DERIVED_FIELDS = frozenset({"hidden_size", "num_hidden_layers", "base_model_name_or_path", "base_model_revision",
+                             "base_architecture", "base_model_type", "base_fingerprint", "seq_len"})
+
+
+def check_calibrate_args(*, num_samples: Any, seq_len: Any, batch_size: Any, config_kwargs: dict[str, Any]) -> None:
+    """Raise before any work naming the first bad argument: sizes must be positive ints, and every keyword of
+    `config_kwargs` a `TideRouterConfig` field (a misspelling would otherwise be silently ignored)."""
+    for name, value in (("num_samples", num_samples), ("seq_len", seq_len), ("batch_size", batch_size)):
+        check_int(name, value, minimum=1)
+    known = TideRouterConfig.field_names() - _DERIVED_FIELDS
+    for key in config_kwargs:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f" (TideRouterConfig fields: {sorted(known)})"
+            raise TideArgumentTypeError(f"calibrate() got an unexpected keyword argument {key!r}{hint}")
 
 
 def fit(router: TideRouter, data: Collected, *, progress: bool = True) -> None:
@@ -70,6 +90,7 @@ def calibrate(
     Under `accelerate launch`, call it in every process with the same arguments: the processes share the
     forward passes, the main one trains, and every process returns the same router.
     """
+    check_calibrate_args(num_samples=num_samples, seq_len=seq_len, batch_size=batch_size, config_kwargs=config_kwargs)
     adapter = get_adapter(model)
     text_cfg = text_config(model)
     cfg = TideRouterConfig(

@@ -7,12 +7,14 @@ arguments: stock behaviour is unchanged.
     tide=True          use the router attached with `tide_hf.attach` (error if none)
     tide=False         run stock generate even though a router is attached
     tide=<TideRouter | local dir | Hub repo id>
-                       attach that router for this call only (routers loaded by name are cached)
+                       attach that router for this call, in this thread only: other threads (stock calls,
+                       other tide= calls) never see it (routers loaded by name are cached)
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +23,7 @@ import torch
 from transformers import GenerationMixin, LogitsProcessorList
 
 from ..modeling import TideRouter
-from ..runtime import Patches, TideHandle, attach, get_handle
+from ..runtime import Patches, TideHandle, attach_for_call, get_handle
 from .processor import TideLogitsProcessor
 from .speculative import generate as speculative_generate
 
@@ -31,16 +33,36 @@ TRAMPOLINE_FLAG = "__tide_trampoline__"  # `import tide_hf`'s placeholder wrappe
 
 
 @functools.lru_cache(maxsize=_ROUTER_CACHE_SIZE)
-def _load_router(name: str) -> TideRouter:
+def _load_router(name: str, _version: tuple) -> TideRouter:
     return TideRouter.from_pretrained(name)
 
 
+def _folder_version(path: str) -> tuple:
+    """What identifies the current contents of a local router folder: (name, size, mtime) of each file.
+
+    Part of the cache key, so a folder saved again (or deleted) is never answered with the old router.
+    """
+    try:
+        entries = sorted(os.scandir(path), key=lambda e: e.name)
+        files = tuple((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in entries if e.is_file())
+        with open(os.path.join(path, "config.json"), "rb") as f:  # small: its content too
+            return (*files, hashlib.sha256(f.read()).hexdigest())
+    except OSError:
+        return ("missing",)
+
+
 def resolve_router(tide: Any) -> TideRouter:
-    """A `TideRouter` from what a user may pass as `tide=`: the object, a local folder or a Hub repo id."""
+    """A `TideRouter` from what a user may pass as `tide=`: the object, a local folder or a Hub repo id.
+
+    Routers loaded by name are cached: a Hub id by name, a local folder by name and file sizes / times.
+    """
     if isinstance(tide, TideRouter):
         return tide
     if isinstance(tide, (str, os.PathLike)):
-        return _load_router(os.fspath(tide))
+        name = os.fspath(tide)
+        if os.path.isdir(name):
+            return _load_router(os.path.realpath(name), _folder_version(name))
+        return _load_router(name, ())
     raise TypeError(f"tide= takes True/False, a TideRouter, a local folder or a Hub repo id; got {type(tide).__name__}")
 
 
@@ -82,12 +104,9 @@ def install() -> None:
                                  "or pass tide=<TideRouter | local dir | Hub repo id>")
             return _run(handle, original, self, args, kwargs)
         router = resolve_router(tide)
-        if handle is not None:
-            if handle.router is router:
-                return _run(handle, original, self, args, kwargs)
-            raise ValueError("a different TIDE router is already attached to this model; use tide=True, "
-                             "or detach it before passing another router")
-        handle = attach(self, router)
+        if handle is not None and handle.router is router:
+            return _run(handle, original, self, args, kwargs)
+        handle = attach_for_call(self, router)  # this thread only; refused if another router is attached
         try:
             return _run(handle, original, self, args, kwargs)
         finally:

@@ -22,6 +22,8 @@ class TideLogitsProcessor(LogitsProcessor):
         self.handle, self.session = handle, session
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        self.handle.commit(self.session, input_ids[:, -1])
+        # generate(inputs_embeds=...) without input_ids starts with no token ids: nothing was fed yet
+        fed = input_ids[:, -1] if input_ids.dim() == 2 and input_ids.shape[1] else None
+        self.handle.commit(self.session, fed)
         self.session.started_decode = True
         return scores

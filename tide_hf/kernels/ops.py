@@ -40,10 +40,24 @@ def norm_router_scores(
     return scores if hidden.dim() == 2 else scores.reshape(hidden.shape[:-1])
 
 
+def check_rows(index: torch.Tensor, rows: int) -> None:
+    """Raise `IndexError` for a CPU row index outside [0, rows), before any compiled code reads it.
+
+    The C++ extension checks too, but an exception thrown across the extension boundary has crashed the
+    interpreter with some torch builds (torch 2.11): the check in Python always raises cleanly.
+    """
+    if index.device.type == "cpu" and index.numel() and (int(index.min()) < 0 or int(index.max()) >= rows):
+        bad = index[(index < 0) | (index >= rows)][0].item()
+        raise IndexError(f"index {bad} is out of range for {rows} rows")
+
+
 def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x[index] along dim 0 (skip mode: pick the rows still running)."""
     ext = _ready(x.device, x)
-    return x.index_select(0, index) if ext is None or index.dtype != torch.int64 else ext.gather_rows(x, index)
+    if ext is None or index.dtype != torch.int64:
+        return x.index_select(0, index)
+    check_rows(index, x.shape[0] if x.dim() else 0)
+    return ext.gather_rows(x, index)
 
 
 def scatter_rows_(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
@@ -51,5 +65,6 @@ def scatter_rows_(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> 
     ext = _ready(dst.device, dst, src)
     if ext is None or not dst.is_contiguous() or src.dtype != dst.dtype or index.dtype != torch.int64:
         return dst.index_copy_(0, index, src)
+    check_rows(index, dst.shape[0] if dst.dim() else 0)
     return ext.scatter_rows_(dst, index, src)
 

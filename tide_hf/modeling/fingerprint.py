@@ -10,16 +10,20 @@ from torch import nn
 from .adapters import ModelAdapter, get_adapter
 from .devices import named_weights
 
-FINGERPRINT_SAMPLES = 64  # values read from each fingerprinted tensor
-FINGERPRINT_DIGITS = 3  # significant digits kept, so fp32 / bf16 / fp16 copies of a model agree
+FINGERPRINT_SAMPLES = 4096  # values read from each fingerprinted tensor (a strided sample)
 
 
 @torch.no_grad()
 def model_fingerprint(model: nn.Module, adapter: ModelAdapter | None = None) -> str:
-    """A short hash of the shapes and a strided sample of values of the embeddings, first and last layer.
+    """A short hash of the names, shapes and the sign bits of a strided sample of the values of the embeddings,
+    first and last layer.
 
-    Values are rounded to a few significant digits so the same weights in another dtype agree. Offloaded
-    weights of a dispatched model are read from accelerate's weights map: the fingerprint is the model's own.
+    Sign bits because they are exactly dtype-independent: rounding the same weights to bf16 or fp16 (or
+    back to fp32) never changes a sign, underflow included (it gives a signed zero), so fp32 / bf16 / fp16
+    copies of a model agree bit for bit, whereas any rounding of the values themselves has boundaries that
+    some weights sit next to. A fine-tune moves the small weights of these tensors across zero (thousands of
+    sampled values), which changes the hash. Offloaded weights of a dispatched model are read from
+    accelerate's weights map: the fingerprint is the model's own.
     """
     adapter = adapter or get_adapter(model)
     digest = hashlib.sha256()
@@ -27,7 +31,8 @@ def model_fingerprint(model: nn.Module, adapter: ModelAdapter | None = None) -> 
         for name, param in sorted(named_weights(model, module)):  # offloaded weights read from accelerate's map
             flat = param.detach().reshape(-1)
             step = max(1, flat.numel() // FINGERPRINT_SAMPLES)
-            sample = flat[::step][:FINGERPRINT_SAMPLES].float().cpu().tolist()
+            sample = flat[::step][:FINGERPRINT_SAMPLES]
+            signs = torch.signbit(sample).cpu() if sample.is_floating_point() else (sample < 0).cpu()
             digest.update(f"{name}{tuple(param.shape)}".encode())
-            digest.update(",".join(f"{v:.{FINGERPRINT_DIGITS - 1}e}" for v in sample).encode())
+            digest.update(signs.to(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]

@@ -12,8 +12,9 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, PreTrainedModel
 
 from ..config import TideRouterConfig
-from ..errors import TideCompatibilityError
+from ..errors import TideCompatibilityError, TideRouterFileError
 from .adapters import ModelAdapter, get_adapter, text_config
+from .files import atomic_save, check_config_source, check_loading_info
 from .fingerprint import model_fingerprint
 from .quiet import quiet_hf
 
@@ -68,21 +69,44 @@ class TideRouter(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *args: Any, **kwargs: Any):
-        """Load from a local folder or Hub repo, from safetensors only (never a pickle)."""
-        if kwargs.get("use_safetensors") is False:
-            raise ValueError("TideRouter loads safetensors only; use_safetensors=False is not supported")
-        kwargs["use_safetensors"] = True
-        with quiet_hf():  # a router is a few MB: no "Loading weights" bar
-            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        """Load from a local folder or Hub repo, from safetensors only (never a pickle).
 
-    def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
-        """Save config + safetensors weights + a model card (README.md with Hub metadata)."""
+        Checked (`TideRouterFileError` otherwise): a config.json of a TIDE router (unless `config=` is
+        given), and weights that match it exactly: every configured checkpoint's tensors, of the
+        configured shapes, and no others.
+        """
+        if kwargs.get("use_safetensors") is False:
+            raise TideRouterFileError("TideRouter loads safetensors only; use_safetensors=False is not supported")
+        kwargs["use_safetensors"] = True
+        if kwargs.get("config") is None and not args:
+            check_config_source(pretrained_model_name_or_path, cls.config_class, kwargs)
+        want_info = kwargs.pop("output_loading_info", False)
+        kwargs.setdefault("ignore_mismatched_sizes", True)  # reported below as a TideRouterFileError
+        with quiet_hf():  # a router is a few MB: no "Loading weights" bar
+            model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
+                                                  **kwargs)
+        check_loading_info(pretrained_model_name_or_path, info)
+        return (model, info) if want_info else model
+
+    def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, overwrite: bool = False,
+                        **kwargs: Any) -> None:
+        """Save config + safetensors weights + a model card (README.md with Hub metadata).
+
+        Only into a new or empty folder, or (`overwrite=True`) over a folder holding a TIDE router and
+        nothing else: a model's folder is refused (`TideRouterFileError`). Written to a folder next to
+        `save_directory` and moved into place, so an interrupted save never leaves a half-written router.
+        """
         if kwargs.get("safe_serialization") is False:
-            raise ValueError("TideRouter saves safetensors only; safe_serialization=False is not supported")
-        with quiet_hf():  # no "Writing model shards" bar for a few MB
-            super().save_pretrained(save_directory, *args, **kwargs)
-        if kwargs.get("is_main_process", True):
-            self.model_card().save(os.path.join(save_directory, "README.md"))
+            raise TideRouterFileError("TideRouter saves safetensors only; safe_serialization=False is not supported")
+        if not kwargs.get("is_main_process", True):
+            return  # other processes of a distributed run write nothing
+
+        def write(folder: str) -> None:
+            with quiet_hf():  # no "Writing model shards" bar for a few MB
+                super(TideRouter, self).save_pretrained(folder, *args, **kwargs)
+            self.model_card().save(os.path.join(folder, "README.md"))
+
+        atomic_save(save_directory, write, overwrite=overwrite)
 
     def push_to_hub(
         self,

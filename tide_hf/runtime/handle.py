@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..config import TideOptions
+from ..errors import TideConcurrencyError
 from ..kernels import NormSpec, gather_rows, norm_router_scores, norm_spec, scatter_rows_
 from ..modeling import ModelAdapter, TideRouter, get_adapter, layer_output
 from ..modeling.devices import execution_device, onloaded
@@ -36,6 +37,10 @@ from .stats import ExitStats
 # model alive forever. The model's own hooks keep its handle alive while the model lives.
 _HANDLES: weakref.WeakKeyDictionary[nn.Module, weakref.ref[TideHandle]] = weakref.WeakKeyDictionary()
 _LAST_STATS: weakref.WeakKeyDictionary[nn.Module, ExitStats] = weakref.WeakKeyDictionary()
+# Per-call attaches (`generate(tide=router)`) running now, per model: handle id -> handle. Each acts in its own
+# thread only, so concurrent calls neither see nor detach each other.
+_CALL_HANDLES: weakref.WeakKeyDictionary[nn.Module, dict[int, TideHandle]] = weakref.WeakKeyDictionary()
+_REGISTRY_LOCK = threading.RLock()
 
 
 class TideHandle:
@@ -44,8 +49,12 @@ class TideHandle:
     Also a context manager: `with tide_hf.attach(model, router): ...` detaches when the block ends.
     """
 
-    def __init__(self, model: nn.Module, router: TideRouter, options: TideOptions, adapter: ModelAdapter) -> None:
+    def __init__(self, model: nn.Module, router: TideRouter, options: TideOptions, adapter: ModelAdapter,
+                 *, owner: int | None = None) -> None:
         self.model, self.router, self.options, self.adapter = model, router, options, adapter
+        # `owner`: the thread id of a per-call attach (`generate(tide=router)`), whose hooks act in that thread
+        # only; None: an `attach`, acting in every thread.
+        self.owner = owner
         self.num_layers = adapter.num_layers
         self.checkpoints = [k for k in router.checkpoint_layers if k >= options.min_layers]
         self.open_checkpoints = [k for k in self.checkpoints if options.threshold(k) < 1.0]  # those that can exit
@@ -131,6 +140,8 @@ class TideHandle:
             self._local.disabled = previous
 
     def _bypassed(self) -> bool:
+        if self.owner is not None and threading.get_ident() != self.owner:
+            return True  # a per-call attach is invisible to every other thread
         return not self.enabled or getattr(self._local, "disabled", False)
 
     def _active(self) -> bool:
@@ -148,7 +159,10 @@ class TideHandle:
             self._local.auto = True
         tokens = kwargs.get("input_ids", args[0] if args else None)
         if tokens is None:
-            tokens = kwargs["inputs_embeds"]
+            tokens = kwargs.get("inputs_embeds")
+        if tokens is None:  # neither ids nor embeddings: the model itself will refuse this forward
+            self._local.step = None
+            return
         batch, width = tokens.shape[:2]
         mask = kwargs.get("attention_mask")
         valid = mask[:, -width:].bool() if mask is not None and mask.dim() == 2 else torch.ones(
@@ -181,6 +195,14 @@ class TideHandle:
         mlp = self.router.routers[str(layer)]
         return norm_router_scores(hidden, spec, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias)
 
+    def exit_mask(self, scores: torch.Tensor, hidden: torch.Tensor, threshold: float) -> torch.Tensor:
+        """Positions that may exit: a finite hidden state whose finite score reaches `threshold`.
+
+        A NaN / inf state (a broken forward) never exits, whatever a backend makes of its score.
+        """
+        ok = torch.isfinite(scores) & (scores >= threshold)
+        return ok & torch.isfinite(hidden).all(-1).to(ok.device)
+
     def _checkpoint_hook(self, layer: int):
         threshold = self.options.threshold(layer)
 
@@ -190,7 +212,7 @@ class TideHandle:
                 return
             hidden = layer_output(output)
             fresh = step.exit_layer == self.num_layers
-            exits = fresh & (self.score(layer, hidden) >= threshold).to(fresh.device)
+            exits = fresh & self.exit_mask(self.score(layer, hidden), hidden, threshold).to(fresh.device)
             if not exits.any():
                 return
             step.exit_layer[exits] = layer
@@ -238,10 +260,15 @@ class TideHandle:
         session.pending.clear()
 
     def detach(self) -> None:
-        """Remove every hook and replaced forward: the model is exactly as before `attach`."""
-        self._patches.restore()
-        if get_handle(self.model) is self:
-            del _HANDLES[self.model]
+        """Remove every hook and replaced forward: the model is exactly as before `attach`.
+
+        Only this handle's own: the hooks of a concurrent per-call attach on the same model stay.
+        """
+        with _REGISTRY_LOCK:
+            self._patches.restore()
+            if get_handle(self.model) is self:
+                del _HANDLES[self.model]
+            _CALL_HANDLES.get(self.model, {}).pop(id(self), None)
 
 
 def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
@@ -275,8 +302,42 @@ def attach(
     differently (the bench's softmax-confidence baseline). Everything is checked before the model is
     touched: options in range, and the router made for this model.
     """
-    if get_handle(model) is not None:
-        raise ValueError("this model already has a TIDE router attached; call handle.detach() first")
+    with _REGISTRY_LOCK:
+        if get_handle(model) is not None:
+            raise ValueError("this model already has a TIDE router attached; call handle.detach() first")
+        if _CALL_HANDLES.get(model):
+            raise TideConcurrencyError(
+                "a generate(tide=<router>) call is running on this model (in another thread); attach after it ends")
+        handle = _build(model, router, min_agreement=min_agreement, max_perplexity_increase=max_perplexity_increase,
+                        confidence=confidence, exit_threshold=exit_threshold, min_layers=min_layers, mode=mode,
+                        kv=kv, draft_layer=draft_layer, ignore_fingerprint=ignore_fingerprint,
+                        handle_class=handle_class)
+        _HANDLES[model] = weakref.ref(handle)
+    return handle
+
+
+def attach_for_call(model: nn.Module, router: TideRouter) -> TideHandle:
+    """Attach `router` (its calibrated options) for one call in the calling thread only (`generate(tide=router)`).
+
+    Other threads see the stock model, and any number of such calls may run on one model at once, each
+    detaching only its own hooks. Refused while an `attach` (which acts in every thread) is in place.
+    """
+    with _REGISTRY_LOCK:
+        if get_handle(model) is not None:
+            raise ValueError("a different TIDE router is already attached to this model; use tide=True, "
+                             "or detach it before passing another router")
+        handle = _build(model, router, owner=threading.get_ident())
+        _CALL_HANDLES.setdefault(model, {})[id(handle)] = handle
+    return handle
+
+
+def _build(model: nn.Module, router: TideRouter, *, min_agreement: float | None = None,
+           max_perplexity_increase: float | None = None, confidence: float | None = None,
+           exit_threshold: float | None = None,
+           min_layers: int | None = None, mode: str = "select", kv: str = "propagate", draft_layer: int | None = None,
+           ignore_fingerprint: bool = False, handle_class: type[TideHandle] = TideHandle,
+           owner: int | None = None) -> TideHandle:
+    """Check everything, then hook the model (the caller holds the registry lock and registers the handle)."""
     adapter = get_adapter(model)
     router.check_compatible(model, ignore_fingerprint=ignore_fingerprint, adapter=adapter)
     cfg = router.config
@@ -306,9 +367,7 @@ def attach(
     eligible = [k for k in router.checkpoint_layers if k >= options.min_layers and options.threshold(k) < 1.0]
     if options.mode == "skip" and eligible:
         LayerSkipper.check(adapter.layers, eligible[0], options.kv)
-    handle = handle_class(model, router, options, adapter)
-    _HANDLES[model] = weakref.ref(handle)
-    return handle
+    return handle_class(model, router, options, adapter, owner=owner)
 
 
 def get_handle(model: nn.Module) -> TideHandle | None:

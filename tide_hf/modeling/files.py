@@ -1,0 +1,104 @@
+"""Router folders on disk: what a save may replace (never a model), the atomic write, and the checks a load
+makes so that a router never comes back partly random or without its config."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..errors import TideRouterFileError
+
+ROUTER_MODEL_TYPE = "tide_router"
+# What `TideRouter.save_pretrained` writes (sharded weights included), plus the Hub's .gitattributes.
+ROUTER_FILES = re.compile(r"config\.json|README\.md|\.gitattributes|model\.safetensors(\.index\.json)?"
+                          r"|model-\d+-of-\d+\.safetensors")
+HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
+
+
+def is_router_folder(path: Path) -> bool:
+    """`path` holds a saved TIDE router and nothing else."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    names = [p.name for p in path.iterdir()]
+    return config.get("model_type") == ROUTER_MODEL_TYPE and all(ROUTER_FILES.fullmatch(n) for n in names)
+
+
+def check_save_target(path: Path, overwrite: bool) -> None:
+    """Refuse (`TideRouterFileError`) to save into anything but a missing / empty folder, or, with
+    `overwrite=True`, a folder that holds a TIDE router only: a model's folder is never touched."""
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise TideRouterFileError(f"cannot save a TIDE router to {path}: it exists and is not a folder")
+    names = sorted(p.name for p in path.iterdir())
+    if not names:
+        return
+    if not is_router_folder(path):
+        shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+        raise TideRouterFileError(
+            f"refusing to save a TIDE router into {path}: the folder holds files that are not a TIDE router "
+            f"({shown}); choose an empty or new folder")
+    if not overwrite:
+        raise TideRouterFileError(f"{path} already holds a TIDE router; pass overwrite=True (CLI: --overwrite) "
+                                  "to replace it")
+
+
+def atomic_save(path: str | os.PathLike, write: Callable[[str], None], *, overwrite: bool) -> None:
+    """Run `write(folder)` into a fresh folder next to `path`, then move it into place.
+
+    A crash or an error while writing leaves `path` as it was (an old router stays whole); the checks of
+    `check_save_target` come first.
+    """
+    target = Path(path).absolute()
+    check_save_target(target, overwrite)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    backup = None
+    try:
+        write(str(staging))
+        if target.exists():
+            backup = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            os.replace(target, backup / "router")
+        os.replace(staging, target)
+    except BaseException:
+        if backup is not None and not target.exists():
+            os.replace(backup / "router", target)  # put the old router back
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finally:
+        if backup is not None:
+            shutil.rmtree(backup, ignore_errors=True)
+
+
+def check_config_source(name: str | os.PathLike, config_cls: Any, kwargs: dict[str, Any]) -> None:
+    """The router at `name` has a config.json of a TIDE router (a missing one would load defaults)."""
+    hub = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
+    config, _ = config_cls.get_config_dict(name, **hub)  # a missing repo / no network: transformers' OSError
+    if not config:
+        raise TideRouterFileError(f"{name} has no config.json: not a TIDE router (its weights alone do not say "
+                                  "which model, checkpoints and threshold they belong to)")
+    if config.get("model_type") != ROUTER_MODEL_TYPE:
+        raise TideRouterFileError(f"{name} is not a TIDE router: its config.json has model_type "
+                                  f"{config.get('model_type')!r}, not {ROUTER_MODEL_TYPE!r}")
+
+
+def check_loading_info(name: str | os.PathLike, info: dict[str, Any]) -> None:
+    """Every configured tensor was in the weights file, with its shape, and nothing else was."""
+    problems = []
+    if info.get("missing_keys"):
+        problems.append(f"missing tensors {sorted(info['missing_keys'])} (their routers would be random)")
+    if info.get("unexpected_keys"):
+        problems.append(f"extra tensors {sorted(info['unexpected_keys'])}")
+    if info.get("mismatched_keys"):
+        problems.append(f"tensors of the wrong shape {sorted(str(m) for m in info['mismatched_keys'])}")
+    if problems:
+        raise TideRouterFileError(f"TIDE router {name}: config.json and the weights do not agree: "
+                                  + "; ".join(problems))

@@ -217,8 +217,9 @@ def test_memory_bound_does_not_scale_with_samples(tiny_llama, byte_tokenizer, te
 def synthetic(features: torch.Tensor, labels: torch.Tensor, is_val: torch.Tensor) -> Collected:
     n = len(labels)
     return Collected(features={4: features}, cosine={4: torch.zeros(n)}, top1={4: labels},
-                     kl={4: torch.zeros(n)}, is_val=is_val,
-                     labelled={kind: torch.ones(n, dtype=torch.bool) for kind in ("top1", "kl")},
+                     kl={4: torch.zeros(n)}, nll={4: torch.zeros(n)}, is_val=is_val,
+                     is_test=torch.zeros(n, dtype=torch.bool),
+                     labelled={kind: torch.ones(n, dtype=torch.bool) for kind in ("top1", "kl", "top1_kl")},
                      seconds={})
 
 

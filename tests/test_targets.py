@@ -167,3 +167,25 @@ def test_select_mode_exits_follow_the_per_checkpoint_thresholds() -> None:
         with torch.no_grad():
             model(input_ids=ids)
         assert dict(handle.last_stats.prefill.exits) == {k2: ids.numel()}
+
+
+def test_perplexity_path_is_ordered_by_kl_not_by_noisy_nll() -> None:
+    """On the ordering split the observed NLL change is pure noise that favours the shallow checkpoint, while
+    the KL (its expectation) says the deep one is nearly free: the perplexity path must open the deep one first."""
+    from tide_hf.calibration.labels import Collected
+    from tide_hf.calibration.thresholds import fit_exit_paths
+
+    gen = torch.Generator().manual_seed(0)
+    n, layers = 4000, [4, 8]
+    router = new_router(make_tiny_llama(), seed=0)
+    features = {k: torch.randn(n, 32, generator=gen) for k in layers}
+    noise = torch.randn(n, generator=gen) * 5
+    data = Collected(features=features, cosine={k: torch.zeros(n) for k in layers},
+                     top1={k: torch.ones(n, dtype=torch.bool) for k in layers},
+                     kl={4: torch.full((n,), 2.0), 8: torch.full((n,), 0.01)},
+                     nll={4: noise - 3.0, 8: noise + 3.0},  # observed: shallow looks better than deep
+                     is_val=torch.ones(n, dtype=torch.bool), is_test=torch.arange(n) >= n // 2,
+                     labelled={}, seconds={})
+    path = fit_exit_paths(router, data)["perplexity"]["thresholds"]
+    first_open = next(i for i, p in enumerate(path) if min(p) < 1.0)
+    assert path[first_open][1] < 1.0 and path[first_open][0] == 1.0

@@ -5,8 +5,10 @@ for how attach picks a point with a guarantee).
 Ordering: greedy. From every checkpoint closed (threshold 1.0), each step lowers one checkpoint's threshold
 to its next candidate (score quantiles on the validation tokens), choosing the move that saves the most
 layers per unit of added loss under the serving rule (a token exits at the first checkpoint whose score
-reaches its threshold). The agreement path counts top-1 mismatches as loss, the perplexity path the change
-in next-token NLL. Because the ordering never sees the threshold samples, testing along it is valid.
+reaches its threshold). The agreement path counts top-1 mismatches as loss. The perplexity path is ordered by
+KL(final || exit), the expected change in next-token NLL (the observed change is heavy-tailed, and ordering
+by it follows the validation samples' noise), and tested with the observed change. Because the ordering never
+sees the threshold samples, testing along it is valid.
 """
 
 from __future__ import annotations
@@ -102,11 +104,11 @@ def fit_exit_paths(router: TideRouter, data: Collected) -> dict[str, Any]:
         return scores, mismatch, nll
 
     saved = torch.tensor([cfg.num_hidden_layers - k for k in layers], dtype=torch.float64)
-    scores_o, mismatch_o, nll_o = matrices(order)
+    scores_o, mismatch_o, _ = matrices(order)
     scores_t, mismatch_t, nll_t = matrices(test)
-    nll_order = torch.nan_to_num(nll_o.double())  # tokens without a next token cost nothing on this path
+    kl_order = torch.stack([data.kl[k][order] for k in layers], 1).double()  # computed for every held-out token
     return {
         "agreement": path_losses(build_path(scores_o, mismatch_o.double(), saved, cfg.path_grid),
                                  scores_t, mismatch_t, nll_t),
-        "perplexity": path_losses(build_path(scores_o, nll_order, saved, cfg.path_grid), scores_t, mismatch_t, nll_t),
+        "perplexity": path_losses(build_path(scores_o, kl_order, saved, cfg.path_grid), scores_t, mismatch_t, nll_t),
     }

@@ -66,7 +66,7 @@ def test_calibrate_records_provenance_and_metrics(source, request, tiny_llama, b
         assert m["n_train"] > 0 and m["n_val"] > 0
         # 24 samples, validation_fraction 0.1: the last ceil(2.4) = 3 samples are held out, <= 32 tokens each
         assert m["n_val"] <= 3 * 32 and m["n_train"] + m["n_val"] <= 24 * 32
-        assert set(m["label_rates"]) == {"cosine", "top1", "kl"}
+        assert set(m["label_rates"]) == {"cosine", "top1", "kl", "top1_kl"}
         assert m["label_rates"]["top1"] > 0.0
 
 

@@ -93,7 +93,7 @@ def reference(model, samples: list[torch.Tensor], layers: list[int]):
     captured = []
     handle = model.model.layers[-1].register_forward_hook(
         lambda _m, _a, out: captured.append(out[0] if isinstance(out, tuple) else out))
-    ref = {k: {"features": [], "cosine": [], "top1": [], "kl": [], "margin": []} for k in layers}
+    ref = {k: {"features": [], "cosine": [], "top1": [], "kl": [], "margin": [], "nll": []} for k in layers}
     try:
         with torch.no_grad():
             for s in samples:
@@ -113,6 +113,9 @@ def reference(model, samples: list[torch.Tensor], layers: list[int]):
                     r["cosine"].append((h * h_final).sum(-1) / (h.norm(dim=-1) * h_final.norm(dim=-1)))
                     r["top1"].append(exit_logits.argmax(-1) == final_logits.argmax(-1))
                     r["kl"].append((p_final.exp() * (p_final - q)).sum(-1))
+                    nxt = s[1:, None]  # the NLL change of each position's next token; none after the last
+                    change = (p_final[:-1].gather(1, nxt) - q[:-1].gather(1, nxt)).squeeze(1)
+                    r["nll"].append(torch.cat([change, torch.tensor([float("nan")])]))
                     r["margin"].append(torch.minimum(top2_exit[:, 0] - top2_exit[:, 1],
                                                      top2_final[:, 0] - top2_final[:, 1]))
     finally:
@@ -134,8 +137,10 @@ def test_collect_labels_match_independent_forward(tiny_llama, ragged_samples) ->
     assert data.is_val.shape == (total,) and bool(data.labelled["top1"].all())
     # the KL is not the label: only held-out tokens get it (it is reported, not trained on)
     assert torch.equal(data.labelled["kl"], data.is_val) and bool(data.kl[4][~data.is_val].isnan().all())
-    # validation: the last ceil(0.1 * 8) = 1 sample
-    assert data.is_val.tolist() == [False] * (total - len(ragged_samples[-1])) + [True] * len(ragged_samples[-1])
+    # held out: validation, the ceil(0.1 * 8) = 1 sample before the threshold split's last ceil(0.1 * 8) = 1
+    held = len(ragged_samples[-1]) + len(ragged_samples[-2])
+    assert data.is_val.tolist() == [False] * (total - held) + [True] * held
+    assert data.is_test.tolist() == [False] * (total - len(ragged_samples[-1])) + [True] * len(ragged_samples[-1])
     ref = reference(tiny_llama, ragged_samples, [4, 8])
     for k in (4, 8):
         r = ref[k]
@@ -144,6 +149,8 @@ def test_collect_labels_match_independent_forward(tiny_llama, ragged_samples) ->
         torch.testing.assert_close(data.cosine[k], r["cosine"], atol=2e-5, rtol=1e-4)
         val = data.is_val
         torch.testing.assert_close(data.kl[k][val], r["kl"][val], atol=2e-5, rtol=1e-3)  # fp32 cancellation
+        torch.testing.assert_close(data.nll[k][val], r["nll"][val], atol=2e-4, rtol=1e-3, equal_nan=True)
+        assert bool(data.nll[k][~val].isnan().all()) and int(data.nll[k][val].isnan().sum()) == 2  # last positions
         clear = r["margin"] > 1e-4  # argmax is ill-defined under near-ties
         assert clear.float().mean() > 0.9
         assert torch.equal(data.top1[k][clear], r["top1"][clear])
@@ -383,7 +390,7 @@ def test_empty_or_wrong_local_dataset_raises(tmp_path, tiny_llama, byte_tokenize
 
 
 def test_invalid_label_raises(tiny_llama, byte_tokenizer, text_folder) -> None:
-    with pytest.raises(ValueError, match=r"label must be one of \('cosine', 'top1', 'kl'\), got 'entropy'"):
+    with pytest.raises(ValueError, match=r"label must be one of \('cosine', 'top1', 'kl', 'top1_kl'\), got 'entropy'"):
         calibrate(tiny_llama, byte_tokenizer, str(text_folder), num_samples=4, label="entropy", **FAST)
 
 

@@ -161,7 +161,7 @@ def train_on_main(train: Callable[..., None], router: TideRouter, data: Any, *, 
             train(router, data, progress=progress)
         except Exception as exc:  # the other processes must not wait for parameters that never come
             failure = exc
-    report = {"metrics": router.config.metrics,
+    report = {"metrics": router.config.metrics, "exit_paths": router.config.exit_paths,
               "error": None if failure is None else f"{type(failure).__name__}: {failure}"}
     report = json.loads(_broadcast_bytes(json.dumps(report).encode(), state))
     if failure is not None:

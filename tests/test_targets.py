@@ -66,10 +66,11 @@ def test_path_goes_from_closed_to_open_and_saves_more_at_each_step() -> None:
     assert path[0] == [1.0, 1.0] and all(max(p) < 1.0 for p in path[-1:])
     assert len(path) == 1 + 2 * 10  # one step per candidate threshold of each checkpoint
     totals = []
-    for point in path:
+    for before, point in zip([path[0], *path], path):
+        changed = [j for j, (a, b) in enumerate(zip(before, point)) if a != b]
+        assert len(changed) == (0 if point is path[0] else 1) and all(point[j] < before[j] for j in changed)
         first = exit_index(scores, torch.tensor(point))
         totals.append(float(torch.cat([SAVED, torch.zeros(1, dtype=torch.float64)])[first].sum()))
-        assert all(b <= a for a, b in zip(path[0], point))
     assert all(b >= a for a, b in zip(totals, totals[1:])), "every step lowers a threshold: exits only grow"
 
 

@@ -38,9 +38,9 @@ class TideRouterConfig(PretrainedConfig):
     Quality targets: `exit_paths` holds the calibrated exit paths (see `tide_hf.modeling.targets`), ordered on
     the validation samples with `path_grid` candidate thresholds per checkpoint and tested on the threshold
     samples (`threshold_fraction`), which neither training nor the ordering saw. Serving defaults:
-    `min_agreement` at `confidence` when the router has paths (None: no default target), else the global
-    `exit_threshold` (routers calibrated before paths existed); `min_layers` always. Results: `metrics`, one
-    dict per checkpoint, and `calibration_seconds` (model body, labelling, training).
+    `min_agreement` at `confidence` when the router has paths and `min_agreement` is not None, else the
+    global `exit_threshold` (also what routers calibrated before paths existed use); `min_layers` always.
+    Results: `metrics`, one dict per checkpoint, and `calibration_seconds` (model body, labelling, training).
     """
 
     model_type = "tide_router"

@@ -164,8 +164,8 @@ def _exits(match: torch.Tensor, score: torch.Tensor, thresholds: torch.Tensor, c
 
 @torch.no_grad()
 def router_efficiency(model: Any, router: TideRouter, prompts: list[torch.Tensor], *, new_tokens: int,
-                      thresholds: list[float], pad_id: int, targets: list[float] = (), progress: bool = True,
-                      heldout: list[torch.Tensor] = ()) -> dict:
+                      thresholds: list[float], pad_id: int, targets: tuple[float, ...] = (), progress: bool = True,
+                      heldout: tuple[torch.Tensor, ...] | list[torch.Tensor] = ()) -> dict:
     """Layers saved by the routers / by the oracle at the same agreement, on the model's own greedy text, at
     global `thresholds` and at quality `targets` (min_agreement, the router's per-checkpoint thresholds; also
     on the teacher-forced `heldout` samples when given: the agreement delivered on text like the calibration's)."""

@@ -100,8 +100,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     from .eval.bench import run
 
-    if not args.kernels and not args.router:
-        raise SystemExit("tide-hf bench: --router is required (except with --kernels)")
+    if not args.kernels and not args.synthetic and not args.router:
+        raise SystemExit("tide-hf bench: --router is required (except with --kernels or --synthetic)")
     run(args)
 
 
@@ -154,12 +154,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser(
         "bench", formatter_class=HelpFormatter,
-        usage="tide-hf bench (--router DIR [DIR ...] | --kernels) [options]",
+        usage="tide-hf bench (--router DIR [DIR ...] | --kernels | --synthetic SHAPE) [options]",
         help="stock generate vs TIDE in one run: overhead, exit rates, quality",
         description="Stock generate vs TIDE with the given routers in one run: overhead, exit rates, perplexity "
                     "and agreement; --modes, --baselines and --kernels add sections. --router is required, "
-                    "except with --kernels alone.\n\n"
+                    "except with --kernels or --synthetic alone.\n\n"
                     "example: tide-hf bench --router router-smollm2 --output bench-out\n"
+                    "GPU speed table, no download (~10 min on an H100): tide-hf bench --synthetic llama3-8b "
+                    "--dtype bfloat16 --prompt-len 128 --new-tokens 64\n"
                     f"time {CPU}: ~5-10 min with the defaults (--modes / --baselines: add ~10-20 min each)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="Hub id or folder of the causal LM ('smollm2' = embedded)")
     p.add_argument("--dataset", default="sotu", help="text for prompts and perplexity (documents the router never saw)")
@@ -168,6 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", action="store_true", help="skip mode vs stock and vs the ideal truncated model")
     p.add_argument("--depths", nargs="+", type=int, default=[8, 16, 24], help="--modes: forced exit depths")
     p.add_argument("--kernels", action="store_true", help="microbenchmark the fused kernels vs the PyTorch path")
+    p.add_argument("--synthetic", default=None, choices=["llama3-8b", "tiny"], help="speed of every mode on this "
+                   "architecture shape with random weights and forced exits (no router or download needed; GPU)")
+    p.add_argument("--synthetic-depth", type=int, default=16, help="--synthetic: the depth every token exits at")
+    p.add_argument("--compile", nargs="+", default=["eager", "static"], choices=["eager", "static"],
+                   help="--synthetic: eager decoding and/or cache_implementation='static' (compiled by transformers)")
+    p.add_argument("--device", default=None, help="--synthetic: device (default: cuda when available)")
     p.add_argument("--baselines", action="store_true", help="TIDE vs fixed depth, static layer skipping and "
                    "softmax-confidence exit: quality, layers and speed, with a Pareto plot")
     p.add_argument("--confidence-thresholds", nargs="+", type=float, default=[0.9, 0.8, 0.6, 0.4],

@@ -102,6 +102,10 @@ def run(args: Any) -> dict:
     """
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
+    if args.synthetic:
+        from .synthetic import format_synthetic, run_synthetic
+
+        return write_result(out, "synthetic", run_synthetic(args), format_synthetic)
     if args.kernels:
         from .kernels import format_kernels, kernel_rows
 

@@ -57,8 +57,7 @@ def perplexity(model: Any, chunks: list[torch.Tensor], batch_size: int) -> tuple
         stats = last_stats(model) if get_handle(model) is not None else None
         if stats is not None:
             exits = exits or PhaseStats(stats.num_layers)
-            exits.exits.update(stats.prefill.exits)
-            exits.executed.update(stats.prefill.executed)
+            exits.merge(stats.prefill)
     return math.exp(nll / count), exits
 
 

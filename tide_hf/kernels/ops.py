@@ -1,12 +1,13 @@
 """Fused TIDE kernels (final norm + router scoring, exit-row gather/scatter) with a PyTorch fallback.
 
-Each op takes the compiled extension for the tensors' device when it is built (see `build.py`), else
-runs the PyTorch reference (`reference.py`); both compute the same values (`tests/test_kernels.py`).
+Each kernel is a real PyTorch custom op (`torch.ops.tide_hf.*`, declared with `torch.library.custom_op`, with
+a fake implementation), so `torch.compile` puts it in the graph as one opaque call instead of breaking the
+graph at a compiled extension it cannot trace. The op runs the compiled extension for the tensors' device
+when it is built (see `build.py`), else the PyTorch reference (`reference.py`); both compute the same values
+(`tests/test_kernels.py`, which also runs `torch.library.opcheck` on every op).
 """
 
 from __future__ import annotations
-
-from types import ModuleType
 
 import torch
 
@@ -14,30 +15,78 @@ from .build import extension, flavour_of
 from .reference import NORM_KINDS, NormSpec, norm_router_scores_reference
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+KIND_NAMES = {v: k for k, v in NORM_KINDS.items()}
+LIBRARY = "tide_hf"
 
 
-def _ready(device: torch.device, *tensors: torch.Tensor | None) -> ModuleType | None:
-    """The extension for `device`, unless autograd must see the op (then PyTorch). The C++ checks devices."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return None
-    return extension(flavour_of(device))
+@torch.library.custom_op(f"{LIBRARY}::norm_router_scores", mutates_args=())
+def norm_router_scores_op(hidden: torch.Tensor, kind: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                          eps: float, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
+                          b2: torch.Tensor) -> torch.Tensor:
+    """Router scores (N,) fp32 of hidden (N, H): the extension when built for this device, else PyTorch."""
+    ext = extension(flavour_of(hidden.device))
+    if ext is None or hidden.dtype not in KERNEL_DTYPES:
+        spec = NormSpec(KIND_NAMES[kind], weight, bias, eps)
+        return norm_router_scores_reference(hidden, spec, w1, b1, w2, b2)
+    return ext.norm_router_scores(hidden, kind, weight, bias, eps, w1, b1, w2, b2)
+
+
+@norm_router_scores_op.register_fake
+def _(hidden: torch.Tensor, kind: int, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+      w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
+    return hidden.new_empty(hidden.shape[:1], dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{LIBRARY}::gather_rows", mutates_args=())
+def gather_rows_op(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[index] along dim 0: the extension when built for this device, else `index_select`."""
+    ext = extension(flavour_of(x.device))
+    if ext is None:
+        return x.index_select(0, index)
+    check_rows(index, x.shape[0])
+    return ext.gather_rows(x, index)
+
+
+@gather_rows_op.register_fake
+def _(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((index.shape[0], *x.shape[1:]))
+
+
+@torch.library.custom_op(f"{LIBRARY}::scatter_rows_", mutates_args=("dst",))
+def scatter_rows_op(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[index] = src in place: the extension when built for this device (dst contiguous), else `index_copy_`."""
+    ext = extension(flavour_of(dst.device))
+    if ext is None or not dst.is_contiguous():
+        dst.index_copy_(0, index, src)
+        return
+    check_rows(index, dst.shape[0])
+    ext.scatter_rows_(dst, index, src)
+
+
+@scatter_rows_op.register_fake
+def _(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    return None
+
+
+def _autograd(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd must see the computation (the custom ops have no backward: then PyTorch runs)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def norm_router_scores(
     hidden: torch.Tensor, spec: NormSpec, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor
 ) -> torch.Tensor:
-    """Router scores (...,) fp32 for hidden (..., H): fused kernel when available, else the reference."""
-    ext = _ready(hidden.device, hidden, w1, b1, w2, b2, spec.weight, spec.bias)
+    """Router scores (...,) fp32 for hidden (..., H): the fused custom op when it applies, else the reference."""
     if (
-        ext is None
+        _autograd(hidden, w1, b1, w2, b2, spec.weight, spec.bias)
         or hidden.dtype not in KERNEL_DTYPES
         or spec.kind not in NORM_KINDS
         or not w1.dtype == b1.dtype == w2.dtype == b2.dtype == torch.float32
     ):
         return norm_router_scores_reference(hidden, spec, w1, b1, w2, b2)
-    flat = hidden if hidden.dim() == 2 else hidden.reshape(-1, hidden.shape[-1])
-    scores = ext.norm_router_scores(flat, NORM_KINDS[spec.kind], spec.weight, spec.bias, spec.eps, w1, b1, w2, b2)
-    return scores if hidden.dim() == 2 else scores.reshape(hidden.shape[:-1])
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    scores = norm_router_scores_op(flat, NORM_KINDS[spec.kind], spec.weight, spec.bias, spec.eps, w1, b1, w2, b2)
+    return scores.reshape(hidden.shape[:-1])
 
 
 def check_rows(index: torch.Tensor, rows: int) -> None:
@@ -52,19 +101,15 @@ def check_rows(index: torch.Tensor, rows: int) -> None:
 
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x[index] along dim 0 (skip mode: pick the rows still running)."""
-    ext = _ready(x.device, x)
-    if ext is None or index.dtype != torch.int64:
+    """x[index] along dim 0 (pick rows by index), through the `tide_hf::gather_rows` op."""
+    if _autograd(x) or index.dtype != torch.int64 or x.dim() == 0:
         return x.index_select(0, index)
-    check_rows(index, x.shape[0] if x.dim() else 0)
-    return ext.gather_rows(x, index)
+    return gather_rows_op(x, index)
 
 
 def scatter_rows_(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """dst[index] = src in place, returns dst (skip mode: write the computed rows back)."""
-    ext = _ready(dst.device, dst, src)
-    if ext is None or not dst.is_contiguous() or src.dtype != dst.dtype or index.dtype != torch.int64:
+    """dst[index] = src in place, returns dst (write rows back by index), through `tide_hf::scatter_rows_`."""
+    if _autograd(dst, src) or src.dtype != dst.dtype or index.dtype != torch.int64 or dst.dim() == 0:
         return dst.index_copy_(0, index, src)
-    check_rows(index, dst.shape[0] if dst.dim() else 0)
-    return ext.scatter_rows_(dst, index, src)
-
+    scatter_rows_op(dst, index, src)
+    return dst

@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
+from transformers import CompileConfig
 
 from ..config import TideOptions
 from ..errors import TideConcurrencyError
-from ..kernels import NormSpec, gather_rows, norm_router_scores, norm_spec, scatter_rows_
+from ..kernels import NormSpec, norm_router_scores, norm_spec
 from ..modeling import ModelAdapter, TideRouter, get_adapter, layer_output
 from ..modeling.devices import execution_device, onloaded
 from ..modeling.targets import select
@@ -41,6 +42,7 @@ _LAST_STATS: weakref.WeakKeyDictionary[nn.Module, ExitStats] = weakref.WeakKeyDi
 # thread only, so concurrent calls neither see nor detach each other.
 _CALL_HANDLES: weakref.WeakKeyDictionary[nn.Module, dict[int, TideHandle]] = weakref.WeakKeyDictionary()
 _REGISTRY_LOCK = threading.RLock()
+COMPILED_CALL = "get_compiled_call"  # transformers' PreTrainedModel method that compiles decoding steps
 
 
 class TideHandle:
@@ -77,6 +79,9 @@ class TideHandle:
         for k in self.checkpoints:
             self._patches.hook(adapter.layers[k - 1].register_forward_hook(self._checkpoint_hook(k)))
         self._patches.hook(adapter.layers[-1].register_forward_hook(self._final_hook))
+        if hasattr(model, COMPILED_CALL):  # transformers' compiled decoding (static cache): graphs of TIDE's own
+            self._compiled: tuple[Any, Callable] | None = None
+            self._patches.set_attr(model, COMPILED_CALL, self.compiled_call)
         self._skipper = LayerSkipper(adapter.layers, self.open_checkpoints[0], options.kv, self.current_step,
                                      self.recompute_state, self._patches) \
             if options.mode == "skip" and self.open_checkpoints else None
@@ -86,6 +91,18 @@ class TideHandle:
 
     def __exit__(self, *exc: Any) -> None:
         self.detach()
+
+    def compiled_call(self, compile_config: Any = None) -> Callable:
+        """transformers' `get_compiled_call` while attached: `torch.compile` of a call of this handle's own.
+
+        Dynamo does not guard on empty hook dicts (`torch._dynamo.config.skip_nnmodule_hook_guards`), so a
+        graph transformers compiled before `attach` would keep running without TIDE's hooks (and silently
+        without exits). A distinct function gets graphs of its own; `detach` brings stock's compiled call back.
+        """
+        config = compile_config or getattr(self.model.generation_config, "compile_config", None) or CompileConfig()
+        if self._compiled is None or self._compiled[0] != config:
+            self._compiled = (config, torch.compile(model_call(self.model), **config.to_dict()))
+        return self._compiled[1]
 
     def current_step(self) -> Step | None:
         """Exit decisions of the forward running in this thread (None outside a forward)."""
@@ -213,17 +230,15 @@ class TideHandle:
             hidden = layer_output(output)
             fresh = step.exit_layer == self.num_layers
             exits = fresh & self.exit_mask(self.score(layer, hidden), hidden, threshold).to(fresh.device)
-            if not exits.any():
-                return
-            step.exit_layer[exits] = layer
-            if step.exit_state is None:
-                step.exit_state = torch.empty_like(hidden)
-            rows = exits.reshape(-1).nonzero().squeeze(1).to(hidden.device)
-            flat, states = hidden.reshape(-1, hidden.shape[-1]), step.exit_state.view(-1, hidden.shape[-1])
-            # checkpoints of a model split over devices write into the exit states of the first one that exited
-            scatter_rows_(states, rows.to(states.device), gather_rows(flat, rows).to(states.device))
+            # Device-side writes only (no `exits.any()`, no row indices): select mode never waits for the device.
+            step.exit_layer = step.exit_layer.masked_fill(exits, layer)
+            if step.exit_state is None:  # values of rows that have not exited are never read
+                step.exit_state = hidden.clone()
+            else:  # checkpoints of a model split over devices write into the exit states of the first one
+                states = step.exit_state
+                step.exit_state = torch.where(exits.to(states.device).unsqueeze(-1), hidden.to(states.device), states)
             if self._skipper is not None and bool(((step.exit_layer < self.num_layers) | ~step.valid).all()):
-                step.skip_after = layer
+                step.skip_after = layer  # skip mode's one host read per checkpoint reached
         return hook
 
     def _final_hook(self, _module: nn.Module, _args: tuple, output: Any) -> Any:
@@ -231,11 +246,8 @@ class TideHandle:
         if step is None or step.exit_state is None or self.options.mode == "speculative":
             return None  # speculative mode only drafts with exits; verification stays exact
         hidden = layer_output(output)
-        rows = (step.exit_layer < self.num_layers).reshape(-1).nonzero().squeeze(1).to(hidden.device)
-        in_place = not torch.is_grad_enabled() and hidden.is_contiguous()
-        flat = hidden.reshape(-1, hidden.shape[-1]) if in_place else hidden.reshape(-1, hidden.shape[-1]).clone()
-        states = step.exit_state.to(hidden.device).view(-1, hidden.shape[-1])
-        swapped = scatter_rows_(flat, rows, gather_rows(states, rows)).view_as(hidden)
+        exited = (step.exit_layer < self.num_layers).to(hidden.device).unsqueeze(-1)
+        swapped = torch.where(exited, step.exit_state.to(hidden.device), hidden)
         return (swapped, *output[1:]) if isinstance(output, tuple) else swapped
 
     # -- accounting -------------------------------------------------------------------------------
@@ -249,14 +261,14 @@ class TideHandle:
         for step in session.pending:
             executed = self.num_layers - step.skipped
             if not session.generating or not session.started_decode:
-                session.stats.prefill.add(step.exit_layer[step.valid], executed)
+                session.stats.prefill.add(step.exit_layer, executed, step.valid)
                 continue
             live = torch.ones(step.exit_layer.shape[0], dtype=torch.bool, device=step.exit_layer.device)
             if last_tokens is not None and session.eos is not None:
                 ended = torch.isin(last_tokens, session.eos.to(last_tokens.device))
                 session.finished = ended if session.finished is None else session.finished | ended
                 live = ~session.finished
-            session.stats.decode.add(step.exit_layer[:, -1][live & step.valid[:, -1]], executed)
+            session.stats.decode.add(step.exit_layer[:, -1], executed, live & step.valid[:, -1])
         session.pending.clear()
 
     def detach(self) -> None:
@@ -269,6 +281,13 @@ class TideHandle:
             if get_handle(self.model) is self:
                 del _HANDLES[self.model]
             _CALL_HANDLES.get(self.model, {}).pop(id(self), None)
+
+
+def model_call(model: nn.Module) -> Callable:
+    """`model(...)` behind a code object of tide_hf's own, whose compiled graphs are TIDE's alone."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return model(*args, **kwargs)
+    return call
 
 
 def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

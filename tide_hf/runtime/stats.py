@@ -11,18 +11,46 @@ import torch
 
 @dataclass
 class PhaseStats:
-    """Exit layers of the tokens of one phase (prefill or decode); `num_layers` means no exit."""
+    """Exit layers of the tokens of one phase (prefill or decode); `num_layers` means no exit.
+
+    Counts accumulate on the device the exit decisions live on, so counting a step never waits for the
+    device (no host sync per forward); they are read back once, when a property is first used.
+    """
 
     num_layers: int
-    exits: Counter = field(default_factory=Counter)  # layer -> tokens that left after it
-    executed: Counter = field(default_factory=Counter)  # layers really run -> tokens
+    _exits: torch.Tensor | None = field(default=None, repr=False)  # (num_layers + 1,) tokens per exit layer
+    _executed: torch.Tensor | None = field(default=None, repr=False)  # (num_layers + 1,) tokens per layers run
 
-    def add(self, exit_layers: torch.Tensor, executed: int) -> None:
-        """Count a 1-D tensor of per-token exit layers, each token having run `executed` layers."""
-        values, counts = torch.unique(exit_layers.reshape(-1).cpu(), return_counts=True)
-        self.exits.update(dict(zip(values.tolist(), counts.tolist())))
-        if exit_layers.numel():
-            self.executed[executed] += exit_layers.numel()
+    def add(self, exit_layers: torch.Tensor, executed: int, keep: torch.Tensor | None = None) -> None:
+        """Count the per-token exit layers `exit_layers` where `keep` (default: all), each token having run
+        `executed` layers. Device-side only: no host sync."""
+        layers = exit_layers.reshape(-1)
+        weights = torch.ones_like(layers) if keep is None else keep.reshape(-1).to(layers.device, torch.long)
+        if self._exits is None:
+            self._exits = torch.zeros(self.num_layers + 1, dtype=torch.long, device=layers.device)
+            self._executed = torch.zeros_like(self._exits)
+        self._exits.scatter_add_(0, layers.to(self._exits.device), weights.to(self._exits.device))
+        self._executed[executed] += weights.sum().to(self._executed.device)
+
+    def merge(self, other: PhaseStats) -> None:
+        """Add the counts of `other` (same model) to these."""
+        if other._exits is None:
+            return
+        if self._exits is None:
+            self._exits, self._executed = other._exits.clone(), other._executed.clone()
+            return
+        self._exits += other._exits.to(self._exits.device)
+        self._executed += other._executed.to(self._executed.device)
+
+    @property
+    def exits(self) -> Counter:
+        """layer -> tokens that left after it (read from the device)."""
+        return _counter(self._exits)
+
+    @property
+    def executed(self) -> Counter:
+        """layers really run -> tokens (read from the device)."""
+        return _counter(self._executed)
 
     @property
     def tokens(self) -> int:
@@ -48,6 +76,10 @@ class PhaseStats:
         return {"tokens": self.tokens, "exit_rate": self.exit_rate, "mean_layers": self.mean_layers,
                 "mean_executed": self.mean_executed,
                 "exits": {int(k): int(v) for k, v in sorted(self.exits.items())}}
+
+
+def _counter(counts: torch.Tensor | None) -> Counter:
+    return Counter() if counts is None else Counter({k: v for k, v in enumerate(counts.tolist()) if v})
 
 
 @dataclass

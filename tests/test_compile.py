@@ -1,0 +1,136 @@
+"""The fast GPU path, checked on the CPU: no host syncs in select mode, custom ops, torch.compile.
+
+Host syncs are counted with torch.profiler (the ops that read a device value on the host); compiled
+decoding is transformers' own (`cache_implementation="static"` + a `CompileConfig`), with dynamo's counters
+for graph breaks and recompiles, and outputs compared with eager TIDE.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import NUM_LAYERS, constant_router, left_padded, make_model, mixed_router
+from torch._dynamo.utils import counters
+from torch.profiler import ProfilerActivity, profile
+from transformers import CompileConfig
+
+import tide_hf
+from tide_hf.kernels import NORM_KINDS, NormSpec, norm_router_scores_reference
+from tide_hf.kernels.ops import gather_rows_op, norm_router_scores_op, scatter_rows_op
+
+SYNC_OPS = ("aten::item", "aten::is_nonzero", "aten::nonzero", "aten::_local_scalar_dense")
+SHORT, LONG = 4, 12  # decode lengths whose difference gives the per-step count
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = make_model()
+    ids, mask = left_padded()
+    return model, ids, mask, mixed_router(model, ids, mask)
+
+
+def generate(model, ids, mask, new_tokens: int, **kwargs) -> torch.Tensor:
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                          do_sample=False, pad_token_id=0, **kwargs)
+
+
+def host_syncs(fn) -> int:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for event in prof.events() if event.name in SYNC_OPS)
+
+
+def syncs_per_step(model, ids, mask) -> float:
+    short = host_syncs(lambda: generate(model, ids, mask, SHORT))
+    long = host_syncs(lambda: generate(model, ids, mask, LONG))
+    return (long - short) / (LONG - SHORT)
+
+
+def test_select_mode_adds_no_host_sync_per_step(setup) -> None:
+    model, ids, mask, router = setup
+    stock = syncs_per_step(model, ids, mask)
+    with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4) as handle:
+        select = syncs_per_step(model, ids, mask)
+        assert 0 < handle.last_stats.decode.exit_rate < 1  # the steps really mixed exits and full depth
+    assert stock > 0  # the profiler sees stock's own stopping-criteria syncs
+    assert select == stock
+
+
+def test_skip_mode_reads_one_flag_per_checkpoint(setup) -> None:
+    model, ids, mask, router = setup
+    stock = syncs_per_step(model, ids, mask)
+    with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="skip") as handle:
+        skip = syncs_per_step(model, ids, mask)
+    # each checkpoint reached costs one read (its `is_nonzero` runs `item` / `_local_scalar_dense` inside)
+    per_read = len([op for op in SYNC_OPS if op != "aten::nonzero"])
+    assert stock < skip <= stock + per_read * len(handle.open_checkpoints)
+
+
+def test_stats_match_a_host_count(setup) -> None:
+    """The device-side counters give what counting the reference exit layers on the host gives."""
+    model, ids, mask, router = setup
+    with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4) as handle:
+        model(input_ids=ids, attention_mask=mask)
+        prefill = handle.last_stats.prefill
+    from helpers import reference
+    exit_layer, _ = reference(model, router, ids, mask)
+    expected = torch.unique(exit_layer[mask.bool()], return_counts=True)
+    assert dict(prefill.exits) == dict(zip(expected[0].tolist(), expected[1].tolist()))
+    assert dict(prefill.executed) == {NUM_LAYERS: int(mask.sum())}
+
+
+@pytest.mark.parametrize("kind", sorted(NORM_KINDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_custom_ops_pass_opcheck(kind: str, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    hidden = torch.randn(5, 24).to(dtype)
+    weight = None if kind in ("none", "rms") else torch.randn(24).to(dtype)
+    bias = torch.randn(24).to(dtype) if kind == "layernorm" else None
+    w1, b1, w2, b2 = torch.randn(8, 24), torch.randn(8), torch.randn(1, 8), torch.randn(1)
+    args = (hidden, NORM_KINDS[kind], weight, bias, 1e-6, w1, b1, w2, b2)
+    torch.library.opcheck(norm_router_scores_op, args)
+    expected = norm_router_scores_reference(hidden, NormSpec(kind, weight, bias, 1e-6), w1, b1, w2, b2)
+    torch.testing.assert_close(norm_router_scores_op(*args), expected, rtol=1e-4, atol=1e-5)
+    index = torch.tensor([3, 0, 4])
+    torch.library.opcheck(gather_rows_op, (hidden, index))
+    torch.library.opcheck(scatter_rows_op, (hidden.clone(), index, torch.randn(3, 24).to(dtype)))
+
+
+def compiled(backend: str = "aot_eager") -> CompileConfig:
+    """transformers' CompileConfig, allowed on the CPU; aot_eager traces like inductor without its codegen."""
+    config = CompileConfig(fullgraph=True, backend=backend, mode=None)
+    config._compile_all_devices = True
+    return config
+
+
+def test_select_mode_compiles_without_graph_breaks(setup) -> None:
+    model, ids, mask, router = setup
+    with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4) as handle:
+        eager = generate(model, ids, mask, 32)
+        torch._dynamo.reset()
+        counters.clear()
+        first = generate(model, ids, mask, 32, cache_implementation="static", compile_config=compiled())
+        assert 0 < handle.last_stats.decode.exit_rate < 1
+        warm = dict(counters["stats"])
+        second = generate(model, ids, mask, 32, cache_implementation="static", compile_config=compiled())
+    assert not counters["graph_break"]  # fullgraph=True would also have raised
+    assert warm.get("unique_graphs", 0) >= 1  # the decoding steps really were compiled
+    assert dict(counters["stats"]) == warm  # no recompiles after the first call
+    assert torch.equal(first, eager) and torch.equal(second, eager)
+
+
+def test_compiled_decoding_sees_attach_and_detach() -> None:
+    """A graph compiled for the stock model must not keep running after attach (nor TIDE's after detach)."""
+    model = make_model(seed=3)
+    ids, mask = left_padded()
+    router = constant_router(model, 30.0)  # every token exits at layer 4: the output differs from stock
+    config = compiled()
+    config.fullgraph = False
+    torch._dynamo.reset()
+    stock = generate(model, ids, mask, 8)
+    assert torch.equal(generate(model, ids, mask, 8, cache_implementation="static", compile_config=config), stock)
+    with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4):
+        eager = generate(model, ids, mask, 8)
+        assert not torch.equal(eager, stock)
+        assert torch.equal(generate(model, ids, mask, 8, cache_implementation="static", compile_config=config), eager)
+    assert torch.equal(generate(model, ids, mask, 8, cache_implementation="static", compile_config=config), stock)

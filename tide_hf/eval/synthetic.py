@@ -1,0 +1,194 @@
+"""`tide-hf bench --synthetic SHAPE`: TIDE's cost and savings on a real architecture shape, random weights.
+
+Anyone with a GPU reproduces the speed table in minutes, with no download: the model is built from a
+config (Llama-3-8B: 32 layers, hidden 4096, GQA 8, vocab 128256) with random weights directly on the
+device. Random weights carry no signal for routers to read, so exits are forced: a router whose score is
+constant (never / always above the threshold) exercises exactly the runtime work of real decisions
+(scoring every checkpoint, or every token leaving at one depth) without claiming anything about quality.
+
+Per decode token, eager and compiled (`cache_implementation="static"`, which transformers compiles):
+stock, attached with exits off, select mode scoring every checkpoint with no exits, select and skip mode
+with every token leaving at `depth`, and the ideal: the same model truncated to `depth` layers. The time
+of one decode token is (T(prompt + n tokens) - T(prompt + 1 token)) / (n - 1), both timed in each
+repetition; configurations are interleaved repetition by repetition and the median is reported. Compiled
+configurations are warmed up (compiled) once each before timing: a re-attach would compile anew.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from ..config import TideRouterConfig
+from ..modeling import TideRouter
+from ..modeling.fingerprint import model_fingerprint
+from ..runtime import attach
+from .modes import truncated
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama3-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                  "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+                  "rope_theta": 500000.0, "max_position_embeddings": 8192},
+    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512},  # CPU smoke test
+}
+ROUTER_BOTTLENECK = 128  # the default router size (TideRouterConfig.router_bottleneck_dim)
+CONSTANT_LOGIT = 30.0  # a router logit of +-30: score 1.0 / 0.0 in fp32, far from any threshold
+THRESHOLD = 0.5
+RECOMPILE_LIMIT = 64  # each configuration compiles graphs of its own; dynamo's default limit (8) is too low
+
+
+def build_model(shape: str, device: str, dtype: torch.dtype, seed: int = 0) -> Any:
+    """A Llama of `shape` with random weights, built directly on `device` in `dtype` (no fp32 copy)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**SHAPES[shape], pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def constant_router(model: Any, logit: float) -> TideRouter:
+    """Routers whose score is sigmoid(`logit`) for every token (the fused kernel still runs in full)."""
+    config = model.config
+    router = TideRouter(TideRouterConfig(
+        hidden_size=config.hidden_size, num_hidden_layers=config.num_hidden_layers,
+        router_bottleneck_dim=ROUTER_BOTTLENECK, base_architecture=type(model).__name__,
+        base_fingerprint=model_fingerprint(model)))
+    with torch.no_grad():
+        for mlp in router.routers.values():
+            mlp.fc2.weight.zero_()
+            mlp.fc2.bias.fill_(logit)
+    return router.to(next(model.parameters()).device)
+
+
+def configurations(model: Any, depth: int) -> dict[str, Callable[[], AbstractContextManager]]:
+    """Name -> a context in which `generate` runs that configuration."""
+    never, always = constant_router(model, -CONSTANT_LOGIT), constant_router(model, CONSTANT_LOGIT)
+
+    def attached(router: TideRouter, **options: Any) -> Callable[[], AbstractContextManager]:
+        return lambda: attach(model, router, **options)
+
+    return {
+        "stock": nullcontext,
+        "exits off": attached(never, exit_threshold=1.0),
+        "select, scored, no exits": attached(never, exit_threshold=THRESHOLD),
+        f"select, all exit at {depth}": attached(always, exit_threshold=THRESHOLD, min_layers=depth),
+        f"skip, all exit at {depth}, kv=recompute": attached(always, exit_threshold=THRESHOLD, min_layers=depth,
+                                                             mode="skip", kv="recompute"),
+        f"skip, all exit at {depth}, kv=propagate": attached(always, exit_threshold=THRESHOLD, min_layers=depth,
+                                                             mode="skip", kv="propagate"),
+        f"truncated to {depth} (ideal)": lambda: truncated(model, depth),
+    }
+
+
+def _generate(model: Any, ids: torch.Tensor, new_tokens: int, compiled: bool) -> float:
+    """Wall seconds of one greedy generate call (device synchronized before and after)."""
+    kwargs = {"cache_implementation": "static"} if compiled else {}
+    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                   min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs)
+    sync()
+    return time.perf_counter() - start
+
+
+@contextmanager
+def _recompile_limit() -> Iterator[None]:
+    import torch._dynamo
+
+    previous = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = max(previous, RECOMPILE_LIMIT)
+    try:
+        yield
+    finally:
+        torch._dynamo.config.recompile_limit = previous
+
+
+def measure(model: Any, configs: dict[str, Callable[[], AbstractContextManager]], batch_size: int, prompt_len: int,
+            new_tokens: int, reps: int, compiled: bool, seed: int = 0) -> list[dict]:
+    """Median ms per decode token of each configuration, interleaved over `reps` repetitions.
+
+    Compiled: each configuration stays attached through its own warm-up and timed runs, one after another
+    (attaching anew would compile anew); eager: everything is interleaved repetition by repetition.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    ids = torch.randint(3, model.config.vocab_size, (batch_size, prompt_len), generator=gen).to(device)
+    times: dict[str, list[float]] = {name: [] for name in configs}
+
+    def one(name: str) -> None:
+        full = _generate(model, ids, new_tokens, compiled)
+        first = _generate(model, ids, 1, compiled)
+        times[name].append((full - first) / (new_tokens - 1))
+
+    if compiled:
+        for name, context in tqdm(configs.items(), desc=f"compiled bs{batch_size}", leave=False):
+            with context():
+                _generate(model, ids, new_tokens, compiled)  # compiles this configuration's graphs
+                for _ in range(reps):
+                    one(name)
+    else:
+        for name, context in configs.items():
+            with context():
+                _generate(model, ids, 2, compiled)  # warm-up
+        for _ in tqdm(range(reps), desc=f"eager bs{batch_size}", leave=False):
+            for name, context in configs.items():
+                with context():
+                    one(name)
+    stock = statistics.median(times["stock"])
+    return [{"config": name, "batch_size": batch_size, "compiled": compiled,
+             "ms_per_token": 1e3 * statistics.median(t), "vs_stock": stock / statistics.median(t),
+             "ms_spread": 1e3 * (max(t) - min(t))} for name, t in times.items()]
+
+
+def run_synthetic(args: Any) -> dict:
+    """The `--synthetic` bench: every configuration, eager and/or compiled static, at each batch size."""
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype)
+    model = build_model(args.synthetic, device, dtype)
+    configs = configurations(model, args.synthetic_depth)
+    rows = []
+    with _recompile_limit(), torch.inference_mode():
+        for compiled in [c == "static" for c in args.compile]:
+            for bs in args.batch_sizes:
+                rows += measure(model, configs, bs, args.prompt_len, args.new_tokens, args.reps, compiled)
+    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
+    rows = with_ideal_ratios(rows, args.synthetic_depth)
+    return {"shape": args.synthetic, "config": SHAPES[args.synthetic], "device": name, "dtype": args.dtype,
+            "torch": torch.__version__, "depth": args.synthetic_depth, "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens, "reps": args.reps, "rows": rows}
+
+
+def with_ideal_ratios(rows: list[dict], depth: int) -> list[dict]:
+    """Add `vs_ideal` (truncated model's time / this one's) to the rows that exit at `depth`."""
+    ideal = {(r["batch_size"], r["compiled"]): r["ms_per_token"] for r in rows if r["config"].startswith("truncated")}
+    for r in rows:
+        if f"exit at {depth}" in r["config"]:
+            r["vs_ideal"] = ideal[(r["batch_size"], r["compiled"])] / r["ms_per_token"]
+    return rows
+
+
+def format_synthetic(result: dict) -> str:
+    lines = [f"{result['shape']} ({result['dtype']}, random weights) on {result['device']}, prompt "
+             f"{result['prompt_len']}, {result['new_tokens']} tokens, median of {result['reps']}", "",
+             "| configuration | batch | path | ms / token | vs stock | vs ideal |", "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        ideal = f"{r['vs_ideal']:.2f}" if "vs_ideal" in r else ""
+        path = "compiled static" if r["compiled"] else "eager"
+        lines.append(f"| {r['config']} | {r['batch_size']} | {path} | {r['ms_per_token']:.2f} | "
+                     f"{r['vs_stock']:.3f} | {ideal} |")
+    return "\n".join(lines)

@@ -44,7 +44,7 @@ def warn_if_silent(cfg: TideRouterConfig) -> None:
                f"(threshold {cfg.convergence_threshold if cfg.label == 'cosine' else cfg.kl_threshold}) "
                f"has 0% positive tokens {scope}. On this model {hint}; recalibrate with one of those.")
     logger.warning(message)
-    warnings.warn(message, stacklevel=3)
+    warnings.warn(message, stacklevel=4)
 
 
 # Set by calibrate() itself from the model (passing them is an error, not an override).

@@ -1,9 +1,9 @@
-"""Calibration: provenance, reproducibility, labels against an independent forward pass, class balancing,
-best-epoch selection, AUC, bad input, the silent-label warning, the memory bound, and one real-model run."""
+"""Calibration: provenance, reproducibility, token-id input, labels against an independent forward pass, AUC,
+bad input, the silent-label warning, the memory bound, and one real-model run (router training itself:
+test_training.py)."""
 
 from __future__ import annotations
 
-import importlib
 import warnings
 
 import pytest
@@ -21,10 +21,8 @@ from tide_hf import (
     model_fingerprint,
 )
 from tide_hf.calibration import make_samples
-from tide_hf.calibration.labels import Collected, collect
-from tide_hf.calibration.training import auc, train_routers
-
-training_mod = importlib.import_module("tide_hf.calibration.training")
+from tide_hf.calibration.labels import collect
+from tide_hf.calibration.training import auc
 
 FAST = dict(seq_len=32, num_epochs=3, router_bottleneck_dim=16, progress=False)
 METRIC_KEYS = {"positive_rate", "predicted_rate", "precision", "recall", "auc", "best_epoch", "val_loss",
@@ -81,6 +79,23 @@ def test_calibrate_is_reproducible(tiny_llama, byte_tokenizer, text_folder) -> N
     assert all(torch.equal(a[name], b[name]) for name in a)
     assert first.config.metrics == second.config.metrics
     assert any(not torch.equal(a[name], c[name]) for name in a)
+
+
+def test_calibrate_tokens_equals_calibrate_on_the_same_samples(tiny_llama, byte_tokenizer, text_folder) -> None:
+    """Token ids given directly give the router `calibrate` makes from text that tokenizes to them."""
+    from tide_hf.calibration import calibrate_tokens, load_texts
+
+    from_text = calibrate(tiny_llama, byte_tokenizer, str(text_folder), num_samples=16, label="top1", **FAST)
+    fast = {k: v for k, v in FAST.items() if k != "seq_len"}
+    samples = make_samples(byte_tokenizer, load_texts(str(text_folder)), 16, FAST["seq_len"], 0)
+    from_ids = calibrate_tokens(tiny_llama, samples, label="top1", **fast)
+    a, b = from_text.state_dict(), from_ids.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert from_ids.config.metrics == from_text.config.metrics
+    assert (from_ids.config.num_samples, from_ids.config.seq_len, from_ids.config.dataset) == (16, 32, None)
+    for bad in ([], [torch.tensor([1.5, 2.0])], [torch.ones(2, 3, dtype=torch.long)], "abc"):
+        with pytest.raises(TypeError, match="1-D integer token tensors"):
+            calibrate_tokens(tiny_llama, bad, **fast)
 
 
 # --- collect(): labels against an independent forward pass ----------------------------------------------
@@ -216,115 +231,6 @@ def test_memory_bound_does_not_scale_with_samples(tiny_llama, byte_tokenizer, te
     assert data.features[4].shape[0] == data.features[8].shape[0] == data.is_val.numel() <= 1.4 * budget
     # cosine label: head-based labels computed only on held-out rows
     assert torch.equal(data.labelled["top1"], data.is_val) and torch.equal(data.labelled["kl"], data.is_val)
-
-
-# --- train_routers() on synthetic, known-answer features ------------------------------------------------
-
-
-def synthetic(features: torch.Tensor, labels: torch.Tensor, is_val: torch.Tensor) -> Collected:
-    n = len(labels)
-    return Collected(features={4: features}, cosine={4: torch.zeros(n)}, top1={4: labels},
-                     kl={4: torch.zeros(n)}, nll={4: torch.zeros(n)}, is_val=is_val,
-                     is_test=torch.zeros(n, dtype=torch.bool),
-                     labelled={kind: torch.ones(n, dtype=torch.bool) for kind in ("top1", "kl", "top1_kl")},
-                     seconds={})
-
-
-def router_for(**kwargs) -> TideRouter:
-    torch.manual_seed(0)
-    cfg = TideRouterConfig(hidden_size=8, num_hidden_layers=5, checkpoint_interval=4, router_bottleneck_dim=16,
-                           label="top1", **kwargs)
-    assert cfg.checkpoint_layers == [4]
-    return TideRouter(cfg)
-
-
-def test_train_routers_balances_rare_positives() -> None:
-    """Linearly separable, ~5% positives: class-balanced BCE must reach high recall at exit threshold 0.85
-    (plain BCE predicts no positive at all at 0.85 with these settings: recall 0)."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(6000, 8, generator=gen)
-    x = x[(x[:, 0] - 1.5).abs() > 0.25][:3000]  # a margin around the boundary
-    y = x[:, 0] > 1.5
-    is_val = torch.arange(3000) >= 2400
-    assert 0.03 < float(y.float().mean()) < 0.07 and int(y[is_val].sum()) >= 15
-    router = router_for(num_epochs=10, learning_rate=1e-2, train_batch_size=256)
-    train_routers(router, synthetic(x, y, is_val), progress=False)
-    m = router.config.metrics["4"]
-    assert m["positive_rate"] == pytest.approx(float(y[is_val].float().mean()))
-    assert m["recall"] >= 0.9 and m["precision"] >= 0.9 and m["auc"] > 0.99, m
-    assert (m["n_train"], m["n_val"]) == (2400, 600)
-
-
-class RecordingF:
-    """torch.nn.functional, recording every no-grad BCE value (the per-epoch validation losses)."""
-
-    def __init__(self) -> None:
-        self.val_losses: list[float] = []
-
-    def __getattr__(self, name: str):
-        return getattr(F, name)
-
-    def binary_cross_entropy_with_logits(self, *args, **kwargs):
-        out = F.binary_cross_entropy_with_logits(*args, **kwargs)
-        if not torch.is_grad_enabled():
-            self.val_losses.append(float(out))
-        return out
-
-
-def test_train_routers_keeps_best_epoch(monkeypatch) -> None:
-    """Validation labels follow x0 + x1, training labels x0: validation loss first falls, then rises as the
-    router grows confident, so the best epoch is early and the last epoch is clearly worse."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1000, 8, generator=gen)
-    is_val = torch.arange(1000) >= 800
-    y = torch.where(is_val, x[:, 0] + x[:, 1] > 0, x[:, 0] > 0)
-    recorder = RecordingF()
-    monkeypatch.setattr(training_mod, "F", recorder)
-    epochs = 12
-    router = router_for(num_epochs=epochs, learning_rate=1e-2, train_batch_size=64)
-    train_routers(router, synthetic(x, y, is_val), progress=False)
-    losses = recorder.val_losses
-    assert len(losses) == epochs
-    best = min(range(epochs), key=losses.__getitem__)
-    assert 0 < best < epochs - 1 and losses[-1] > losses[best] + 0.1  # the data is built so this can fail
-    m = router.config.metrics["4"]
-    assert m["best_epoch"] == best and m["val_loss"] == losses[best]
-    # the weights returned are the best epoch's: recompute its validation loss from them
-    mlp = router.routers["4"]
-    y_tr = y[~is_val].float()
-    pos_weight = torch.tensor(float((1 - y_tr).sum() / y_tr.sum()))
-    with torch.no_grad():
-        again = F.binary_cross_entropy_with_logits(mlp(x[is_val]), y[is_val].float(), pos_weight=pos_weight)
-    assert float(again) == pytest.approx(losses[best], abs=1e-6)
-
-
-def test_train_routers_stops_early_after_patience(monkeypatch) -> None:
-    """Same data as above (best epoch early, later epochs worse): with patience p the router trains exactly
-    best + p + 1 epochs and still returns the best epoch's weights; patience 0 trains every epoch."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1000, 8, generator=gen)
-    is_val = torch.arange(1000) >= 800
-    y = torch.where(is_val, x[:, 0] + x[:, 1] > 0, x[:, 0] > 0)
-    runs = {}
-    for patience in (0, 2):
-        recorder = RecordingF()
-        monkeypatch.setattr(training_mod, "F", recorder)
-        router = router_for(num_epochs=12, learning_rate=1e-2, train_batch_size=64, early_stopping_patience=patience)
-        train_routers(router, synthetic(x, y, is_val), progress=False)
-        runs[patience] = (recorder.val_losses, router.config.metrics["4"])
-    full, _ = runs[0]
-    assert len(full) == 12
-    losses, m = runs[2]
-    best = min(range(len(losses)), key=losses.__getitem__)
-    assert len(losses) == best + 3 < 12  # stopped: two epochs without improvement after the best
-    assert losses == full[: len(losses)]  # same seed, same trajectory up to the stop
-    assert m["best_epoch"] == best and m["val_loss"] == losses[best]
-
-
-def test_train_routers_needs_held_out_tokens() -> None:
-    x, y = torch.randn(50, 8), torch.rand(50) > 0.5
-    with pytest.raises(ValueError, match=r"0 held-out tokens"):
-        train_routers(router_for(num_epochs=1), synthetic(x, y, torch.zeros(50, dtype=torch.bool)), progress=False)
 
 
 # --- auc ----------------------------------------------------------------------------------------------

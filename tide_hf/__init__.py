@@ -23,7 +23,7 @@ except PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0+unknown"
 
 _API = {  # public name -> the room that holds it
-    "calibrate": "calibration", "load_texts": "calibration",
+    "calibrate": "calibration", "calibrate_tokens": "calibration", "load_texts": "calibration",
     "TideOptions": "config", "TideRouterConfig": "config",
     "TideCompatibilityError": "errors", "TideDataError": "errors", "TideError": "errors",
     "TideArgumentError": "errors", "TideArgumentTypeError": "errors", "TideConcurrencyError": "errors",

@@ -10,6 +10,7 @@ import difflib
 import logging
 import time
 import warnings
+from functools import partial
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 from ..config import LABEL_KINDS, TideRouterConfig, check_int
 from ..errors import TideArgumentTypeError
 from ..modeling import TideRouter, get_adapter, model_fingerprint, text_config
+from ..modeling.devices import execution_device
 from .data import DEFAULT_DATASET, load_texts
 from .distributed import is_main_process, main_process_first, train_on_main
 from .labels import Collected, collect
@@ -42,7 +44,7 @@ def warn_if_silent(cfg: TideRouterConfig) -> None:
                f"(threshold {cfg.convergence_threshold if cfg.label == 'cosine' else cfg.kl_threshold}) "
                f"has 0% positive tokens {scope}. On this model {hint}; recalibrate with one of those.")
     logger.warning(message)
-    warnings.warn(message, stacklevel=3)
+    warnings.warn(message, stacklevel=4)
 
 
 # Set by calibrate() itself from the model (passing them is an error, not an override).
@@ -63,10 +65,16 @@ def check_calibrate_args(*, num_samples: Any, seq_len: Any, batch_size: Any, con
             raise TideArgumentTypeError(f"calibrate() got an unexpected keyword argument {key!r}{hint}")
 
 
-def fit(router: TideRouter, data: Collected, *, progress: bool = True) -> None:
-    """Train the routers, then calibrate their exit paths for quality targets (`config.exit_paths`)."""
-    train_routers(router, data, progress=progress)
-    router.config.exit_paths = fit_exit_paths(router, data)
+def fit(router: TideRouter, data: Collected, *, device: torch.device | None = None, progress: bool = True) -> None:
+    """Train the routers on `device` (default: where the features are), then calibrate their exit paths for
+    quality targets (`config.exit_paths`), scoring the held-out tokens there too; the router ends where it was."""
+    train_routers(router, data, device=device, progress=progress)
+    home = router.device
+    router.to(device or home)
+    try:
+        router.config.exit_paths = fit_exit_paths(router, data)
+    finally:
+        router.to(home)
 
 
 def calibrate(
@@ -91,6 +99,35 @@ def calibrate(
     forward passes, the main one trains, and every process returns the same router.
     """
     check_calibrate_args(num_samples=num_samples, seq_len=seq_len, batch_size=batch_size, config_kwargs=config_kwargs)
+    cfg = model_config(model, seq_len, config_kwargs)
+    with main_process_first():  # under a launcher, datasets builds its cache once
+        texts = load_texts(dataset, dataset_config=dataset_config, split=split, text_field=text_field)
+    cfg.dataset = dataset or DEFAULT_DATASET
+    samples = make_samples(tokenizer, texts, num_samples, seq_len, cfg.seed)
+    return calibrate_config(model, cfg, samples, batch_size=batch_size, pad_id=pad_token_id(tokenizer),
+                            progress=progress)
+
+
+def calibrate_tokens(model: nn.Module, samples: list[torch.Tensor], *, batch_size: int = 8, pad_id: int = 0,
+                     progress: bool = True, **config_kwargs: Any) -> TideRouter:
+    """`calibrate` on token ids already made: `samples` are 1-D integer tensors (each one sequence, no longer
+    than the model's context); padding uses `pad_id` and is masked out. `config.dataset` stays None unless
+    given as a keyword."""
+    if not isinstance(samples, (list, tuple)) or not samples or not all(
+            isinstance(s, torch.Tensor) and s.dim() == 1 and len(s) > 0 and not s.is_floating_point() for s in samples):
+        raise TideArgumentTypeError("samples must be a non-empty list of non-empty 1-D integer token tensors")
+    if "num_samples" in config_kwargs:
+        raise TideArgumentTypeError("calibrate_tokens() takes num_samples from len(samples); do not pass it")
+    seq_len = max(len(s) for s in samples)
+    check_calibrate_args(num_samples=len(samples), seq_len=seq_len, batch_size=batch_size, config_kwargs=config_kwargs)
+    cfg = model_config(model, seq_len, config_kwargs)
+    return calibrate_config(model, cfg, [s.cpu() for s in samples], batch_size=batch_size, pad_id=pad_id,
+                            progress=progress)
+
+
+def model_config(model: nn.Module, seq_len: int, config_kwargs: dict[str, Any]) -> TideRouterConfig:
+    """The router config of `model` (its shape and provenance) with `config_kwargs`; seeds torch's global RNG
+    with its seed, which the routers' initial weights are drawn from."""
     adapter = get_adapter(model)
     text_cfg = text_config(model)
     cfg = TideRouterConfig(
@@ -105,12 +142,14 @@ def calibrate(
         **config_kwargs,
     )
     torch.manual_seed(cfg.seed)
-    with main_process_first():  # under a launcher, datasets builds its cache once
-        texts = load_texts(dataset, dataset_config=dataset_config, split=split, text_field=text_field)
-    cfg.dataset = dataset or DEFAULT_DATASET
-    samples = make_samples(tokenizer, texts, num_samples, seq_len, cfg.seed)
+    return cfg
+
+
+def calibrate_config(model: nn.Module, cfg: TideRouterConfig, samples: list[torch.Tensor], *, batch_size: int,
+                     pad_id: int, progress: bool) -> TideRouter:
+    """Collect states and labels over `samples`, train the routers on the model's head device, time each part."""
+    adapter = get_adapter(model)
     cfg.num_samples = len(samples)
-    pad_id = pad_token_id(tokenizer)
     progress = progress and is_main_process()
     was_training = model.training
     model.eval()
@@ -120,7 +159,8 @@ def calibrate(
         model.train(was_training)
     started = time.perf_counter()
     router = TideRouter(cfg)
-    train_on_main(fit, router, data, progress=progress)  # every process gets its result
+    device = execution_device(adapter.lm_head)  # where the forward ran: the routers train there too
+    train_on_main(partial(fit, device=device), router, data, progress=progress)  # every process gets its result
     cfg.calibration_seconds = {**data.seconds, "train": time.perf_counter() - started}
     if is_main_process():
         warn_if_silent(cfg)

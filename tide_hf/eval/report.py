@@ -49,7 +49,7 @@ def _calibration(result: dict) -> list[str]:
         m = result["metrics"][str(layer)]
         cells = [m.get(k) for k in ("positive_rate", "precision", "recall", "auc")]
         lines.append(f"| {layer} | " + " | ".join("n/a" if v is None else f"{v:.3f}" for v in cells)
-                     + f" | {m.get('best_epoch')} |")
+                     + f" | {'n/a' if m.get('best_epoch') is None else m['best_epoch']} |")
     return lines
 
 

@@ -142,7 +142,7 @@ def measure(model: Any, configs: dict[str, Callable[[], AbstractContextManager]]
                 for _ in range(reps):
                     one(name)
     else:
-        for name, context in configs.items():
+        for context in configs.values():
             with context():
                 _generate(model, ids, 2, compiled)  # warm-up
         for _ in tqdm(range(reps), desc=f"eager bs{batch_size}", leave=False):

@@ -144,7 +144,7 @@ def measure(model: Any, configs: dict[str, Callable[[], AbstractContextManager]]
     else:
         for context in configs.values():
             with context():
-                _generate(model, ids, 2, compiled)  # warm-up
+                _generate(model, ids, new_tokens, compiled)  # warm-up: caches, allocator, GPU clocks
         for _ in tqdm(range(reps), desc=f"eager bs{batch_size}", leave=False):
             for name, context in configs.items():
                 with context():

@@ -19,16 +19,17 @@ KIND_NAMES = {v: k for k, v in NORM_KINDS.items()}
 LIBRARY = "tide_hf"
 
 
-@torch.library.custom_op(f"{LIBRARY}::norm_router_scores", mutates_args=())
-def norm_router_scores_op(hidden: torch.Tensor, kind: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                          eps: float, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
-                          b2: torch.Tensor) -> torch.Tensor:
+def scores_impl(hidden: torch.Tensor, kind: int, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+                w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
     """Router scores (N,) fp32 of hidden (N, H): the extension when built for this device, else PyTorch."""
     ext = extension(flavour_of(hidden.device))
     if ext is None or hidden.dtype not in KERNEL_DTYPES:
         spec = NormSpec(KIND_NAMES[kind], weight, bias, eps)
         return norm_router_scores_reference(hidden, spec, w1, b1, w2, b2)
     return ext.norm_router_scores(hidden, kind, weight, bias, eps, w1, b1, w2, b2)
+
+
+norm_router_scores_op = torch.library.custom_op(f"{LIBRARY}::norm_router_scores", mutates_args=())(scores_impl)
 
 
 @norm_router_scores_op.register_fake
@@ -85,7 +86,9 @@ def norm_router_scores(
     ):
         return norm_router_scores_reference(hidden, spec, w1, b1, w2, b2)
     flat = hidden.reshape(-1, hidden.shape[-1])
-    scores = norm_router_scores_op(flat, NORM_KINDS[spec.kind], spec.weight, spec.bias, spec.eps, w1, b1, w2, b2)
+    # Eager callers skip the custom-op dispatcher (tens of µs of Python per call); compiled graphs need the op.
+    op = norm_router_scores_op if torch.compiler.is_compiling() else scores_impl
+    scores = op(flat, NORM_KINDS[spec.kind], spec.weight, spec.bias, spec.eps, w1, b1, w2, b2)
     return scores.reshape(hidden.shape[:-1])
 
 

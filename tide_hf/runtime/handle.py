@@ -225,8 +225,8 @@ class TideHandle:
 
         def hook(_module: nn.Module, _args: tuple, output: Any) -> None:
             step = getattr(self._local, "step", None)
-            if step is None or threshold >= 1.0 or not self._active():
-                return
+            if step is None or threshold >= 1.0 or step.skip_after is not None or not self._active():
+                return  # (skip mode: once every row has exited, later checkpoints have nothing to decide)
             hidden = layer_output(output)
             fresh = step.exit_layer == self.num_layers
             exits = fresh & self.exit_mask(self.score(layer, hidden), hidden, threshold).to(fresh.device)

@@ -60,13 +60,14 @@ constexpr int kVecBytes = 16;  // 128-bit loads
 // Small route. Rows per register pass (each weight load feeds this many FMAs), the most rows it takes, the
 // rows up to which auto picks it for bf16 / fp16 (tensor cores beyond), the rows up to which each block
 // computes the statistics itself (one launch fewer; every block re-reads those rows from L2), the blocks per
-// SM its split aims at (all SMs stream w1 once), and the shared memory it may use without an opt-in.
+// SM its split aims at (all SMs stream w1 once).
 constexpr int kRowGroup = 16;
 constexpr int64_t kSmallMaxRows = 64;
 constexpr int64_t kSmallAutoRows = 16;
 constexpr int64_t kFuseStatsRows = 4;
 constexpr int64_t kSmallBlocksPerSm = 2;
-constexpr int64_t kSmallSmemBytes = 48 * 1024;
+// dynamic shared memory without an opt-in: 48 KiB less the kernel's static row statistics
+constexpr int64_t kSmallSmemBytes = 48 * 1024 - kSmallMaxRows * static_cast<int64_t>(sizeof(float2));
 
 // Tensor-core route: 128 rows x 128 bottleneck units per block (8 warps of 32 x 64), K staged 32 at a time
 // through shared memory (rows padded by 8 elements against bank conflicts, as WMMA allows); the split over
@@ -80,7 +81,7 @@ constexpr int64_t kTcBlocksPerSm = 1;
 constexpr int kTcMinBlocks = 2;  // resident blocks per SM the register budget allows (one hides the other's syncs)
 constexpr float kHalfMax = 65504.f;  // largest finite fp16: a w1 entry beyond it cannot be split into fp16
 
-// Rows of normalised fp32 features per launch of the cuBLAS route's norm kernel.
+// Gather / scatter: threads per block, and blocks per SM of the grid-stride copy.
 constexpr int kCopyThreads = 256;
 constexpr int kCopyBlocksPerSm = 4;
 

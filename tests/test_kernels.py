@@ -216,12 +216,13 @@ def test_gather_scatter_write_every_row(shape: tuple[int, ...], dtype: torch.dty
 
 @pytest.mark.usefixtures("cpu_kernels")
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("n", (1, 17))  # the blocked-dot / fused route and the GEMM route
-def test_nonfinite_hidden_gives_nan_score(device: str, n: int) -> None:
-    """A NaN or inf hidden state scores NaN in every backend (fmaxf(NaN, 0) = 0 once turned it into
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", (1, 17, 300))  # CPU: blocked dots, GEMM; CUDA: small route, tensor cores (2 tiles)
+def test_nonfinite_hidden_gives_nan_score(device: str, n: int, dtype: torch.dtype) -> None:
+    """A NaN or inf hidden state scores NaN in every backend and dtype (fmaxf(NaN, 0) = 0 once turned it into
     sigmoid(b2) on CUDA): a broken state must never reach the exit threshold."""
     for kind in KINDS:
-        hidden, spec, router = _inputs(kind, n, 64, 16, torch.float32, device, seed=3)
+        hidden, spec, router = _inputs(kind, n, 72, 16, dtype, device, seed=3)
         router[3].fill_(30.0)  # a large b2: a dropped NaN would score ~1.0
         hidden[0, 5] = float("nan")
         hidden[-1, 7] = float("inf")
@@ -353,6 +354,25 @@ def test_microbench_reports_both_paths() -> None:
     assert row["max_abs_diff"] <= SCORE_ATOL[torch.float32] and row["kernel_gbps"] > 0
 
 
+def test_format_kernels_places_gpu_rows_on_the_roofline() -> None:
+    """GPU results carry the measured roofline: the table shows device and host time, shares as percentages,
+    and the bound; CPU results (the committed README table) keep their columns."""
+    from tide_hf.eval.kernels import format_kernels
+
+    gpu = {"rows": 4096, "hidden": 4096, "bottleneck": 128, "dtype": "bfloat16", "device": "cuda",
+           "backend": "cuda", "device_name": "NVIDIA H100", "copy_gbps": 3000.0, "matmul_tflops": 700.0,
+           "timing": "cuda-graph", "kernel_us": 20.0, "kernel_host_us": 9.5, "torch_us": 500.0, "speedup": 25.0,
+           "kernel_gbps": 1500.0, "copy_share": 0.5, "kernel_tflops": 0.25, "matmul_share": 0.000357,
+           "bound": "memory", "roofline_share": 0.5}
+    table = format_kernels({"rows": [gpu]})
+    assert table.startswith("NVIDIA H100: copy 3000 GB/s, bf16 matmul 700 TFLOP/s")
+    assert "| 4096 | 4096 | bfloat16 | 20.0 | 9.5 | 500.0 | 25.0 | 1500.0 | 50.0% | 0.25 | 0.0% | memory | 50.0% |" \
+        in table
+    cpu = {k: gpu[k] for k in ("rows", "hidden", "bottleneck", "dtype", "backend", "kernel_us", "torch_us", "speedup")}
+    header, _, line = format_kernels({"rows": [cpu]}).splitlines()
+    assert line == "| 4096 | 4096 | 128 | bfloat16 | cuda | 20.0 | 500.0 | 25.0 |" and "copy_share" not in header
+
+
 @cuda_only
 def test_cuda_large_rows_and_hidden() -> None:
     """The GEMM route (many rows) and a row too large for shared memory."""
@@ -362,3 +382,27 @@ def test_cuda_large_rows_and_hidden() -> None:
             got = norm_router_scores(hidden, spec, *router)
             want = norm_router_scores_reference(hidden, spec, *router)
         torch.testing.assert_close(got, want, rtol=0, atol=SCORE_ATOL[torch.bfloat16])
+
+
+@cuda_only
+@pytest.mark.parametrize("route", ("small", "tensor", "gemm"))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_every_route_matches_reference(route: str, dtype: torch.dtype) -> None:
+    """Each CUDA route forced on (auto picks one per shape, so the others would go untested); a route that
+    cannot take an input (small: > 64 rows, tensor: fp32 rows or > 128 units) refuses it with an error."""
+    from tide_hf.eval.kernels import path_fn
+
+    fn, ran = path_fn(route), 0
+    for kind in KINDS:
+        for n, h, b in ((1, 1003, 128), (8, 72, 48), (40, 576, 128), (300, 1003, 16), (130, 4096, 200)):
+            hidden, spec, router = _inputs(kind, n, h, b, dtype, "cuda", seed=zlib.crc32(f"{route}{n}{kind}".encode()))
+            with torch.inference_mode():
+                try:
+                    got = fn(hidden, spec, *router)
+                except RuntimeError as err:
+                    assert "route" in str(err), err
+                    continue
+                want = norm_router_scores_reference(hidden, spec, *router)
+            torch.testing.assert_close(got, want, rtol=0, atol=SCORE_ATOL[dtype], msg=f"{route} {kind} {n}x{h}x{b}")
+            ran += 1
+    assert ran > 0

@@ -50,3 +50,10 @@ def test_router_defaults_are_the_library_defaults() -> None:
     from tide_hf.config import LABEL_KINDS as CONFIG_LABELS
 
     assert LABEL_KINDS == CONFIG_LABELS
+
+
+def test_synthetic_choices_match_the_bench() -> None:
+    from tide_hf.cli import SYNTHETIC_CONFIGS, SYNTHETIC_SHAPES
+    from tide_hf.eval.synthetic import CONFIGS, SHAPES
+
+    assert SYNTHETIC_CONFIGS == CONFIGS and SYNTHETIC_SHAPES == tuple(SHAPES)

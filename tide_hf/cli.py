@@ -22,6 +22,10 @@ ROUTER_DEFAULTS = {"checkpoint_interval": 4, "convergence_threshold": 0.98, "kl_
                    "label": "top1", "min_agreement": 0.95, "confidence": 0.9}
 LABEL_KINDS = ("cosine", "top1", "kl", "top1_kl")  # config.LABEL_KINDS, without importing transformers
 CPU = "on a 2-core CPU"
+# eval.synthetic's SHAPES and CONFIGS, without importing torch (tests/test_cli.py checks they agree)
+SYNTHETIC_SHAPES = ("llama3-8b", "tiny")
+SYNTHETIC_CONFIGS = ("stock", "exits-off", "select-scored", "select-exit", "skip-recompute", "skip-propagate",
+                     "truncated")
 # the demo's calibration: fast (labelling every kept token dominates, hence the token cap), its routers still exit
 DEMO_SAMPLES, DEMO_SEQ_LEN, DEMO_TRAIN_TOKENS = 128, 128, 8192
 
@@ -170,11 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", action="store_true", help="skip mode vs stock and vs the ideal truncated model")
     p.add_argument("--depths", nargs="+", type=int, default=[8, 16, 24], help="--modes: forced exit depths")
     p.add_argument("--kernels", action="store_true", help="microbenchmark the fused kernels vs the PyTorch path")
-    p.add_argument("--synthetic", default=None, choices=["llama3-8b", "tiny"], help="speed of every mode on this "
+    p.add_argument("--synthetic", default=None, choices=SYNTHETIC_SHAPES, help="speed of every mode on this "
                    "architecture shape with random weights and forced exits (no router or download needed; GPU)")
     p.add_argument("--synthetic-depth", type=int, default=16, help="--synthetic: the depth every token exits at")
     p.add_argument("--compile", nargs="+", default=["eager", "static"], choices=["eager", "static"],
                    help="--synthetic: eager decoding and/or cache_implementation='static' (compiled by transformers)")
+    p.add_argument("--configs", nargs="+", default=list(SYNTHETIC_CONFIGS), choices=SYNTHETIC_CONFIGS,
+                   help="--synthetic: configurations to time (stock always runs)")
     p.add_argument("--device", default=None, help="--synthetic: device (default: cuda when available)")
     p.add_argument("--baselines", action="store_true", help="TIDE vs fixed depth, static layer skipping and "
                    "softmax-confidence exit: quality, layers and speed, with a Pareto plot")

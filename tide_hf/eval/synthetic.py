@@ -74,24 +74,27 @@ def constant_router(model: Any, logit: float) -> TideRouter:
     return router.to(next(model.parameters()).device)
 
 
-def configurations(model: Any, depth: int) -> dict[str, Callable[[], AbstractContextManager]]:
-    """Name -> a context in which `generate` runs that configuration."""
+def configurations(model: Any, depth: int) -> dict[str, tuple[str, Callable[[], AbstractContextManager]]]:
+    """Key (CONFIGS) -> (table name, a context in which `generate` runs that configuration)."""
     never, always = constant_router(model, -CONSTANT_LOGIT), constant_router(model, CONSTANT_LOGIT)
 
     def attached(router: TideRouter, **options: Any) -> Callable[[], AbstractContextManager]:
         return lambda: attach(model, router, **options)
 
     return {
-        "stock": nullcontext,
-        "exits off": attached(never, exit_threshold=1.0),
-        "select, scored, no exits": attached(never, exit_threshold=THRESHOLD),
-        f"select, all exit at {depth}": attached(always, exit_threshold=THRESHOLD, min_layers=depth),
-        f"skip, all exit at {depth}, kv=recompute": attached(always, exit_threshold=THRESHOLD, min_layers=depth,
-                                                             mode="skip", kv="recompute"),
-        f"skip, all exit at {depth}, kv=propagate": attached(always, exit_threshold=THRESHOLD, min_layers=depth,
-                                                             mode="skip", kv="propagate"),
-        f"truncated to {depth} (ideal)": lambda: truncated(model, depth),
+        "stock": ("stock", nullcontext),
+        "exits-off": ("exits off", attached(never, exit_threshold=1.0)),
+        "select-scored": ("select, scored, no exits", attached(never, exit_threshold=THRESHOLD)),
+        "select-exit": (f"select, all exit at {depth}", attached(always, exit_threshold=THRESHOLD, min_layers=depth)),
+        "skip-recompute": (f"skip, all exit at {depth}, kv=recompute",
+                           attached(always, exit_threshold=THRESHOLD, min_layers=depth, mode="skip", kv="recompute")),
+        "skip-propagate": (f"skip, all exit at {depth}, kv=propagate",
+                           attached(always, exit_threshold=THRESHOLD, min_layers=depth, mode="skip", kv="propagate")),
+        "truncated": (f"truncated to {depth} (ideal)", lambda: truncated(model, depth)),
     }
+
+
+CONFIGS = ("stock", "exits-off", "select-scored", "select-exit", "skip-recompute", "skip-propagate", "truncated")
 
 
 def _generate(model: Any, ids: torch.Tensor, new_tokens: int, compiled: bool) -> float:
@@ -141,6 +144,7 @@ def measure(model: Any, configs: dict[str, Callable[[], AbstractContextManager]]
                 _generate(model, ids, new_tokens, compiled)  # compiles this configuration's graphs
                 for _ in range(reps):
                     one(name)
+            tqdm.write(f"{name} (bs{batch_size}, compiled): {1e3 * statistics.median(times[name]):.2f} ms/token")
     else:
         for context in configs.values():
             with context():
@@ -160,7 +164,8 @@ def run_synthetic(args: Any) -> dict:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
     model = build_model(args.synthetic, device, dtype)
-    configs = configurations(model, args.synthetic_depth)
+    every = configurations(model, args.synthetic_depth)
+    configs = dict(every[key] for key in dict.fromkeys(["stock", *args.configs]))  # stock: the reference
     rows = []
     with _recompile_limit(), torch.inference_mode():
         for compiled in [c == "static" for c in args.compile]:

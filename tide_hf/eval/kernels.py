@@ -150,8 +150,12 @@ def path_fn(path: str) -> Callable[..., torch.Tensor]:
 
     def run(hidden: torch.Tensor, spec: NormSpec, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
             b2: torch.Tensor) -> torch.Tensor:
-        return ext.norm_router_scores_path(hidden, NORM_KINDS[spec.kind], spec.weight, spec.bias, spec.eps, w1, b1,
-                                           w2, b2, code)
+        scores = ext.norm_router_scores_path(hidden, NORM_KINDS[spec.kind], spec.weight, spec.bias, spec.eps, w1,
+                                             b1, w2, b2, code)
+        if scores.numel() != hidden.shape[0]:  # the extension answers a refusal with no scores (never throws)
+            raise RuntimeError(f"the {path} route cannot take this input (small: <= 64 rows; tensor: bf16 / fp16 "
+                               "rows, <= 128 units, a norm exact in the input dtype, compute capability >= 8.0)")
+        return scores
 
     return run
 

@@ -281,11 +281,12 @@ def test_policy_falls_back_while_drafts_lose_and_probes(frozen_costs):
     spec = stats.speculative
     assert spec["accepted"] <= spec["drafted"] // 4  # precondition: layer-4 drafts of this model are mostly wrong
     assert spec["optimal_draft_length"] == 0 and est.plan(8)[0] == 0
-    # the prior (0.5) drafts a few rounds; then plain steps and now and then a probe: with the acceptance
+    # the prior (the router's metrics promise top-1 agreement 1.0) drafts a few rounds, then the measured
+    # acceptance says drafting loses: plain steps and now and then a probe; with the acceptance
     # estimate near 0.25, the probe interval ceil((s + c - a) / PROBE_LOSS) stays above 10 plain steps
     assert est.acceptance < 0.3 and est.probe_interval() > 10
     assert spec["plan_skips"] >= new - 20 and 1 <= spec["probes"] <= spec["plan_skips"] // 10
-    assert spec["draft_forwards"] <= 10
+    assert spec["draft_forwards"] <= 3 * MAX_DRAFT_TOKENS + spec["probes"]  # drafting every round: ~8 x 20
 
 
 # -- the model is left exactly as before ---------------------------------------------------------------

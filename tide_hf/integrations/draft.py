@@ -7,9 +7,9 @@ when a step is memory-bound and larger on CPUs). With per-token acceptance a it 
 
     E(k) = (1 - a^(k+1)) / ((1 - a) * (1 + s * k + c * k)),   E(0) = 1 (a plain step).
 
-`DraftEstimates` keeps running estimates of a, c and s for one attach (measured warm: the first sample
-of each timing is dropped, so first-call costs, lazy allocation and compilation are never charged to
-drafting) and plans every round's k as the argmax of E; `choose_draft_layer` ranks router checkpoints by
+`DraftEstimates` keeps running estimates of a, c and s for one model and draft layer (measured warm: the
+first sample of each timing is dropped, so first-call costs, lazy allocation and compilation are never
+charged to drafting) and plans every round's k as the argmax of E; `choose_draft_layer` ranks router checkpoints by
 the same E from calibration metrics and parameter counts.
 """
 
@@ -77,18 +77,20 @@ def prior_speedup(router: TideRouter, adapter: ModelAdapter, layer: int) -> floa
 
 
 def choose_draft_layer(router: TideRouter, adapter: ModelAdapter, candidates: list[int]) -> int:
-    """The checkpoint with the best `prior_speedup`; without metrics, the one nearest `DEFAULT_DRAFT_FRACTION`
-    of depth."""
-    priors = {k: prior_speedup(router, adapter, k) for k in candidates}
-    known = [k for k in candidates if priors[k] is not None]
+    """The checkpoint with the best `prior_speedup`, ties (E = 1 where drafting loses everywhere) broken by
+    the cheapest one-token probe; without metrics, the one nearest `DEFAULT_DRAFT_FRACTION` of depth."""
+    known = {k: a for k in candidates if (a := prior_acceptance(router, k)) is not None}
     if known:
-        return max(known, key=lambda k: priors[k])
+        def rank(k: int) -> tuple[float, float]:
+            cost = draft_cost(adapter, k)
+            return best_draft_length(known[k], cost, 0.0)[1], speedup(known[k], 1, cost, 0.0)
+        return max(known, key=rank)
     return min(candidates, key=lambda k: abs(k - DEFAULT_DRAFT_FRACTION * adapter.num_layers))
 
 
 @dataclass
 class DraftEstimates:
-    """Running acceptance and costs of drafting at one layer, kept across the calls of one attach.
+    """Running acceptance and costs of drafting at one layer of one model, kept across calls and attaches.
 
     Acceptance counts one trial per draft token the verifier checked up to the first rejection; earlier
     rounds fade by `ACCEPTANCE_MEMORY` so the estimate follows the text. Timings are in seconds: a plain

@@ -140,37 +140,30 @@ def speculative(model: Any, router: TideRouter, batches: list[dict], batched: di
     measured draft and verify costs (`realized_over_optimum` = speed ratio / E). `assistant_early_exit`
     drafts at `assisted_layer` (default: the draft layer speculative mode chose).
     """
-    def ours(batch: dict, n: int) -> tuple[torch.Tensor, float]:
-        """Speculative mode; attached for this call only, so that the others run the bare model (stock's
-        assistant calls `generate` on the model itself, which an attached handle would intercept)."""
-        handle = attach(model, router, mode="speculative")
-        try:
-            out = generate(model, batch, n, tide=True)
-            last.update(handle.last_stats.speculative)
-            return out
-        finally:
-            handle.detach()
-
-    last: dict = {}
-    ours(batches[0], 2)  # warm-up (the policy's estimates live as long as the model)
-    layer = last["draft_layer"]
-    assisted_layer = assisted_layer or layer
-    runs = {"stock": lambda b, n: generate(model, b, n), "speculative": ours,
-            "assisted": lambda b, n: generate(model, b, n, assistant_early_exit=assisted_layer)}
-    runs["assisted"](batches[0], 2)
-    seconds = {name: [0.0] * reps for name in runs}
-    tokens: dict[str, list[torch.Tensor]] = {name: [] for name in runs}
-    counters = dict.fromkeys(SPECULATIVE_COUNTERS, 0)
-    for rep in tqdm(range(reps), desc="speculative vs stock", leave=False):
-        for b in batches:
-            for name, run in runs.items():
-                out, s = run(b, new_tokens)
-                seconds[name][rep] += s
-                tokens[name].append(out)
-                if name == "speculative":
-                    counters = {k: v + last[k] for k, v in counters.items()}
-    batch_identical = torch.equal(generate(model, batched, new_tokens)[0], ours(batched, new_tokens)[0])
-    costs = {k: last[k] for k in ("draft_cost", "verify_slope")}  # the estimates after the last call
+    handle = attach(model, router, mode="speculative")
+    try:
+        generate(model, batches[0], 2, tide=True)  # warm-up (the policy's estimates live as long as the model)
+        layer = handle.last_stats.speculative["draft_layer"]
+        assisted_layer = assisted_layer or layer
+        runs = {"stock": {"tide": False}, "speculative": {"tide": True},
+                "assisted": {"tide": False, "assistant_early_exit": assisted_layer}}
+        generate(model, batches[0], 2, **runs["assisted"])
+        seconds = {name: [0.0] * reps for name in runs}
+        tokens: dict[str, list[torch.Tensor]] = {name: [] for name in runs}
+        counters = dict.fromkeys(SPECULATIVE_COUNTERS, 0)
+        for rep in tqdm(range(reps), desc="speculative vs stock", leave=False):
+            for b in batches:
+                for name, kwargs in runs.items():
+                    out, s = generate(model, b, new_tokens, **kwargs)
+                    seconds[name][rep] += s
+                    tokens[name].append(out)
+                    if name == "speculative":
+                        counters = {k: v + handle.last_stats.speculative[k] for k, v in counters.items()}
+        batch_identical = torch.equal(generate(model, batched, new_tokens, tide=False)[0],
+                                      generate(model, batched, new_tokens, tide=True)[0])
+        costs = {k: handle.last_stats.speculative[k] for k in ("draft_cost", "verify_slope")}  # the latest
+    finally:
+        handle.detach()
     stock = torch.cat(tokens["stock"])
     divergence = {name: 1.0 - match_rate(torch.cat(tokens[name]), stock)[0] for name in ("speculative", "assisted")}
     ratio = {name: statistics.median(st / s for st, s in zip(seconds["stock"], seconds[name]))
@@ -240,5 +233,6 @@ def format_speculative(spec: dict) -> str:
         f"{cell('acceptance_per_token', '.1%')} | {spec['mean_draft_length']:.2f} "
         f"({cell('mean_planned_length', '.2f')}) | {cell('optimal_draft_length', 'd')} | "
         f"{cell('optimal_speedup', '.3f')} | {cell('realized_over_optimum', '.2f')} | "
-        f"{cell('divergence', '.1%')} / {cell('assisted_divergence', '.1%')} | "
+        f"{cell('divergence', '.1%') if 'divergence' in spec else ('0' if spec['identical_all_prompts'] else '> 0')}"
+        f" / {cell('assisted_divergence', '.1%')} | "
         f"{spec['identical_batched']} ({spec['batched_rows']} rows) |"])

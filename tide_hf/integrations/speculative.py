@@ -60,6 +60,11 @@ from .draft import (
     prior_speedup,
 )
 
+# A rejected draft token costs one draft forward, nothing else: the gate stops a draft only where the router
+# calls the token more likely unconverged than not, never at a quality target's stricter threshold (those are
+# for exits whose tokens are emitted).
+GATE_THRESHOLD = 0.5
+PLAIN_TIMING_EVERY = 16  # drafting rounds between plain steps that keep the plain-step time current
 _FALLBACK_KWARGS = ("assistant_model", "custom_generate", "past_key_values", "inputs_embeds", "stop_strings",
                     "negative_prompt_ids")
 _ESTIMATES: weakref.WeakKeyDictionary[nn.Module, dict[int, DraftEstimates]] = weakref.WeakKeyDictionary()
@@ -141,7 +146,7 @@ class TideCandidateGenerator(CandidateGenerator):
         self.do_sample = bool(generation_config.do_sample)
         self.max_length = generation_config.max_length
         self.eos = eos_token_tensor(generation_config)
-        self.threshold = handle.options.threshold(self.layer)
+        self.threshold = min(handle.options.threshold(self.layer), GATE_THRESHOLD)
         self.drafting = False  # set around draft forwards (read by the hooks)
         self.gate_open = False  # the router's verdict on the newest draft token
         self.window = 1  # positions of the next verification forward whose scores may open the next round
@@ -151,6 +156,7 @@ class TideCandidateGenerator(CandidateGenerator):
         self.prefill = True  # the open round is the prefill (not a plain step's time)
         self.last: tuple[int, int, float] | None = None  # (proposed, forwards, draft seconds) of the open round
         self.declined = 0  # rounds the plan declined since the last drafted one
+        self.since_plain = 0  # rounds since the last plain step (timed: drafting rounds leave no plain time)
 
     # -- hooks (registered by `_patched` for the call) --
     def gate_hook(self, _module: nn.Module, _args: tuple, output: Any) -> None:
@@ -179,6 +185,9 @@ class TideCandidateGenerator(CandidateGenerator):
         if not self.pregate:
             self.stats.gate_skips += 1
             return input_ids, None
+        self.since_plain += 1
+        if self.estimates.plain_s is None or self.since_plain > PLAIN_TIMING_EVERY:  # time a plain step: the cost
+            return input_ids, None  # unit of every estimate (never a loss against plain decoding)
         k, _ = self.estimates.plan(room)
         if k == 0:  # drafting loses by the estimates: plain steps, and now and then a one-token probe
             self.declined += 1
@@ -254,6 +263,7 @@ class TideCandidateGenerator(CandidateGenerator):
             return
         if self.last is None:
             self.estimates.observe_plain(seconds)
+            self.since_plain = 0
             return
         proposed, forwards, draft_seconds = self.last
         self.estimates.observe_draft(draft_seconds / forwards)

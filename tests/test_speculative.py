@@ -7,6 +7,8 @@ the call (nothing may be left behind).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from helpers import make_tiny_llama
@@ -14,7 +16,17 @@ from transformers import GPT2Config, GPT2LMHeadModel, LogitsProcessor, LogitsPro
 
 import tide_hf
 from tide_hf import TideRouter, TideRouterConfig
-from tide_hf.integrations.draft import MAX_DRAFT_TOKENS, choose_draft_layer, draft_cost, expected_speedup
+from tide_hf.eval.easy import make_near_identity
+from tide_hf.integrations.draft import (
+    DEFAULT_ACCEPTANCE,
+    MAX_DRAFT_TOKENS,
+    PROBE_LOSS,
+    DraftEstimates,
+    best_draft_length,
+    choose_draft_layer,
+    draft_cost,
+)
+from tide_hf.integrations.speculative import draft_estimates
 
 NUM_LAYERS = 9  # router checkpoints [4, 8]
 HIDDEN = 64
@@ -36,19 +48,15 @@ def make_model(kind: str = "random", seed: int = 0):
     """'random': drafts at layer 4 rarely agree with the full model. 'shallow': layers 5-9 barely write to
     the residual stream (o_proj / down_proj scaled by 1e-3), so layer-4 drafts are almost always right."""
     model = make_tiny_llama(num_layers=NUM_LAYERS, hidden=HIDDEN, seed=seed)
-    if kind == "shallow":
-        with torch.no_grad():
-            for layer in model.model.layers[4:]:
-                layer.self_attn.o_proj.weight.mul_(1e-3)
-                layer.mlp.down_proj.weight.mul_(1e-3)
-    return model
+    return make_near_identity(model, 4, scale=1e-3) if kind == "shallow" else model
 
 
 @torch.no_grad()
 def make_router(model, gate: str, seed: int = 0, prior: bool = True) -> TideRouter:
     """'always' (+30: converged everywhere), 'never' (-30), 'mixed' (saturated random scores around 0.5).
 
-    `prior`: calibration metrics that promise a gain (the first probe of a call is then on credit).
+    `prior`: calibration metrics with the top-1 agreement the gate's rate implies (the policy's prior
+    acceptance; without them it starts from `DEFAULT_ACCEPTANCE`).
     """
     torch.manual_seed(seed)
     rate = {"always": 1.0, "never": 0.0, "mixed": 0.5}[gate]
@@ -56,7 +64,7 @@ def make_router(model, gate: str, seed: int = 0, prior: bool = True) -> TideRout
         hidden_size=model.config.hidden_size, num_hidden_layers=model.config.num_hidden_layers,
         router_bottleneck_dim=16, base_architecture=type(model).__name__, label="top1",
         base_fingerprint=tide_hf.model_fingerprint(model),
-        metrics={"4": {"predicted_rate": rate, "precision": 1.0}} if prior else None))
+        metrics={"4": {"predicted_rate": rate, "precision": 1.0, "label_rates": {"top1": rate}}} if prior else None))
     for mlp in router.routers.values():
         if gate == "mixed":
             mlp.fc2.weight.mul_(40.0)
@@ -176,7 +184,7 @@ def test_sampling_returns_valid_tokens():
     assert stats.speculative["rounds"] > 0 and stats.speculative["accepted"] > 0
 
 
-# -- the gate and the controller ----------------------------------------------------------------------
+# -- the gate and the drafting policy -------------------------------------------------------------------
 def test_closed_gate_drafts_nothing():
     model = make_model("shallow")
     router = make_router(model, "never")
@@ -184,40 +192,101 @@ def test_closed_gate_drafts_nothing():
     out, stats = speculative(model, router, ids[:1], max_new_tokens=32, do_sample=False)
     spec = stats.speculative
     # the previous token's score (free, from the full-depth forward) keeps every round from drafting
-    assert spec["drafted"] == spec["draft_forwards"] == spec["budget_skips"] == 0
-    # 32 plain forwards: the prefill, the first (timed) step, the gate's skips, the last step (no room left)
-    assert spec["gate_skips"] == 32 - 3 and spec["plain_steps"] == 32
+    assert spec["drafted"] == spec["draft_forwards"] == spec["plan_skips"] == spec["probes"] == 0
+    # 32 plain forwards: the prefill, the gate's skips, the last step (no room left to draft)
+    assert spec["gate_skips"] == 32 - 2 and spec["plain_steps"] == 32
 
 
-def test_without_a_prior_the_first_probe_is_paid_from_the_budget():
+def simulated_speedup(acceptance: float, k: int, cost: float, slope: float, rounds: int = 20000) -> float:
+    """Tokens per plain-step time of `rounds` simulated rounds: k Bernoulli(acceptance) drafts, the accepted
+    prefix plus the verifier's token emitted, each round costing 1 + (slope + cost) * k plain steps."""
+    gen = torch.Generator().manual_seed(0)
+    right = torch.rand(rounds, k, generator=gen) < acceptance
+    prefix = right.int().cumprod(dim=1).sum(dim=1) if k else torch.zeros(rounds)
+    return float((prefix + 1).sum()) / (rounds * (1.0 + (slope + cost) * k))
+
+
+@pytest.mark.parametrize("acceptance, cost, slope", [(0.9, 0.47, 0.0), (0.8, 0.63, 0.1), (0.6, 0.05, 0.0),
+                                                     (0.3, 0.6, 0.2), (0.99, 0.2, 0.05)])
+def test_draft_length_is_the_simulated_optimum(acceptance, cost, slope):
+    simulated = [simulated_speedup(acceptance, k, cost, slope) for k in range(MAX_DRAFT_TOKENS + 1)]
+    k, gain = best_draft_length(acceptance, cost, slope)
+    assert gain == pytest.approx(simulated[k], rel=0.02)
+    assert gain >= max(simulated) * 0.98  # no other length does better, up to simulation noise
+    assert (k == 0) == (max(simulated) <= 1.0 + 0.02 and gain == 1.0)
+
+
+def test_estimates_drop_one_time_costs_and_follow_acceptance():
+    est = DraftEstimates.start(prior_cost=0.5, acceptance=None)
+    assert est.acceptance == DEFAULT_ACCEPTANCE and est.cost == 0.5  # priors until measured
+    est.observe_plain(5.0)  # first plain step: lazy allocation, first kernel use... never charged
+    est.observe_draft(9.0)
+    assert est.plain_s is None and est.draft_s is None and est.cost == 0.5
+    est.observe_plain(0.10)
+    est.observe_draft(0.03)
+    assert est.cost == pytest.approx(0.3)
+    est.observe_verify(0.5, 3)  # first verification of several tokens: dropped too
+    est.observe_verify(0.12, 3)
+    assert est.slope == pytest.approx(0.1)
+    for _ in range(40):  # drafts keep being rejected at the first token: drafting loses, probes are rare
+        est.observe_round(proposed=1, accepted=0)
+    assert est.acceptance < 0.1 and est.plan(8)[0] == 0
+    assert est.probe_interval() == math.ceil((0.1 + 0.3 - est.acceptance) / PROBE_LOSS)
+    for _ in range(10):  # probes find the drafts right again: drafting resumes
+        est.observe_round(proposed=1, accepted=1)
+    assert est.plan(8) == best_draft_length(est.acceptance, 0.3, 0.1) and est.plan(8)[0] > 0
+
+
+@pytest.fixture
+def frozen_costs(monkeypatch):
+    """Fixed draft and verify costs (c, s) for a model: plans then depend on acceptance only, not on the
+    timings of a shared test machine."""
+    def freeze(model, router, cost: float, slope: float) -> DraftEstimates:
+        handle = tide_hf.attach(model, router, mode="speculative", exit_threshold=0.5, draft_layer=4)
+        est = draft_estimates(handle, 4)
+        handle.detach()
+        est.plain_s, est.draft_s, est.verify_slope = 1.0, cost, slope
+        for name in ("observe_plain", "observe_draft", "observe_verify"):
+            monkeypatch.setattr(est, name, lambda *a: None)
+        return est
+    return freeze
+
+
+def test_policy_drafts_the_optimal_length_when_drafts_are_right(frozen_costs):
     model = make_model("shallow")
-    router = make_router(model, "always", prior=False)
+    router = make_router(model, "always")
+    est = frozen_costs(model, router, cost=0.3, slope=0.05)
     prompt = prompts(0)[0][:1]
-    # warm-up: one-time costs (first kernel use, lazy inits) would land in the first call's prefill time,
-    # and the budget is a share of the call's time
-    speculative(model, router, prompt, max_new_tokens=2, do_sample=False, eos_token_id=None)
-    short, stats = speculative(model, router, prompt, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
-    assert stats.speculative["expected_speedup"] is None
-    assert stats.speculative["draft_forwards"] == 0 and stats.speculative["budget_skips"] > 0
     full = counter(model.model.layers[-1])
-    long, stats = speculative(model, router, prompt, max_new_tokens=96, do_sample=False, eos_token_id=None)
-    assert torch.equal(long[:, :short.shape[1]], short)
-    # a probe fits once LOSS_BUDGET of the elapsed time covers one draft forward; accepted drafts then
-    # earn the credit for more
-    assert stats.speculative["accepted"] > 0 and full[0] < 96
+    with torch.no_grad():
+        stock = model.generate(prompt, max_new_tokens=64, do_sample=False, eos_token_id=None)
+    full[0] = 0
+    out, stats = speculative(model, router, prompt, max_new_tokens=64, do_sample=False, eos_token_id=None)
+    spec = stats.speculative
+    assert torch.equal(out, stock) and spec["acceptance_per_token"] == 1.0  # precondition: drafts always right
+    assert best_draft_length(1.0, 0.3, 0.05)[0] == MAX_DRAFT_TOKENS
+    # the prior (0.5, no metrics) plans short drafts; accepted ones raise the estimate to the optimum
+    assert spec["planned"] >= MAX_DRAFT_TOKENS * (spec["rounds"] - 3) and spec["plan_skips"] == spec["probes"] == 0
+    assert spec["optimal_draft_length"] == MAX_DRAFT_TOKENS and est.acceptance > 0.9
+    assert full[0] == spec["rounds"] + spec["plain_steps"] <= 64 // 4
 
 
-def test_drafting_stops_when_it_never_pays():
+def test_policy_falls_back_while_drafts_lose_and_probes(frozen_costs):
     model = make_model("random")
     router = make_router(model, "always")
+    est = frozen_costs(model, router, cost=0.5, slope=0.1)
     ids, _ = prompts(2)
-    new = 64
+    new = 96
     out, stats = speculative(model, router, ids[:1], max_new_tokens=new, do_sample=False, eos_token_id=None)
     spec = stats.speculative
-    assert spec["accepted"] == 0  # precondition: layer-4 drafts of this model are always wrong
-    # without the controller every round would draft: the loss budget lets only a few probes through
-    assert spec["draft_forwards"] <= 6 and spec["budget_skips"] >= new - 10
-    assert spec["plain_steps"] >= new - 6 and spec["net_loss_s"] > 0
+    assert spec["accepted"] <= spec["drafted"] // 4  # precondition: layer-4 drafts of this model are mostly wrong
+    assert spec["optimal_draft_length"] == 0 and est.plan(8)[0] == 0
+    # the prior (the router's metrics promise top-1 agreement 1.0) drafts a few rounds, then the measured
+    # acceptance says drafting loses: plain steps and now and then a probe; with the acceptance
+    # estimate near 0.25, the probe interval ceil((s + c - a) / PROBE_LOSS) stays above 10 plain steps
+    assert est.acceptance < 0.3 and est.probe_interval() > 10
+    assert spec["plan_skips"] >= new - 20 and 1 <= spec["probes"] <= spec["plan_skips"] // 10
+    assert spec["draft_forwards"] <= 3 * MAX_DRAFT_TOKENS + spec["probes"]  # drafting every round: ~8 x 20
 
 
 # -- the model is left exactly as before ---------------------------------------------------------------
@@ -278,14 +347,12 @@ def test_default_draft_layer_from_metrics():
     assert choose_draft_layer(router, adapter, [4, 8]) == 4  # no metrics: nearest half depth
     cost4, cost8 = draft_cost(adapter, 4), draft_cost(adapter, 8)
     assert 4 / 9 < cost4 < cost8 < 1.0  # the LM head is a share of every forward
-    router.config.label = "top1"
-    router.config.metrics = {"4": {"predicted_rate": 0.1, "precision": 0.5},  # a shallow draft that rarely helps
-                             "8": {"predicted_rate": 0.95, "precision": 0.99}}
-    assert choose_draft_layer(router, adapter, [4, 8]) == 8
-    router.config.metrics["4"] = {"predicted_rate": 0.9, "precision": 0.9}
-    assert choose_draft_layer(router, adapter, [4, 8]) == 4
-    assert expected_speedup(0.0, 0.0, 0.5) == 1.0  # the gate never opens: plain steps
-    assert expected_speedup(1.0, 1.0, 0.0) == MAX_DRAFT_TOKENS + 1  # free, always-right drafts
+    # the layer with the best optimum E from its top-1 agreement and cost, computed here by brute force
+    for top1 in ((0.3, 0.97), (0.9, 0.95), (0.6, 0.7)):
+        router.config.metrics = {str(k): {"label_rates": {"top1": a}} for k, a in zip((4, 8), top1)}
+        best = {k: max(simulated_speedup(a, n, draft_cost(adapter, k), 0.0) for n in range(MAX_DRAFT_TOKENS + 1))
+                for k, a in zip((4, 8), top1)}
+        assert choose_draft_layer(router, adapter, [4, 8]) == max(best, key=best.get), (top1, best)
 
 
 def test_beam_search_falls_back_to_stock():
@@ -332,10 +399,11 @@ def test_smollm2_greedy_identical_to_stock(monkeypatch):
              "The most important thing about peace is"]
     before = snapshot(model)
     stock = {t: model.generate(**tok(t, return_tensors="pt"), max_new_tokens=24, do_sample=False) for t in texts}
-    # 1. the default draft layer and controller; 2. drafting every round at layer 28 (~half the drafts right)
-    for options, budget in ((dict(exit_threshold=0.5), spec_module.LOSS_BUDGET),
-                            (dict(exit_threshold=0.0, draft_layer=28), float("inf"))):
-        monkeypatch.setattr(spec_module, "LOSS_BUDGET", budget)
+    # 1. the default draft layer and policy; 2. drafting every round at layer 28 (~half the drafts right)
+    plan = spec_module.DraftEstimates.plan
+    for options, planner in ((dict(exit_threshold=0.5), plan),
+                             (dict(exit_threshold=0.0, draft_layer=28), lambda _self, room: (min(room, 4), 1.0))):
+        monkeypatch.setattr(spec_module.DraftEstimates, "plan", planner)
         handle = tide_hf.attach(model, router, mode="speculative", **options)
         totals = {"drafted": 0, "accepted": 0, "draft_forwards": 0}
         try:

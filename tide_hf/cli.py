@@ -104,8 +104,11 @@ def cmd_demo(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     from .eval.bench import run
 
-    if not args.kernels and not args.synthetic and not args.router:
-        raise SystemExit("tide-hf bench: --router is required (except with --kernels or --synthetic)")
+    if args.near_identity_after is not None and not args.modes:
+        raise SystemExit("tide-hf bench: --near-identity-after goes with --modes")
+    if not args.kernels and not args.synthetic and not args.router and args.near_identity_after is None:
+        raise SystemExit("tide-hf bench: --router is required (except with --kernels, --synthetic or "
+                         "--near-identity-after)")
     run(args)
 
 
@@ -173,6 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "folders / Hub ids (e.g. one cosine, one top1); --modes uses the last one")
     p.add_argument("--modes", action="store_true", help="skip mode vs stock and vs the ideal truncated model")
     p.add_argument("--depths", nargs="+", type=int, default=[8, 16, 24], help="--modes: forced exit depths")
+    p.add_argument("--near-identity-after", type=int, default=None, metavar="K",
+                   help="--modes on an easy model: layers after K made near-identity (o_proj / down_proj scaled), "
+                        "routers calibrated on it quickly; measures the speculative mode only (modes-easy.json)")
+    p.add_argument("--near-identity-scale", type=float, default=None,
+                   help="--near-identity-after: the factor on the deep layers' o_proj / down_proj weights "
+                        "(default: tide_hf.eval.easy.NEAR_IDENTITY_SCALE, 0.02)")
     p.add_argument("--kernels", action="store_true", help="microbenchmark the fused kernels vs the PyTorch path")
     p.add_argument("--synthetic", default=None, choices=SYNTHETIC_SHAPES, help="speed of every mode on this "
                    "architecture shape with random weights and forced exits (no router or download needed; GPU)")

@@ -111,6 +111,8 @@ def run(args: Any) -> dict:
 
         return write_result(out, "kernels", {"rows": kernel_rows(args.dtype)}, format_kernels)
     model, tokenizer = load_model(args.model, args.dtype)
+    if args.near_identity_after is not None:
+        return _easy_modes(model, tokenizer, args, out)
     routers = [TideRouter.from_pretrained(r) for r in args.router]
     pad_id = pad_token_id(tokenizer)
     prompts, chunks = evaluation_text(tokenizer, default_dataset(args.dataset), routers[0], args.num_prompts,
@@ -135,6 +137,29 @@ def run(args: Any) -> dict:
     result["quality"] = quality(model, routers, args.thresholds, prompts, chunks, pad_id, args.quality_batch_size,
                                 args.new_tokens)
     return write_result(out, "bench", result, format_table)
+
+
+def _easy_modes(model: Any, tokenizer: Any, args: Any, out: Path) -> dict:
+    """`--modes --near-identity-after K`: the speculative section on the easy model, with routers calibrated
+    on it, against stock and `assistant_early_exit=K` (writes modes-easy.json)."""
+    from .easy import NEAR_IDENTITY_SCALE, easy_router, make_near_identity
+    from .modes import format_speculative, speculative
+
+    scale = NEAR_IDENTITY_SCALE if args.near_identity_scale is None else args.near_identity_scale
+    make_near_identity(model, args.near_identity_after, scale)
+    dataset = default_dataset(args.dataset)
+    router = easy_router(model, tokenizer, dataset)
+    pad_id = pad_token_id(tokenizer)
+    # prompts only (no perplexity here): one one-token chunk is all evaluation_text must find
+    prompts, _ = evaluation_text(tokenizer, dataset, router, args.num_prompts, args.prompt_len, 1, 1)
+    batches = [left_pad(prompts[i : i + 1], pad_id) for i in range(len(prompts))]
+    result = {"model": args.model, "device": str(next(model.parameters()).device),
+              "torch_threads": torch.get_num_threads(), "near_identity": {"after": args.near_identity_after,
+                                                                          "scale": scale},
+              "settings": {k: v for k, v in vars(args).items() if k != "func"},
+              "speculative": speculative(model, router, batches, left_pad(prompts[: args.quality_batch_size], pad_id),
+                                         args.new_tokens, args.reps, assisted_layer=args.near_identity_after)}
+    return write_result(out, "modes-easy", result, lambda r: format_speculative(r["speculative"]))
 
 
 def write_result(out: Path, name: str, result: dict, formatter: Any) -> dict:

@@ -9,6 +9,7 @@ with stock in the same process.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ..integrations.draft import best_draft_length
 from ..modeling import TideRouter
 from ..runtime import Patches, attach
 from .measure import generate, left_pad, match_rate, perplexity
@@ -125,37 +127,61 @@ def mixed_exits(model: Any, router: TideRouter, batches: list[dict], chunks: lis
     return {"stock_perplexity": base_ppl, "rows": rows}
 
 
-def speculative(model: Any, router: TideRouter, batches: list[dict], batched: dict, new_tokens: int, reps: int) -> dict:
-    """Lossless mode vs stock, interleaved prompt by prompt: speed, identical output, acceptance, draft length.
+SPECULATIVE_COUNTERS = ("rounds", "plain_steps", "probes", "planned", "drafted", "accepted", "trials")
 
-    Reports whether greedy output equals stock's token for token on every prompt, alone and in `batched`.
+
+def speculative(model: Any, router: TideRouter, batches: list[dict], batched: dict, new_tokens: int, reps: int,
+                assisted_layer: int | None = None) -> dict:
+    """Lossless mode vs stock and vs transformers' `assistant_early_exit`, interleaved prompt by prompt.
+
+    Speed ratios are medians over repetitions of (stock seconds / method seconds) on all prompts. Beside
+    them: divergence from stock greedy (share of continuations not token-identical; 0 in fp32), the measured
+    per-token acceptance, the policy's draft lengths, and the optimum E that acceptance allows with the
+    measured draft and verify costs (`realized_over_optimum` = speed ratio / E). `assistant_early_exit`
+    drafts at `assisted_layer` (default: the draft layer speculative mode chose).
     """
-    seconds = {"stock": 0.0, "speculative": 0.0}
-    identical, counters = [], {"drafted": 0, "accepted": 0, "rounds": 0, "plain_steps": 0}
     handle = attach(model, router, mode="speculative")
     try:
-        generate(model, batches[0], 2, tide=True)  # warm-up
-        for _ in tqdm(range(reps), desc="speculative vs stock", leave=False):
+        generate(model, batches[0], 2, tide=True)  # warm-up (the policy's estimates live as long as the model)
+        layer = handle.last_stats.speculative["draft_layer"]
+        assisted_layer = assisted_layer or layer
+        runs = {"stock": {"tide": False}, "speculative": {"tide": True},
+                "assisted": {"tide": False, "assistant_early_exit": assisted_layer}}
+        generate(model, batches[0], 2, **runs["assisted"])
+        seconds = {name: [0.0] * reps for name in runs}
+        tokens: dict[str, list[torch.Tensor]] = {name: [] for name in runs}
+        counters = dict.fromkeys(SPECULATIVE_COUNTERS, 0)
+        for rep in tqdm(range(reps), desc="speculative vs stock", leave=False):
             for b in batches:
-                stock, s_stock = generate(model, b, new_tokens, tide=False)
-                ours, s_ours = generate(model, b, new_tokens, tide=True)
-                seconds["stock"] += s_stock
-                seconds["speculative"] += s_ours
-                identical.append(torch.equal(stock, ours))
-                for key in counters:
-                    counters[key] += handle.last_stats.speculative[key]
+                for name, kwargs in runs.items():
+                    out, s = generate(model, b, new_tokens, **kwargs)
+                    seconds[name][rep] += s
+                    tokens[name].append(out)
+                    if name == "speculative":
+                        counters = {k: v + handle.last_stats.speculative[k] for k, v in counters.items()}
         batch_identical = torch.equal(generate(model, batched, new_tokens, tide=False)[0],
                                       generate(model, batched, new_tokens, tide=True)[0])
-        draft_layer = handle.last_stats.speculative["draft_layer"]
+        costs = {k: handle.last_stats.speculative[k] for k in ("draft_cost", "verify_slope")}  # the latest
     finally:
         handle.detach()
-    return {"draft_layer": draft_layer, "prompts": len(batches), "reps": reps,
-            "identical_all_prompts": all(identical), "identical_batched": batch_identical,
+    stock = torch.cat(tokens["stock"])
+    divergence = {name: 1.0 - match_rate(torch.cat(tokens[name]), stock)[0] for name in ("speculative", "assisted")}
+    ratio = {name: statistics.median(st / s for st, s in zip(seconds["stock"], seconds[name]))
+             for name in ("speculative", "assisted")}
+    acceptance = counters["accepted"] / counters["trials"] if counters["trials"] else 0.0
+    optimal_k, optimum = best_draft_length(acceptance, costs["draft_cost"], costs["verify_slope"])
+    rounds = counters["rounds"]
+    return {"draft_layer": layer, "assisted_layer": assisted_layer, "prompts": len(batches), "reps": reps,
+            "identical_all_prompts": divergence["speculative"] == 0.0, "identical_batched": batch_identical,
             "batched_rows": int(batched["input_ids"].shape[0]),
-            "speed_ratio": seconds["stock"] / seconds["speculative"],
+            "speed_ratio": ratio["speculative"], "assisted_speed_ratio": ratio["assisted"],
+            "divergence": divergence["speculative"], "assisted_divergence": divergence["assisted"],
             "acceptance_rate": counters["accepted"] / counters["drafted"] if counters["drafted"] else 0.0,
-            "mean_draft_length": counters["drafted"] / counters["rounds"] if counters["rounds"] else 0.0,
-            **counters}
+            "acceptance_per_token": acceptance,
+            "mean_draft_length": counters["drafted"] / rounds if rounds else 0.0,
+            "mean_planned_length": counters["planned"] / rounds if rounds else 0.0,
+            **costs, "optimal_draft_length": optimal_k, "optimal_speedup": optimum,
+            "realized_over_optimum": ratio["speculative"] / optimum, **counters}
 
 
 def run_modes(model: Any, router: TideRouter, prompts: list[torch.Tensor], chunks: list[torch.Tensor], pad_id: int,
@@ -187,14 +213,26 @@ def format_modes(result: dict) -> str:
                      f"{r['realized_over_ideal']:.2f} | {r['greedy_exact_match']:.1%} | "
                      f"{r['greedy_prefix_match']:.1%} | "
                      f"{r['perplexity_change']:+.2%} |")
-    spec = result.get("speculative")
-    if spec:
-        lines += ["", "| speculative | draft layer | speed vs stock | acceptance | mean draft length | "
-                  "identical (bs1) | "
-                  "identical (batched) |", "|---|---|---|---|---|---|---|",
-                  f"| {spec['prompts']} prompts x {spec['reps']} reps | {spec['draft_layer']} | "
-                  f"{spec['speed_ratio']:.3f} | "
-                  f"{spec['acceptance_rate']:.1%} | {spec['mean_draft_length']:.2f} | "
-                  f"{spec['identical_all_prompts']} | "
-                  f"{spec['identical_batched']} ({spec['batched_rows']} rows) |"]
+    if result.get("speculative"):
+        lines += ["", format_speculative(result["speculative"])]
     return "\n".join(lines)
+
+
+def format_speculative(spec: dict) -> str:
+    """Markdown table of the speculative section (results written before the drafting policy lack its
+    columns: shown as "-")."""
+    def cell(key: str, fmt: str) -> str:
+        return "-" if spec.get(key) is None else format(spec[key], fmt)
+
+    return "\n".join([
+        "| speculative | draft layer | speed vs stock | `assistant_early_exit` speed | acceptance per token | "
+        "mean draft length (planned) | optimal length | optimum E | realized / optimum | "
+        "divergence (ours / assisted) | identical (batched) |", "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| {spec['prompts']} prompts x {spec['reps']} reps | {spec['draft_layer']} | {spec['speed_ratio']:.3f} | "
+        f"{cell('assisted_speed_ratio', '.3f')} (layer {spec.get('assisted_layer', '-')}) | "
+        f"{cell('acceptance_per_token', '.1%')} | {spec['mean_draft_length']:.2f} "
+        f"({cell('mean_planned_length', '.2f')}) | {cell('optimal_draft_length', 'd')} | "
+        f"{cell('optimal_speedup', '.3f')} | {cell('realized_over_optimum', '.2f')} | "
+        f"{cell('divergence', '.1%') if 'divergence' in spec else ('0' if spec['identical_all_prompts'] else '> 0')}"
+        f" / {cell('assisted_divergence', '.1%')} | "
+        f"{spec['identical_batched']} ({spec['batched_rows']} rows) |"])

@@ -1,35 +1,54 @@
-"""Where speculative mode drafts: the expected speed-up of drafting at each router checkpoint.
+"""How far and where speculative mode drafts: the speculative-decoding optimum from acceptance and cost.
 
-The estimate comes from the router's held-out calibration metrics and the share of the model's
-parameters a draft forward runs; `speculative.py` uses it for the default `draft_layer` and to decide
-whether a call's first draft may go ahead before any timing is known.
+A round drafts k tokens (k forwards through the first `draft_layer` layers, c plain steps each) and
+verifies k + 1 tokens in one full forward (v(k + 1) = 1 + s * k plain steps; s, the verify slope, is ~0
+when a step is memory-bound and larger on CPUs). With per-token acceptance a it emits
+(1 - a^(k+1)) / (1 - a) tokens (Leviathan et al., 2023), so its speed relative to plain decoding is
+
+    E(k) = (1 - a^(k+1)) / ((1 - a) * (1 + s * k + c * k)),   E(0) = 1 (a plain step).
+
+`DraftEstimates` keeps running estimates of a, c and s for one model and draft layer (measured warm: the
+first sample of each timing is dropped, so first-call costs, lazy allocation and compilation are never
+charged to drafting) and plans every round's k as the argmax of E; `choose_draft_layer` ranks router checkpoints by
+the same E from calibration metrics and parameter counts.
 """
 
 from __future__ import annotations
 
+import math
 import weakref
+from dataclasses import dataclass, field
 
 from torch import nn
 
 from ..modeling import ModelAdapter, TideRouter
 
-MAX_DRAFT_TOKENS = 8  # longest draft per round; the router gate usually stops earlier
+MAX_DRAFT_TOKENS = 8  # longest draft per round (the router gate and the plan usually stop earlier)
 DEFAULT_DRAFT_FRACTION = 0.5  # without calibration metrics: the checkpoint nearest this fraction of depth
+DEFAULT_ACCEPTANCE = 0.5  # prior per-token acceptance without calibration metrics
+PRIOR_TRIALS = 4.0  # weight of the prior acceptance, in draft tokens: a few verified drafts outweigh it
+ACCEPTANCE_MEMORY = 0.95  # per round, the weight kept by earlier acceptance counts (~20 rounds of memory)
+TIMING_EMA = 0.2  # weight of the newest sample in a running timing (CPU timings are noisy)
+PROBE_LOSS = 0.02  # while drafting loses, probe rounds may cost at most this share of plain-step time
 _PARAM_COUNTS: weakref.WeakKeyDictionary[nn.Module, tuple[int, int]] = weakref.WeakKeyDictionary()
 
 
-def expected_speedup(gate_rate: float, success_rate: float, cost: float, max_draft: int = MAX_DRAFT_TOKENS) -> float:
-    """Tokens per full-forward-equivalent of a gated draft, relative to plain decoding (1.0 = break-even).
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens one round emits: the accepted prefix of k drafts plus the verifier's own token."""
+    if acceptance >= 1.0:
+        return k + 1.0
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
 
-    A draft forward runs while the gate stays open (probability r = `gate_rate` per token, the first one
-    too: it needs the previous token's gate open) and costs c = `cost` full forwards; its token is accepted
-    while every proposal so far was gated open and correct (s = `success_rate` per token). With at most
-    g = `max_draft` draft forwards, one round emits sum_{i=0..g} s^i tokens (accepted prefix + the
-    verifier's bonus token) for 1 + c * sum_{i=1..g} r^i full forwards (verification + drafts).
-    """
-    tokens = sum(success_rate ** i for i in range(max_draft + 1))
-    forwards = 1.0 + cost * sum(gate_rate ** i for i in range(1, max_draft + 1))
-    return tokens / forwards
+
+def speedup(acceptance: float, k: int, cost: float, slope: float) -> float:
+    """E(k): tokens per plain-step time of rounds drafting k tokens (1.0 = plain decoding)."""
+    return expected_tokens(acceptance, k) / (1.0 + (slope + cost) * k)
+
+
+def best_draft_length(acceptance: float, cost: float, slope: float,
+                      max_draft: int = MAX_DRAFT_TOKENS) -> tuple[int, float]:
+    """(k, E(k)) maximizing E over 0..`max_draft` (k = 0: drafting loses)."""
+    return max(((k, speedup(acceptance, k, cost, slope)) for k in range(max_draft + 1)), key=lambda p: p[1])
 
 
 def draft_cost(adapter: ModelAdapter, layer: int) -> float:
@@ -44,28 +63,93 @@ def draft_cost(adapter: ModelAdapter, layer: int) -> float:
     return (layer * layers / adapter.num_layers + head) / (layers + head)
 
 
-def prior_speedup(router: TideRouter, adapter: ModelAdapter, layer: int) -> float | None:
-    """`expected_speedup` of drafting at `layer` from the router's held-out calibration metrics (None without).
-
-    Gate rate r = `predicted_rate` (tokens the router lets through at the calibration threshold). Success
-    rate s = r * P(draft token correct | gated): the router's `precision` when it was trained on the
-    "top1" label (exactly that probability), else the unconditional top-1 agreement `label_rates["top1"]`
-    (a lower bound when gate and correctness are positively correlated). Cost: `draft_cost`.
-    """
+def prior_acceptance(router: TideRouter, layer: int) -> float | None:
+    """The held-out top-1 agreement of `layer`'s exit with the final layer (`label_rates["top1"]`, recorded
+    by calibration for every label kind): the acceptance of an ungated draft token. None without metrics."""
     m = router.config.metrics.get(str(layer)) or {}
-    gate = m.get("predicted_rate")
-    correct = m.get("precision") if router.config.label == "top1" else None
-    correct = correct if correct is not None else (m.get("label_rates") or {}).get("top1")
-    if gate is None or correct is None:
-        return None
-    return expected_speedup(gate, gate * correct, draft_cost(adapter, layer))
+    return (m.get("label_rates") or {}).get("top1")
+
+
+def prior_speedup(router: TideRouter, adapter: ModelAdapter, layer: int) -> float | None:
+    """The optimum E of drafting at `layer` from calibration metrics and parameter counts (None without)."""
+    acceptance = prior_acceptance(router, layer)
+    return None if acceptance is None else best_draft_length(acceptance, draft_cost(adapter, layer), 0.0)[1]
 
 
 def choose_draft_layer(router: TideRouter, adapter: ModelAdapter, candidates: list[int]) -> int:
-    """The checkpoint with the best `prior_speedup`; without metrics, the one nearest `DEFAULT_DRAFT_FRACTION`
-    of depth."""
-    priors = {k: prior_speedup(router, adapter, k) for k in candidates}
-    known = [k for k in candidates if priors[k] is not None]
+    """The checkpoint with the best `prior_speedup`, ties (E = 1 where drafting loses everywhere) broken by
+    the cheapest one-token probe; without metrics, the one nearest `DEFAULT_DRAFT_FRACTION` of depth."""
+    known = {k: a for k in candidates if (a := prior_acceptance(router, k)) is not None}
     if known:
-        return max(known, key=lambda k: priors[k])
+        def rank(k: int) -> tuple[float, float]:
+            cost = draft_cost(adapter, k)
+            return best_draft_length(known[k], cost, 0.0)[1], speedup(known[k], 1, cost, 0.0)
+        return max(known, key=rank)
     return min(candidates, key=lambda k: abs(k - DEFAULT_DRAFT_FRACTION * adapter.num_layers))
+
+
+@dataclass
+class DraftEstimates:
+    """Running acceptance and costs of drafting at one layer of one model, kept across calls and attaches.
+
+    Acceptance counts one trial per draft token the verifier checked up to the first rejection; earlier
+    rounds fade by `ACCEPTANCE_MEMORY` so the estimate follows the text. Timings are in seconds: a plain
+    step, a draft forward, and the verify slope s (extra plain steps per extra verified token).
+    """
+
+    prior_cost: float  # c by parameter count, until both timings are measured
+    accepted: float
+    trials: float
+    plain_s: float | None = None
+    draft_s: float | None = None
+    verify_slope: float | None = None  # raw running value (noise can make it negative)
+    warm: set[str] = field(default_factory=set)  # timings whose first (one-time-cost) sample was dropped
+
+    @classmethod
+    def start(cls, prior_cost: float, acceptance: float | None) -> DraftEstimates:
+        a = DEFAULT_ACCEPTANCE if acceptance is None else acceptance
+        return cls(prior_cost, a * PRIOR_TRIALS, PRIOR_TRIALS)
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.trials
+
+    @property
+    def slope(self) -> float:
+        return max(self.verify_slope or 0.0, 0.0)
+
+    @property
+    def cost(self) -> float:
+        return self.draft_s / self.plain_s if self.draft_s is not None and self.plain_s else self.prior_cost
+
+    def plan(self, room: int) -> tuple[int, float]:
+        """The draft length maximizing E with the current estimates, at most `room` tokens."""
+        return best_draft_length(self.acceptance, self.cost, self.slope, min(room, MAX_DRAFT_TOKENS))
+
+    def probe_interval(self) -> int:
+        """Plain steps between one-token probes while drafting loses: a probe round costs 1 + s + c plain steps
+        and emits 1 + a tokens, and its expected loss must stay within `PROBE_LOSS` of the steps between."""
+        loss = max(self.slope + self.cost - self.acceptance, 0.0)
+        return max(1, math.ceil(loss / PROBE_LOSS))
+
+    def observe_round(self, proposed: int, accepted: int) -> None:
+        self.accepted = ACCEPTANCE_MEMORY * self.accepted + accepted
+        self.trials = ACCEPTANCE_MEMORY * self.trials + accepted + (accepted < proposed)
+
+    def observe_plain(self, seconds: float) -> None:
+        self.plain_s = self._running("plain", self.plain_s, seconds)
+
+    def observe_draft(self, seconds_per_forward: float) -> None:
+        self.draft_s = self._running("draft", self.draft_s, seconds_per_forward)
+
+    def observe_verify(self, seconds: float, tokens: int) -> None:
+        """A verification of `tokens` > 1 tokens: its time beyond a plain step, per extra token."""
+        if self.plain_s is not None and tokens > 1:
+            extra = (seconds / self.plain_s - 1.0) / (tokens - 1)
+            self.verify_slope = self._running("verify", self.verify_slope, extra)
+
+    def _running(self, kind: str, old: float | None, new: float) -> float | None:
+        if kind not in self.warm:  # the first sample carries one-time costs: drop it
+            self.warm.add(kind)
+            return old
+        return new if old is None else (1.0 - TIMING_EMA) * old + TIMING_EMA * new

@@ -93,7 +93,7 @@ def install() -> None:
     @functools.wraps(original)
     def generate(self, *args: Any, tide: Any = None, **kwargs: Any) -> Any:
         handle = get_handle(self)
-        if tide is False or (tide is None and handle is None):
+        if tide is False or (tide is None and (handle is None or handle.is_disabled())):
             if handle is None:
                 return original(self, *args, **kwargs)
             with handle.disabled():

@@ -12,10 +12,18 @@ via `_get_candidate_generator`, replaced on the model instance for the duration 
 * the router at `draft_layer` gates every draft token: drafting stops as soon as it says "not converged",
   and a round only starts drafting when the router called the previous token converged (its score comes
   for free from the full-depth forward, which runs `draft_layer` anyway), so a shut gate costs nothing;
-* a controller keeps a wall-clock account of what drafting cost or saved against timed plain steps, and
-  drafts only while the net loss, counting the next probe's draft forward, stays within `LOSS_BUDGET` of
-  the call's time so far: when drafts are not accepted it stops drafting and probes again only as the
-  budget refills. A call's first probe is on credit when the router's calibration promises a clear gain.
+* a policy plans every round's draft length k as the speculative-decoding optimum (`draft.py`): the
+  argmax of expected tokens per unit of time from the measured per-token acceptance and the measured
+  costs of a draft forward and of verifying k + 1 tokens. While the estimates say drafting loses it takes
+  plain steps, probing with one-token drafts often enough to notice when drafting would pay again, at a
+  bounded cost (`PROBE_LOSS`). The estimates live as long as the model and carry over between calls.
+
+Lossless means: every emitted token is the argmax (greedy) or the accepted sample (sampling) of the full
+model's logits computed in a verification forward; drafts only decide how many positions one
+verification forward checks. In fp32 greedy output equals stock greedy token for token. In bf16 / fp16 a
+verification forward of k + 1 tokens rounds differently from k + 1 one-token steps, so a near-tie can
+resolve the other way and the text diverge from stock's (transformers' own assisted decoding does the
+same): `tide-hf bench --modes` reports the divergence rate beside transformers' `assistant_early_exit`.
 
 Stock assisted decoding supports batch size 1 only, so a batch is decoded row by row (each row keeps its
 left padding and mask) and re-assembled like stock batched generate pads it. Configurations assisted
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,17 +51,23 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from ..modeling import layer_output
 from ..runtime import Patches, Session, TideHandle
 from .compat import CANDIDATE_GENERATOR_FACTORY, eos_token_tensor, extend_model_kwargs
-from .draft import MAX_DRAFT_TOKENS, choose_draft_layer, draft_cost, prior_speedup
+from .draft import (
+    DraftEstimates,
+    best_draft_length,
+    choose_draft_layer,
+    draft_cost,
+    prior_acceptance,
+    prior_speedup,
+)
 
-DRAFT_GROW = 2  # the draft cap grows by this after a fully accepted round, shrinks by one after a rejection
-INITIAL_DRAFT_TOKENS = 1  # a first probe costs one draft forward; the cap grows with acceptance
-LOSS_BUDGET = 0.02  # drafting may cost at most this fraction of the call's time, net of the time it saved
-# Calibration must promise this much gain before a call's first probe goes on credit: the estimate ignores
-# what verifying several tokens costs beyond one (a lot on CPUs).
-PRIOR_MARGIN = 0.05
-TIMING_EMA = 0.5  # weight of the newest plain step in the running plain-step time
+# A rejected draft token costs one draft forward, nothing else: the gate stops a draft only where the router
+# calls the token more likely unconverged than not, never at a quality target's stricter threshold (those are
+# for exits whose tokens are emitted).
+GATE_THRESHOLD = 0.5
+PLAIN_TIMING_EVERY = 16  # drafting rounds between plain steps that keep the plain-step time current
 _FALLBACK_KWARGS = ("assistant_model", "custom_generate", "past_key_values", "inputs_embeds", "stop_strings",
                     "negative_prompt_ids")
+_ESTIMATES: weakref.WeakKeyDictionary[nn.Module, dict[int, DraftEstimates]] = weakref.WeakKeyDictionary()
 
 
 def resolve_draft_layer(handle: TideHandle) -> int:
@@ -68,64 +83,80 @@ def resolve_draft_layer(handle: TideHandle) -> int:
     return choose_draft_layer(handle.router, handle.adapter, handle.checkpoints)
 
 
+def draft_estimates(handle: TideHandle, layer: int) -> DraftEstimates:
+    """The running estimates of drafting at `layer` of this model (made from the router's priors once)."""
+    per_layer = _ESTIMATES.setdefault(handle.model, {})
+    if layer not in per_layer:
+        prior = prior_acceptance(handle.router, layer)
+        per_layer[layer] = DraftEstimates.start(draft_cost(handle.adapter, layer), prior)
+    return per_layer[layer]
+
+
 # -- statistics -------------------------------------------------------------------------------------------
 @dataclass
 class SpeculativeStats:
-    """Counters of one speculative call (all rows), published as `ExitStats.speculative` (a dict)."""
+    """Counters of one speculative call (all rows), published as `ExitStats.speculative` (a dict).
+
+    `as_dict` adds the measured per-token acceptance, and the optimum it implies with the measured costs:
+    `optimal_draft_length` and `optimal_speedup` (E over plain steps, the best any draft-length policy can
+    expect at that acceptance and cost).
+    """
 
     draft_layer: int
-    expected_speedup: float | None = None  # `prior_speedup` of the draft layer (None: no metrics)
+    expected_speedup: float | None = None  # `prior_speedup`: the optimum E from calibration (None: no metrics)
     rounds: int = 0  # verification forwards that checked at least one drafted token
-    plain_steps: int = 0  # verification forwards without candidates (prefill, closed gate, no budget, ...)
+    plain_steps: int = 0  # verification forwards without candidates (prefill, closed gate, drafting loses, ...)
     gate_skips: int = 0  # rounds not drafted because the router called the previous token unconverged
+    plan_skips: int = 0  # rounds not drafted because the estimates said drafting loses
+    probes: int = 0  # one-token drafts while the estimates said drafting loses
+    planned: int = 0  # draft tokens the policy planned, summed over drafted rounds
     drafted: int = 0  # tokens proposed to the verifier
     accepted: int = 0  # proposed tokens the verifier kept
+    trials: int = 0  # proposed tokens the verifier checked (up to and including the first rejected one)
     draft_forwards: int = 0  # forwards through the first `draft_layer` layers
     gate_stops: int = 0  # drafts cut short because the router said "not converged"
-    budget_skips: int = 0  # rounds not drafted because drafting had used up its loss budget
-    net_loss_s: float = 0.0  # drafting rounds' time minus plain steps' time for their tokens (< 0: saved)
+    draft_cost: float = 0.0  # c at the end of the call: a draft forward's time over a plain step's
+    verify_slope: float = 0.0  # s at the end of the call: extra plain steps per extra verified token
     fallback: str | None = None  # why stock generate ran instead, if it did
 
     def as_dict(self) -> dict[str, Any]:
+        acceptance = self.accepted / self.trials if self.trials else 0.0
+        k, gain = best_draft_length(acceptance, self.draft_cost, self.verify_slope)
         return {**self.__dict__,
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
-                "mean_draft_length": self.drafted / self.rounds if self.rounds else 0.0}
+                "acceptance_per_token": acceptance,
+                "mean_draft_length": self.drafted / self.rounds if self.rounds else 0.0,
+                "mean_planned_length": self.planned / self.rounds if self.rounds else 0.0,
+                "optimal_draft_length": k, "optimal_speedup": gain}
 
 
 # -- the candidate generator ------------------------------------------------------------------------------
 class TideCandidateGenerator(CandidateGenerator):
-    """Drafts with the first `layer` layers on the shared KV cache while the router at `layer` says converged."""
+    """Drafts with the first `layer` layers on the shared KV cache, as many tokens as the policy plans and
+    while the router at `layer` says converged."""
 
     def __init__(self, handle: TideHandle, stats: SpeculativeStats, generation_config: GenerationConfig,
                  logits_processor: Any, model_kwargs: dict[str, Any]) -> None:
         self.handle, self.layer, self.stats = handle, stats.draft_layer, stats
         self.model = handle.model
+        self.estimates = draft_estimates(handle, self.layer)
         self.cache = model_kwargs["past_key_values"]  # the object stock verifies with, for the whole call
         self.kwargs = {k: v for k, v in model_kwargs.items() if k != "past_key_values"}
         self.processors = logits_processor
         self.do_sample = bool(generation_config.do_sample)
         self.max_length = generation_config.max_length
         self.eos = eos_token_tensor(generation_config)
-        self.threshold = handle.options.threshold(self.layer)
-        self.cap = INITIAL_DRAFT_TOKENS
+        self.threshold = min(handle.options.threshold(self.layer), GATE_THRESHOLD)
         self.drafting = False  # set around draft forwards (read by the hooks)
         self.gate_open = False  # the router's verdict on the newest draft token
         self.window = 1  # positions of the next verification forward whose scores may open the next round
         self.window_scores: torch.Tensor | None = None
         self.pregate = False  # the router's verdict on the last token the verifier emitted
-        # controller state
         self.round_start: float | None = None
-        self.round_index = 0
+        self.prefill = True  # the open round is the prefill (not a plain step's time)
         self.last: tuple[int, int, float] | None = None  # (proposed, forwards, draft seconds) of the open round
-        self.matches = 0
-        self.plain_time: float | None = None  # running time of a plain decode step
-        self.elapsed = 0.0  # time of this call so far
-        self.loss = 0.0  # what drafting cost beyond plain steps emitting the same tokens (negative: saved)
-        self.probe_cost = draft_cost(handle.adapter, self.layer)  # of one draft forward, in plain steps
-        # the first probe is on credit only when calibration promises a gain; later ones come out of the budget
-        self.free_probe = (stats.expected_speedup or 0.0) > 1.0 + PRIOR_MARGIN
-        self.accepting = False  # the last round drafted and the verifier kept some of it
-        self.promising = False  # ... kept all of it, and measured costs say a longer draft would pay
+        self.declined = 0  # rounds the plan declined since the last drafted one
+        self.since_plain = 0  # rounds since the last plain step (timed: drafting rounds leave no plain time)
 
     # -- hooks (registered by `_patched` for the call) --
     def gate_hook(self, _module: nn.Module, _args: tuple, output: Any) -> None:
@@ -147,38 +178,42 @@ class TideCandidateGenerator(CandidateGenerator):
         now = time.perf_counter()
         if self.round_start is not None:
             self._close_round(now - self.round_start)
-        self.round_start, self.round_index, self.last = now, self.round_index + 1, None
-        room = min(self.cap, self.max_length - input_ids.shape[1] - 1)  # tokens to draft, bonus token aside
-        self.window = 1
-        # the prefill has nothing cached to draft from; drafting starts once a plain step has been timed
-        if self.cache.get_seq_length() != input_ids.shape[1] - 1 or room < 1 or self.plain_time is None:
+        self.round_start, self.last, self.window = now, None, 1
+        room = self.max_length - input_ids.shape[1] - 1  # tokens one round may draft, the verifier's own aside
+        if self.cache.get_seq_length() != input_ids.shape[1] - 1 or room < 1:  # the prefill, or no room left
             return input_ids, None
         if not self.pregate:
             self.stats.gate_skips += 1
             return input_ids, None
-        # starting to draft risks a draft forward; going on after accepted drafts does not need that margin,
-        # and growing a fully accepted draft that should pay is not held back by what the short ones lost
-        probe = 0.0 if self.free_probe or self.accepting else self.probe_cost * self.plain_time
-        if not self.promising and self.loss + probe > LOSS_BUDGET * self.elapsed:
-            self.stats.budget_skips += 1
-            return input_ids, None
-        self.free_probe = False
-        return self._draft(input_ids, room, now)
+        self.since_plain += 1
+        if self.estimates.plain_s is None or self.since_plain > PLAIN_TIMING_EVERY:  # time a plain step: the cost
+            return input_ids, None  # unit of every estimate (never a loss against plain decoding)
+        k, _ = self.estimates.plan(room)
+        if k == 0:  # drafting loses by the estimates: plain steps, and now and then a one-token probe
+            self.declined += 1
+            if self.declined < self.estimates.probe_interval():
+                self.stats.plan_skips += 1
+                return input_ids, None
+            k = 1
+            self.stats.probes += 1
+        self.declined = 0
+        self.stats.planned += k
+        return self._draft(input_ids, k, now)
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
-        self.matches = int(num_matches)
-        self.accepting = self.last is not None and self.last[0] > 0 and self.matches > 0
+        matches = int(num_matches)
         verdicts = self.window_scores  # the token just emitted was predicted at window position `matches`
         if verdicts is not None:
-            self.pregate = bool(verdicts[0, min(self.matches, verdicts.shape[1] - 1)] >= self.threshold)
+            self.pregate = bool(verdicts[0, min(matches, verdicts.shape[1] - 1)] >= self.threshold)
         if self.last is None or self.last[0] == 0:
             self.stats.plain_steps += 1
             return
         proposed = self.last[0]
         self.stats.rounds += 1
         self.stats.drafted += proposed
-        self.stats.accepted += self.matches
-        self.cap = min(self.cap + DRAFT_GROW, MAX_DRAFT_TOKENS) if self.matches == proposed else max(self.cap - 1, 1)
+        self.stats.accepted += matches
+        self.stats.trials += matches + (matches < proposed)
+        self.estimates.observe_round(proposed, matches)
 
     # -- internals --
     def _draft(self, input_ids: torch.LongTensor, room: int, start: float) -> tuple[torch.LongTensor, Tensor | None]:
@@ -222,29 +257,21 @@ class TideCandidateGenerator(CandidateGenerator):
         return self.model(**inputs).logits[:, -1].to(dtype=torch.float32, device=ids.device)
 
     def _close_round(self, seconds: float) -> None:
-        """Fold the finished round into the controller: does drafting beat plain steps?"""
-        self.elapsed += seconds  # the budget is a share of the whole call, prefill included, like tokens/s
-        if self.round_index == 1:  # the prefill: not a plain step's time
+        """Fold the finished round's time into the estimates (the prefill is nobody's step time)."""
+        if self.prefill:
+            self.prefill = False
             return
-        if self.last is None or self.last[1] == 0:  # a plain step
-            self.plain_time = seconds if self.plain_time is None else _ema(self.plain_time, seconds)
-            self.promising = False
+        if self.last is None:
+            self.estimates.observe_plain(seconds)
+            self.since_plain = 0
             return
-        # a verification of n tokens costs at least a plain step: `min` keeps a noisy plain time from
-        # crediting rounds that emitted one token (no draft accepted) with a saving
         proposed, forwards, draft_seconds = self.last
-        verify = max(seconds - draft_seconds, 0.0)
-        plain = min(self.plain_time, verify)
-        loss = seconds - (self.matches + 1) * plain
-        self.loss += loss
-        self.stats.net_loss_s += loss
-        # with every token accepted, would `cap` drafts (+ a verification like this one) beat cap + 1 steps?
-        self.promising = (self.matches == proposed and self.cap > proposed
-                          and (self.cap + 1) * plain > self.cap * draft_seconds / forwards + verify)
-
-
-def _ema(old: float, new: float) -> float:
-    return (1.0 - TIMING_EMA) * old + TIMING_EMA * new
+        self.estimates.observe_draft(draft_seconds / forwards)
+        verify = seconds - draft_seconds
+        if proposed == 0:  # the gate shut at the first draft forward: the verification was a plain step
+            self.estimates.observe_plain(verify)
+        else:
+            self.estimates.observe_verify(verify, proposed + 1)
 
 
 @contextmanager
@@ -312,6 +339,8 @@ def generate(handle: TideHandle, original: Callable, model: nn.Module, args: tup
                     for i in range(batch)]
             return _stack(rows, model, kwargs)
     finally:
+        estimates = draft_estimates(handle, layer)
+        stats.draft_cost, stats.verify_slope = estimates.cost, estimates.slope
         session.stats.speculative = stats.as_dict()
 
 

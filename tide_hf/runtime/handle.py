@@ -156,10 +156,15 @@ class TideHandle:
         finally:
             self._local.disabled = previous
 
+    def is_disabled(self) -> bool:
+        """Inside `disabled()` in this thread: a nested `generate` (stock assisted decoding's assistant
+        calls it on the model itself) must run stock too."""
+        return getattr(self._local, "disabled", False)
+
     def _bypassed(self) -> bool:
         if self.owner is not None and threading.get_ident() != self.owner:
             return True  # a per-call attach is invisible to every other thread
-        return not self.enabled or getattr(self._local, "disabled", False)
+        return not self.enabled or self.is_disabled()
 
     def _active(self) -> bool:
         return not self._bypassed() and bool(self.open_checkpoints)

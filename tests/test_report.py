@@ -7,16 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from tide_hf.eval.report import BEGIN, END, render, update
+from tide_hf.eval.report import BEGIN, END, SECTIONS, render, update
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_readme_results_equal_the_committed_json() -> None:
+@pytest.mark.parametrize("folder", sorted(SECTIONS))
+def test_readme_results_equal_the_committed_json(folder: str) -> None:
+    begin, end = SECTIONS[folder]
     text = (ROOT / "README.md").read_text()
-    section = text.split(BEGIN, 1)[1].split(END, 1)[0]
-    assert section == "\n" + render(ROOT / "results" / "smollm2-cpu", ROOT / "README.md"), \
-        "README results are stale: run `python -m tide_hf.eval.report results/smollm2-cpu README.md`"
+    section = text.split(begin, 1)[1].split(end, 1)[0]
+    assert section == "\n" + render(ROOT / folder, ROOT / "README.md"), \
+        f"README results are stale: run `python -m tide_hf.eval.report {folder} README.md`"
 
 
 def test_update_rewrites_only_the_marked_section(tmp_path: Path) -> None:

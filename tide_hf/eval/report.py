@@ -83,6 +83,14 @@ def format_easy(result: dict) -> str:
             + format_speculative(result["speculative"]))
 
 
+def format_gpu_speculative(result: dict) -> str:
+    """`scripts/gpu_speculative.py`'s result: the speculative table, with the easy model's own ceiling."""
+    return (f"{result['device']}, {result['dtype']}: layers after {result['near_identity_after']} near-identity "
+            f"(x {result['near_identity_scale']}); layer {result['near_identity_after']}'s top-1 agreement with the "
+            f"last {result['layer_agreement']:.1%}; the model truncated there runs "
+            f"{result['truncated_speed_ratio']:.2f}x stock.\n\n" + format_speculative(result["speculative"]))
+
+
 def render(folder: Path, readme: Path) -> str:
     """The generated section (without the markers) for the results in `folder`."""
     out: list[str] = []
@@ -103,6 +111,8 @@ def render(folder: Path, readme: Path) -> str:
         ("synthetic-eager", "Every mode on the Llama-3-8B shape, eager", format_synthetic, []),
         ("synthetic-static", "Every mode on the Llama-3-8B shape, compiled static cache", format_synthetic, []),
         ("calibration", "Calibration time against the bare forward", format_gpu_calibration, []),
+        ("speculative", "Speculative mode, Llama-3-8B shape with near-identity deep layers", format_gpu_speculative,
+         []),
     ):
         result = _load(folder, name)
         if result:

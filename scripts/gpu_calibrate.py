@@ -21,37 +21,18 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import tide_hf
 from tide_hf.calibration import pad_right
+from tide_hf.eval.synthetic import SHAPES, build_model  # the bench's shapes, built on the device in the dtype
 
-SHAPES = {  # Llama-3-8B's shape, and a tiny one to check the script runs
-    "llama8b": dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                    num_key_value_heads=8, vocab_size=128256),
-    "tiny": dict(num_hidden_layers=9, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512),
-}
 FIRST_ID = 3  # random ids start above the special ids (pad 0, bos 1, eos 2)
 
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def build_model(shape: str, device: torch.device, dtype: torch.dtype, seq: int) -> LlamaForCausalLM:
-    """Random weights, initialised on `device` in `dtype` (no fp32 copy on the host)."""
-    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=max(seq, 256), pad_token_id=0, bos_token_id=1,
-                         eos_token_id=2)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.to(device, dtype).eval()
 
 
 @torch.no_grad()
@@ -73,7 +54,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--labels", default="top1,cosine", help="comma-separated label kinds to calibrate")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama8b")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                         help="default: bfloat16 on a GPU, float32 on the CPU")
@@ -81,7 +62,7 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     started = time.perf_counter()
-    model = build_model(args.shape, device, dtype, args.seq)
+    model = build_model(args.shape, str(device), dtype)
     sync(device)
     build_s = time.perf_counter() - started
     gen = torch.Generator().manual_seed(0)

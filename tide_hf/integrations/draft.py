@@ -146,7 +146,8 @@ class DraftEstimates:
         """A verification of `tokens` > 1 tokens: its time beyond a plain step, per extra token."""
         if self.plain_s is not None and tokens > 1:
             extra = (seconds / self.plain_s - 1.0) / (tokens - 1)
-            self.verify_slope = self._running("verify", self.verify_slope, extra)
+            # each new verify width is a new shape (kernel selection, allocations): its first sample is dropped
+            self.verify_slope = self._running(f"verify{tokens}", self.verify_slope, extra)
 
     def _running(self, kind: str, old: float | None, new: float) -> float | None:
         if kind not in self.warm:  # the first sample carries one-time costs: drop it

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import CompileConfig
 
 from ..config import TideOptions
 from ..errors import TideConcurrencyError
@@ -28,6 +27,7 @@ from ..kernels import NormSpec, norm_router_scores, norm_spec
 from ..modeling import ModelAdapter, TideRouter, get_adapter, layer_output
 from ..modeling.devices import execution_device, onloaded
 from ..modeling.targets import select
+from . import compiled
 from .kv import KVRecompute
 from .patching import Patches
 from .session import Session, Step
@@ -42,7 +42,6 @@ _LAST_STATS: weakref.WeakKeyDictionary[nn.Module, ExitStats] = weakref.WeakKeyDi
 # thread only, so concurrent calls neither see nor detach each other.
 _CALL_HANDLES: weakref.WeakKeyDictionary[nn.Module, dict[int, TideHandle]] = weakref.WeakKeyDictionary()
 _REGISTRY_LOCK = threading.RLock()
-COMPILED_CALL = "get_compiled_call"  # transformers' PreTrainedModel method that compiles decoding steps
 
 
 class TideHandle:
@@ -79,9 +78,7 @@ class TideHandle:
         for k in self.checkpoints:
             self._patches.hook(adapter.layers[k - 1].register_forward_hook(self._checkpoint_hook(k)))
         self._patches.hook(adapter.layers[-1].register_forward_hook(self._final_hook))
-        if hasattr(model, COMPILED_CALL):  # transformers' compiled decoding (static cache): graphs of TIDE's own
-            self._compiled: tuple[Any, Callable] | None = None
-            self._patches.set_attr(model, COMPILED_CALL, self.compiled_call)
+        compiled.install(model, self._patches)  # transformers' compiled decoding steps: graphs of TIDE's own
         self._skipper = LayerSkipper(adapter.layers, self.open_checkpoints[0], options.kv, self.current_step,
                                      self.recompute_state, self._patches) \
             if options.mode == "skip" and self.open_checkpoints else None
@@ -91,18 +88,6 @@ class TideHandle:
 
     def __exit__(self, *exc: Any) -> None:
         self.detach()
-
-    def compiled_call(self, compile_config: Any = None) -> Callable:
-        """transformers' `get_compiled_call` while attached: `torch.compile` of a call of this handle's own.
-
-        Dynamo does not guard on empty hook dicts (`torch._dynamo.config.skip_nnmodule_hook_guards`), so a
-        graph transformers compiled before `attach` would keep running without TIDE's hooks (and silently
-        without exits). A distinct function gets graphs of its own; `detach` brings stock's compiled call back.
-        """
-        config = compile_config or getattr(self.model.generation_config, "compile_config", None) or CompileConfig()
-        if self._compiled is None or self._compiled[0] != config:
-            self._compiled = (config, torch.compile(model_call(self.model), **config.to_dict()))
-        return self._compiled[1]
 
     def current_step(self) -> Step | None:
         """Exit decisions of the forward running in this thread (None outside a forward)."""
@@ -286,13 +271,6 @@ class TideHandle:
             if get_handle(self.model) is self:
                 del _HANDLES[self.model]
             _CALL_HANDLES.get(self.model, {}).pop(id(self), None)
-
-
-def model_call(model: nn.Module) -> Callable:
-    """`model(...)` behind a code object of tide_hf's own, whose compiled graphs are TIDE's alone."""
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return model(*args, **kwargs)
-    return call
 
 
 def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

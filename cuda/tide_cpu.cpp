@@ -230,7 +230,7 @@ at::Tensor norm_router_scores(const at::Tensor& hidden, int64_t kind, const std:
   }
   at::Tensor out = at::empty({N}, z.options());
   const float *hp = h.data_ptr<float>(), *w2p = w2c.data_ptr<float>();
-  const float b2v = *b2.contiguous().data_ptr<float>();  // a read, not item(): no sync point on any backend
+  const float b2v = *b2.contiguous().data_ptr<float>();  // a plain read: item() would count as a host sync
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, std::max<int64_t>(1, kGrainWork / B), [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {

@@ -84,3 +84,29 @@ def test_speculative_section_reports_identical_output_and_consistent_counters():
     assert res["prompts"] == 2 and res["speed_ratio"] > 0
     assert res["acceptance_rate"] == (res["accepted"] / res["drafted"] if res["drafted"] else 0.0)
     assert res["mean_draft_length"] == (res["drafted"] / res["rounds"] if res["rounds"] else 0.0)
+
+
+def test_synthetic_forced_exits_and_table() -> None:
+    """The synthetic bench's constant routers force exactly the decisions its rows are named after."""
+    from types import SimpleNamespace
+
+    import tide_hf
+    from tide_hf.eval.synthetic import build_model, configurations, run_synthetic
+
+    model = build_model("tiny", "cpu", torch.float32)
+    ids = torch.randint(3, 256, (2, 6))
+    configs = configurations(model, 4)
+    for key, depth in (("select-exit", 4), ("select-scored", 8), ("skip-recompute", 4)):
+        with configs[key][1]() as handle:
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, min_new_tokens=3,
+                           do_sample=False, pad_token_id=0)
+            assert dict(handle.last_stats.decode.exits) == {depth: 2 * 2}, key  # 2 rows x 2 decode steps
+    assert tide_hf.get_handle(model) is None
+    args = SimpleNamespace(device="cpu", dtype="float32", synthetic="tiny", synthetic_depth=4, configs=["select-exit"],
+                           compile=["eager"], batch_sizes=[1], prompt_len=6, new_tokens=3, reps=1)
+    rows = run_synthetic(args)["rows"]
+    assert [r["config"] for r in rows] == ["stock", "select, all exit at 4"]
+    assert "vs_ideal" not in rows[1]  # no truncated model was timed
+    args.configs = ["select-exit", "truncated"]
+    rows = run_synthetic(args)["rows"]
+    assert rows[1]["vs_ideal"] == rows[2]["ms_per_token"] / rows[1]["ms_per_token"]

@@ -10,8 +10,9 @@ Per decode token, eager and compiled (`cache_implementation="static"`, which tra
 stock, attached with exits off, select mode scoring every checkpoint with no exits, select and skip mode
 with every token leaving at `depth`, and the ideal: the same model truncated to `depth` layers. The time
 of one decode token is (T(prompt + n tokens) - T(prompt + 1 token)) / (n - 1), both timed in each
-repetition; configurations are interleaved repetition by repetition and the median is reported. Compiled
-configurations are warmed up (compiled) once each before timing: a re-attach would compile anew.
+repetition, and the median over repetitions is reported. Eager configurations are interleaved repetition
+by repetition; compiled ones are timed one after another, each staying attached through its compiling
+warm-up and its repetitions (a re-attach would compile anew).
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4,
              "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512},  # CPU smoke test
 }
-ROUTER_BOTTLENECK = 128  # the default router size (TideRouterConfig.router_bottleneck_dim)
 CONSTANT_LOGIT = 30.0  # a router logit of +-30: score 1.0 / 0.0 in fp32, far from any threshold
 THRESHOLD = 0.5
 RECOMPILE_LIMIT = 64  # each configuration compiles graphs of its own; dynamo's default limit (8) is too low
@@ -65,7 +65,7 @@ def constant_router(model: Any, logit: float) -> TideRouter:
     config = model.config
     router = TideRouter(TideRouterConfig(
         hidden_size=config.hidden_size, num_hidden_layers=config.num_hidden_layers,
-        router_bottleneck_dim=ROUTER_BOTTLENECK, base_architecture=type(model).__name__,
+        base_architecture=type(model).__name__,
         base_fingerprint=model_fingerprint(model)))
     with torch.no_grad():
         for mlp in router.routers.values():
@@ -179,11 +179,13 @@ def run_synthetic(args: Any) -> dict:
 
 
 def with_ideal_ratios(rows: list[dict], depth: int) -> list[dict]:
-    """Add `vs_ideal` (truncated model's time / this one's) to the rows that exit at `depth`."""
+    """Add `vs_ideal` (truncated model's time / this one's) to the rows that exit at `depth`, where the
+    truncated model was timed too."""
     ideal = {(r["batch_size"], r["compiled"]): r["ms_per_token"] for r in rows if r["config"].startswith("truncated")}
     for r in rows:
-        if f"exit at {depth}" in r["config"]:
-            r["vs_ideal"] = ideal[(r["batch_size"], r["compiled"])] / r["ms_per_token"]
+        key = (r["batch_size"], r["compiled"])
+        if f"exit at {depth}" in r["config"] and key in ideal:
+            r["vs_ideal"] = ideal[key] / r["ms_per_token"]
     return rows
 
 

@@ -1,4 +1,4 @@
-"""Fused kernels for router scoring and exit-row moves, compiled at first use, with a PyTorch fallback.
+"""Fused kernels for router scoring and row gather / scatter, compiled at first use, with a PyTorch fallback.
 
 `ops` dispatches, `build` compiles the sources of the repository's `cuda/` folder, `reference` is the
 PyTorch path and reads a model's final norm into a `NormSpec`.

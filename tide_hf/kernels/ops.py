@@ -1,4 +1,7 @@
-"""Fused TIDE kernels (final norm + router scoring, exit-row gather/scatter) with a PyTorch fallback.
+"""Fused TIDE kernels (final norm + router scoring; row gather / scatter by index) with a PyTorch fallback.
+
+The runtime scores with `norm_router_scores`; it writes exit states with `torch.where`, which needs no row
+index and so no host sync. `gather_rows` / `scatter_rows_` stay public for callers that move rows by index.
 
 Each kernel is a real PyTorch custom op (`torch.ops.tide_hf.*`, declared with `torch.library.custom_op`, with
 a fake implementation), so `torch.compile` puts it in the graph as one opaque call instead of breaking the
@@ -86,7 +89,7 @@ def norm_router_scores(
     ):
         return norm_router_scores_reference(hidden, spec, w1, b1, w2, b2)
     flat = hidden.reshape(-1, hidden.shape[-1])
-    # Eager callers skip the custom-op dispatcher (tens of µs of Python per call); compiled graphs need the op.
+    # Eager callers skip the custom-op dispatcher (Python work on every call); compiled graphs need the op.
     op = norm_router_scores_op if torch.compiler.is_compiling() else scores_impl
     scores = op(flat, NORM_KINDS[spec.kind], spec.weight, spec.bias, spec.eps, w1, b1, w2, b2)
     return scores.reshape(hidden.shape[:-1])

@@ -42,7 +42,7 @@ class CompiledCall:
         return self._compiled[1]
 
 
-def install(model: nn.Module, patches: Patches) -> None:
+def install_compiled_call(model: nn.Module, patches: Patches) -> None:
     """Replace `model.get_compiled_call` (recorded in `patches`) when the model has one."""
     if hasattr(model, COMPILED_CALL):
         patches.set_attr(model, COMPILED_CALL, CompiledCall(model))

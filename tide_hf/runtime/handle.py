@@ -27,7 +27,7 @@ from ..kernels import NormSpec, norm_router_scores, norm_spec
 from ..modeling import ModelAdapter, TideRouter, get_adapter, layer_output
 from ..modeling.devices import execution_device, onloaded
 from ..modeling.targets import select
-from . import compiled
+from .compiled import install_compiled_call
 from .kv import KVRecompute
 from .patching import Patches
 from .session import Session, Step
@@ -78,7 +78,7 @@ class TideHandle:
         for k in self.checkpoints:
             self._patches.hook(adapter.layers[k - 1].register_forward_hook(self._checkpoint_hook(k)))
         self._patches.hook(adapter.layers[-1].register_forward_hook(self._final_hook))
-        compiled.install(model, self._patches)  # transformers' compiled decoding steps: graphs of TIDE's own
+        install_compiled_call(model, self._patches)  # transformers' compiled decoding steps: graphs of TIDE's own
         self._skipper = LayerSkipper(adapter.layers, self.open_checkpoints[0], options.kv, self.current_step,
                                      self.recompute_state, self._patches) \
             if options.mode == "skip" and self.open_checkpoints else None

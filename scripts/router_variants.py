@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from tide_hf.calibration.thresholds import build_path, path_losses
 from tide_hf.calibration.training import auc
 from tide_hf.eval.analyze import oracle
+from tide_hf.modeling import TideRouter
 from tide_hf.modeling.targets import select
 
 TARGETS = (0.97, 0.95, 0.90)
@@ -43,6 +44,8 @@ class Variant:
     patience: int = 10
     seed: int = 0
     weight_decay: float = 0.0
+    kl_threshold: float | None = None  # None: the collection's (the config default)
+    train_share: float = 1.0  # share of the train split's tokens used (how much more data would help)
     notes: dict = field(default_factory=dict)
 
 
@@ -65,6 +68,9 @@ VARIANTS = {
     "patience30": Variant(patience=30),
     "lr3e-4": Variant(lr=3e-4),
     "wd": Variant(weight_decay=1e-2),
+    "top1_kl1": Variant(label="top1_kl", kl_threshold=1.0),
+    "top1_kl3": Variant(label="top1_kl", kl_threshold=3.0),
+    "half_data": Variant(train_share=0.5),
 }
 
 
@@ -84,8 +90,8 @@ class Head(torch.nn.Module):
         return out + self.lin(e).squeeze(-1) if self.lin is not None else out
 
 
-def labels_of(data: dict, kind: str, k: int) -> torch.Tensor:
-    kl_ok = data["kl"][k] < data["kl_threshold"]
+def labels_of(data: dict, kind: str, k: int, kl_threshold: float | None = None) -> torch.Tensor:
+    kl_ok = data["kl"][k] < (data["kl_threshold"] if kl_threshold is None else kl_threshold)
     return {"top1": data["top1"][k], "kl": kl_ok, "top1_kl": data["top1"][k] & kl_ok}[kind]
 
 
@@ -123,6 +129,8 @@ def fit_variant(data: dict, v: Variant) -> torch.Tensor:
     """Train every checkpoint's head (in order, for the cascade); logits (tokens, checkpoints) of all tokens."""
     layers, split = data["layers"], data["split"]
     tr, va = split == 0, split == 1
+    if v.train_share < 1.0:
+        tr = tr & (torch.rand(len(split), generator=torch.Generator().manual_seed(v.seed)) < v.train_share)
     logits = []
     prev = torch.zeros(len(split))
     for k in layers:
@@ -131,7 +139,7 @@ def fit_variant(data: dict, v: Variant) -> torch.Tensor:
         mean, std = e[tr].mean(0), e[tr].std(0).clamp(min=1e-6)
         e = (e - mean) / std
         with torch.enable_grad():
-            head = train_head(data["features"][k], e, labels_of(data, v.label, k), tr, va, v)
+            head = train_head(data["features"][k], e, labels_of(data, v.label, k, v.kl_threshold), tr, va, v)
         prev = head(data["features"][k], e)
         logits.append(prev)
     return torch.stack(logits, 1)
@@ -181,6 +189,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("data")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    parser.add_argument("--router", help="also score a saved TideRouter (row 'saved') on the same splits")
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -189,9 +198,17 @@ def main() -> None:
     print("| variant | AUC per checkpoint (A) | A eff@97/95/90 (agr@97) | B eff@97/95/90 (agr@97) | "
           "best path point eff@97 A/B | best epochs |")
     print("|---|---|---|---|---|---|")
-    for name in args.variants:
-        v = VARIANTS[name]
-        r = evaluate(data, fit_variant(data, v))
+    names = [*args.variants, *(["saved"] if args.router else [])]
+    for name in names:
+        v = VARIANTS.get(name, Variant())
+        if name == "saved":
+            router = TideRouter.from_pretrained(args.router)
+            with torch.no_grad():
+                logits = torch.stack([router.logit(k, data["features"][k]) for k in data["layers"]], 1)
+            v.notes["best_epoch"] = [router.config.metrics[str(k)]["best_epoch"] for k in data["layers"]]
+        else:
+            logits = fit_variant(data, v)
+        r = evaluate(data, logits)
         results[name] = r
         cells = []
         for s in ("a", "b"):

@@ -188,7 +188,7 @@ def evaluate(data: dict, logits: torch.Tensor, grid: int = 40, confidence: float
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("data")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS))
     parser.add_argument("--router", help="also score a saved TideRouter (row 'saved') on the same splits")
     parser.add_argument("--json")
     args = parser.parse_args()

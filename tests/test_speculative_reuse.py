@@ -12,6 +12,7 @@ from test_speculative import NEW, counter, make_model, make_router, prompts, sna
 
 from tide_hf import TideRouter, TideRouterConfig, model_fingerprint
 from tide_hf.eval.easy import make_near_identity
+from tide_hf.integrations.draft import DraftEstimates
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -63,7 +64,6 @@ def test_smollm2_easy_model_greedy_identical_with_reuse(monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tide_hf.assets import smollm2_path
-    from tide_hf.integrations.draft import DraftEstimates
 
     monkeypatch.setattr(DraftEstimates, "plan", lambda _self, room: (min(room, 4), 1.0))
 
@@ -97,3 +97,28 @@ def test_smollm2_easy_model_greedy_identical_with_reuse(monkeypatch):
     assert torch.equal(out, stock_batch)
     assert reused + stats.speculative["reused"] >= 4 * 3  # drafts accepted, verifications reusing them
     assert snapshot(model) == before
+
+
+def test_verify_timings_come_from_rounds_with_a_tail(monkeypatch):
+    """A draft the gate stopped ran its last position through the first layers in a draft forward, so its
+    verification costs less than the model's v(k + 1) (less than a plain step when nothing was proposed):
+    only rounds whose tail ran in the verification time the slope, and zero-token rounds no plain step."""
+    widths: list[int] = []
+    plain = [0]
+
+    def observe_plain(self: DraftEstimates, _seconds: float) -> None:
+        plain[0] += 1
+        self.plain_s = 1.0  # the policy drafts once a plain step is timed
+
+    monkeypatch.setattr(DraftEstimates, "observe_verify", lambda _self, _s, tokens: widths.append(tokens))
+    monkeypatch.setattr(DraftEstimates, "observe_plain", observe_plain)
+    monkeypatch.setattr(DraftEstimates, "plan", lambda _self, room: (1, 1.0))  # one token: the gate stops some
+    model = make_model("shallow")
+    router = make_router(model, "mixed")
+    out, stats = speculative(model, router, prompts(0)[0][:1], max_new_tokens=48, do_sample=False, eos_token_id=None)
+    spec = stats.speculative
+    assert spec["gate_stops"] > 0 and spec["tail_forwards"] > 0  # precondition: both kinds of drafted rounds
+    assert spec["tail_forwards"] - 1 <= len(widths) <= spec["tail_forwards"]  # the last round is never closed
+    assert set(widths) == {2}
+    # a stopped one-token draft proposed nothing; its verification (of the reused position) is no plain step
+    assert 0 < plain[0] <= spec["plain_steps"] - spec["gate_stops"] - 1  # the prefill is no plain step either

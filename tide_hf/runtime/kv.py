@@ -126,6 +126,23 @@ class FusedPropagation:
             cache.update(keys[:, part], values[:, part], layer.self_attn.layer_idx)
 
 
+def initialize_cache_layers(cache: Any, layers: list[nn.Module]) -> None:
+    """Allocate the static-cache layers of `layers` that no forward has written yet, shaped like the first one.
+
+    A static cache allocates each layer at its first write; under `kv="recompute"` a skipped prefill leaves the
+    deep layers unwritten, and a compiled graph traced before that write would be traced again after it.
+    """
+    cache_layers = getattr(cache, "layers", None)
+    if not cache_layers or not getattr(cache_layers[0], "is_initialized", False) \
+            or not hasattr(cache_layers[0], "lazy_initialization"):
+        return
+    template = cache_layers[0]
+    for layer in layers:
+        target = cache_layers[layer.self_attn.layer_idx]
+        if not target.is_initialized:
+            target.lazy_initialization(template.keys[:, :, :1], template.values[:, :, :1])
+
+
 @dataclass
 class Pending:
     """Tokens of a skipped step whose deeper layers have not run yet: their state at `depth`."""

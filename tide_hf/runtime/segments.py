@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..compat import traceable_output_capture
-from .kv import KVRecompute, propagate_kv
+from .kv import KVRecompute, initialize_cache_layers, propagate_kv
 from .patching import Patches, forward_attribute
 from .session import Step
 from .skip import LayerSkipper
@@ -96,8 +96,10 @@ class SegmentedDecoding:
         (a `transformers.CompileConfig`; a new config compiles new graphs)."""
         if self._config != config:
             options = config.to_dict()
-            self._graphs = {s.first: torch.compile(own_code(self._segment_fn(s), f"tide_segment_{s.first}_{s.last}"),
-                                                   **options) for s in self.segments}
+            # plain steps and catch-up steps (kv="recompute": pending tokens ahead, dynamic length) per segment
+            self._graphs = {(s.first, catch_up): torch.compile(
+                own_code(self._segment_fn(s), f"tide_{'catch_up' if catch_up else 'segment'}_{s.first}_{s.last}"),
+                **options) for s in self.segments for catch_up in (False, True)}
             self._finish = {s.last: torch.compile(own_code(self._finish_fn(s.last), f"tide_finish_{s.last}"), **options)
                             for s in self.segments if s.threshold is not None}
             self._config = config
@@ -123,7 +125,7 @@ class SegmentedDecoding:
             for forward in forwards:
                 out = forward(out[0] if isinstance(out, tuple) else out, **kwargs)
             states = out[0] if isinstance(out, tuple) else out
-            mine = states[:, states.shape[1] - exit_layer.shape[1]:]
+            mine = states[:, states.shape[1] - exit_layer.shape[1]:].contiguous()  # a catch-up's strides: as plain
             if segment.threshold is None:  # the last layer: exited positions get their exit states
                 if exit_state is not None:
                     mine = torch.where((exit_layer < num_layers).unsqueeze(-1), exit_state, mine)
@@ -179,8 +181,10 @@ class SegmentedDecoding:
             for tensor in (block, cos, sin):
                 torch._dynamo.mark_dynamic(tensor, SEQUENCE_DIM, **bounds)
             torch._dynamo.mark_dynamic(mask, MASK_QUERY_DIM, **bounds)
+        if recompute is not None:  # deep cache layers a skipped prefill left unallocated: allocated before tracing
+            initialize_cache_layers(kwargs.get("past_key_values"), self.layers[segment.first - 1 : segment.last])
         with traceable_output_capture():
-            states, out, step.exit_layer, step.exit_state, done = self._graphs[segment.first](
+            states, out, step.exit_layer, step.exit_state, done = self._graphs[segment.first, extended is not None](
                 block, step.exit_layer, step.exit_state, step.valid, call_kwargs)
         if extended is not None:
             recompute.advance(due, states, segment.last)

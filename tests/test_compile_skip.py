@@ -91,7 +91,11 @@ def test_skip_mode_compiles_into_bounded_segment_graphs(kv: str, decisions: str)
 
 
 def test_compiled_skip_mode_keeps_the_static_cache_as_eager_does() -> None:
-    """Both kv policies leave the same static cache (keys and values of every layer) compiled as in eager."""
+    """Both kv policies leave every layer's static cache (lengths, keys, values) compiled as in eager.
+
+    Values agree to float rounding only: the compiled layers round differently from eager (every layer
+    differs by ~1e-7, also those that always run); a wrong or missing write differs by orders of magnitude.
+    """
     model = make_model()
     ids, mask = left_padded()
     router = mixed_router(model, ids, mask, quantiles=MIXED)
@@ -101,6 +105,8 @@ def test_compiled_skip_mode_keeps_the_static_cache_as_eager_does() -> None:
             for config in ({}, {"compile_config": compiled()}):
                 out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12,
                                      do_sample=False, pad_token_id=0, return_dict_in_generate=True, **static(**config))
-                caches.append([(layer.keys.clone(), layer.values.clone()) for layer in out.past_key_values.layers])
-        for (k_eager, v_eager), (k_compiled, v_compiled) in zip(*caches):
-            assert torch.equal(k_eager, k_compiled) and torch.equal(v_eager, v_compiled)
+                caches.append([(int(layer.cumulative_length), layer.keys.clone(), layer.values.clone())
+                               for layer in out.past_key_values.layers])
+        for eager, compiled_ in zip(*caches):
+            assert eager[0] == compiled_[0]
+            torch.testing.assert_close(compiled_[1:], eager[1:], rtol=1e-5, atol=1e-6)

@@ -84,7 +84,7 @@ class SegmentedDecoding:
         self.forwards = [skipper.originals.get(n, layer.forward) for n, layer in enumerate(layers, 1)]
         self.fused = skipper.fused
         self._local = threading.local()
-        self._graphs: dict[int, Callable] = {}
+        self._graphs: dict[tuple[int, bool], Callable] = {}  # (first layer, catch-up) -> compiled segment
         self._finish: dict[int, Callable] = {}
         self._config: Any = None
         for number, layer in enumerate(layers, 1):

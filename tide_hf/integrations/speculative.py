@@ -49,9 +49,9 @@ from torch import Tensor, nn
 from transformers import GenerationConfig
 from transformers.generation.candidate_generator import CandidateGenerator
 
+from ..compat import CANDIDATE_GENERATOR_FACTORY, eos_token_tensor, extend_model_kwargs
 from ..modeling import layer_output
 from ..runtime import Patches, Session, TideHandle
-from .compat import CANDIDATE_GENERATOR_FACTORY, eos_token_tensor, extend_model_kwargs
 from .draft import (
     DraftEstimates,
     best_draft_length,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -123,3 +124,19 @@ def test_version_matches_pyproject() -> None:
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]
     assert tide_hf.__version__ == project["version"]
+
+
+def test_optional_test_dependencies_skip_instead_of_breaking_collection() -> None:
+    """A test module imports the `test` extra's packages (those not installed by `pip install .`) only through
+    `pytest.importorskip`, so `pytest -k ...` without the extra collects (it skips those modules)."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]
+    required = {re.split(r"[<>=!~ \[;]", d)[0].lower().replace("-", "_") for d in project["dependencies"]}
+    optional = {d.lower().replace("-", "_") for d in project["optional-dependencies"]["test"]} - required - {"pytest"}
+    offenders = []
+    for path in sorted((PACKAGE.parent / "tests").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:  # module level only: imports inside tests are fine
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0].lower() in optional]
+    assert optional and not offenders, offenders

@@ -73,3 +73,11 @@ def test_plot_without_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     with pytest.raises(PlottingUnavailable, match=r"pip install 'tide_hf\[plot\]'"):
         pyplot()
+
+
+def test_the_demo_states_its_quality_target() -> None:
+    line = demo.describe_target({"min_agreement": 0.95, "confidence": 0.9}, "sotu")
+    assert ">= 95% top-1 agreement" in line and "90% confidence" in line and "(sotu)" in line
+    both = demo.describe_target({"min_agreement": 0.97, "max_perplexity_increase": 0.05, "confidence": 0.8}, None)
+    assert ">= 97%" in both and "<= +5% perplexity" in both and "80% confidence" in both
+    assert "none" in demo.describe_target(None, "sotu")

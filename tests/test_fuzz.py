@@ -10,11 +10,13 @@ import warnings
 import pytest
 import torch
 from helpers import ByteTokenizer, hooks, make_model, make_tiny_llama, new_router
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import tide_hf
 from tide_hf import TideError, TideRouterConfig
+
+hypothesis = pytest.importorskip("hypothesis")  # the `test` extra; without it the module skips, collection goes on
+st = pytest.importorskip("hypothesis.strategies")
+HealthCheck, given, settings = hypothesis.HealthCheck, hypothesis.given, hypothesis.settings
 
 FUZZ = settings(max_examples=25, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,18 +14,19 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tide_hf"
 MAX_LINES = 400
-# room -> rooms it may import. The base (errors, config, plotting, assets) imports no room but config, which
+# room -> rooms it may import. The base (errors, config, plotting, assets, compat: transformers' private names)
+# imports no room but config, which
 # raises the errors of errors.py; the model side
 # comes next, then kernels, the runtime and the transformers integration; calibration needs only the model
 # side; eval may use everything but the CLI; the CLI everything; the package root everything but eval / cli.
-BASE = {"errors", "config", "plotting", "assets"}
+BASE = {"errors", "config", "plotting", "assets", "compat"}
 ALLOWED = {
     **{room: set() for room in BASE},
     "config": {"errors"},
     "modeling": {"errors", "config"},
     "kernels": {"errors", "config"},
-    "runtime": {"errors", "config", "plotting", "modeling", "kernels"},
-    "integrations": {"errors", "config", "modeling", "kernels", "runtime"},
+    "runtime": {"errors", "config", "compat", "plotting", "modeling", "kernels"},
+    "integrations": {"errors", "config", "compat", "modeling", "kernels", "runtime"},
     "calibration": {"errors", "config", "assets", "modeling"},
     "eval": BASE | {"modeling", "kernels", "runtime", "integrations", "calibration"},
     "cli": BASE | {"modeling", "kernels", "runtime", "integrations", "calibration", "eval"},
@@ -122,3 +124,19 @@ def test_version_matches_pyproject() -> None:
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]
     assert tide_hf.__version__ == project["version"]
+
+
+def test_optional_test_dependencies_skip_instead_of_breaking_collection() -> None:
+    """A test module imports the `test` extra's packages (those not installed by `pip install .`) only through
+    `pytest.importorskip`, so `pytest -k ...` without the extra collects (it skips those modules)."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]
+    required = {re.split(r"[<>=!~ \[;]", d)[0].lower().replace("-", "_") for d in project["dependencies"]}
+    optional = {d.lower().replace("-", "_") for d in project["optional-dependencies"]["test"]} - required - {"pytest"}
+    offenders = []
+    for path in sorted((PACKAGE.parent / "tests").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:  # module level only: imports inside tests are fine
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0].lower() in optional]
+    assert optional and not offenders, offenders

@@ -156,17 +156,22 @@ def test_drafts_are_accepted_and_save_full_forwards():
     ids, mask = prompts(0)
     prompt = ids[:1, -int(mask[0].sum()):]
     full, draft = counter(model.model.layers[-1]), counter(model.model.layers[3])
+    computed = counter(model.model.layers[0].self_attn)  # layer 1's real work (reusing verifications skip it)
     with torch.no_grad():
         stock = model.generate(prompt, max_new_tokens=32, do_sample=False)
     assert full[0] == 32
-    full[0] = draft[0] = 0
+    full[0] = draft[0] = computed[0] = 0
     out, stats = speculative(model, router, prompt, max_new_tokens=32, do_sample=False)
     spec = stats.speculative
     assert torch.equal(out, stock)
     assert spec["accepted"] > 0 and spec["acceptance_rate"] > 0.5
     assert full[0] < 32  # fewer full-depth forwards than generated tokens
     assert full[0] == spec["rounds"] + spec["plain_steps"]
-    assert draft[0] == full[0] + spec["draft_forwards"]  # every forward runs layer 4, drafts stop there
+    assert draft[0] == full[0] + spec["draft_forwards"] + spec["tail_forwards"]  # all reach layer 4, drafts stop there
+    # verifications after a draft reuse its first layers: those ran for the prefill, the verifications
+    # without a draft, and the draft and tail forwards only
+    assert spec["reused"] >= spec["rounds"] > 0
+    assert computed[0] == 1 + (full[0] - 1 - spec["reused"]) + spec["draft_forwards"] + spec["tail_forwards"]
     assert spec["accepted"] <= spec["drafted"] <= spec["draft_forwards"]
     assert spec["mean_draft_length"] == pytest.approx(spec["drafted"] / spec["rounds"])
 

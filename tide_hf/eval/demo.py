@@ -133,6 +133,7 @@ def compare(model: Any, tokenizer: Any, router: TideRouter, prompt: str, new_tok
         decode = handle.last_stats.decode
         stats = handle.last_stats
         top1 = teacher_forced_top1(model, inputs, stock)
+        target = handle.options.target
     n = min(len(stock), len(tide))
     same = (stock[:n] == tide[:n]).tolist()
     return {
@@ -142,13 +143,28 @@ def compare(model: Any, tokenizer: Any, router: TideRouter, prompt: str, new_tok
                  "tok_s": len(tide) / tide_s, "layers": decode.mean_executed, "exit_rate": decode.exit_rate},
         "num_layers": num_layers, "same_tokens": sum(same) / max(len(stock), 1),
         "first_difference": next((i for i, s in enumerate(same) if not s), None), "top1": top1, "stats": stats,
+        "target": target, "calibration_text": router.config.dataset,
     }
+
+
+def describe_target(target: dict[str, float] | None, calibration_text: str | None) -> str:
+    """The quality the attached thresholds were chosen to keep, in words."""
+    if not target:
+        return "quality target: none (the router's global exit threshold)"
+    goals = []
+    if "min_agreement" in target:
+        goals.append(f">= {target['min_agreement']:.0%} top-1 agreement with stock")
+    if "max_perplexity_increase" in target:
+        goals.append(f"<= {target['max_perplexity_increase']:+.0%} perplexity")
+    return (f"quality target: {' and '.join(goals)}, held with {target['confidence']:.0%} confidence on text like "
+            f"the calibration text ({calibration_text or 'unnamed'}); other text may differ")
 
 
 def print_comparison(result: dict[str, Any]) -> None:
     """The two answers and their figures, side by side."""
     s, t, n = result["stock"], result["tide"], result["num_layers"]
     mode = ", ".join(f"{k}={v}" for k, v in DEMO_ATTACH.items())
+    print(f"\n{describe_target(result['target'], result['calibration_text'])}")
     first = result["first_difference"]
     rows = [
         ("", "stock", f"TIDE ({mode})"),

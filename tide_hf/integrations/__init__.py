@@ -1,5 +1,5 @@
 """transformers integration: the `generate(tide=...)` keyword, the per-step logits processor, and the
-speculative candidates stock assisted decoding verifies; `compat` holds every private transformers name."""
+speculative candidates stock assisted decoding verifies; `tide_hf.compat` holds every private transformers name."""
 
 from __future__ import annotations
 

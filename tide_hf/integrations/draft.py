@@ -1,8 +1,10 @@
 """How far and where speculative mode drafts: the speculative-decoding optimum from acceptance and cost.
 
 A round drafts k tokens (k forwards through the first `draft_layer` layers, c plain steps each) and
-verifies k + 1 tokens in one full forward (v(k + 1) = 1 + s * k plain steps; s, the verify slope, is ~0
-when a step is memory-bound and larger on CPUs). With per-token acceptance a it emits
+verifies k + 1 tokens (v(k + 1) = 1 + s * k plain steps). Verification reuses the drafts' first layers
+(`reuse.py`): it runs the last draft token through them (the tail) and only the deeper layers and the head
+for all k + 1 positions, so s, the verify slope, is the extra cost of one more position in the deeper
+layers and the head alone: ~0 when a step is memory-bound, larger on CPUs. With per-token acceptance a it emits
 (1 - a^(k+1)) / (1 - a) tokens (Leviathan et al., 2023), so its speed relative to plain decoding is
 
     E(k) = (1 - a^(k+1)) / ((1 - a) * (1 + s * k + c * k)),   E(0) = 1 (a plain step).
@@ -143,7 +145,7 @@ class DraftEstimates:
         self.draft_s = self._running("draft", self.draft_s, seconds_per_forward)
 
     def observe_verify(self, seconds: float, tokens: int) -> None:
-        """A verification of `tokens` > 1 tokens: its time beyond a plain step, per extra token."""
+        """A verification of `tokens` > 1 tokens (tail included): its time beyond a plain step, per extra token."""
         if self.plain_s is not None and tokens > 1:
             extra = (seconds / self.plain_s - 1.0) / (tokens - 1)
             # each new verify width is a new shape (kernel selection, allocations): its first sample is dropped

@@ -7,8 +7,10 @@ via `_get_candidate_generator`, replaced on the model instance for the duration 
 
 * drafts run the model's first `draft_layer` layers (`config.num_hidden_layers` is lowered around each
   draft forward, the mechanism of stock `assistant_early_exit`) on the main KV cache: the verified cache
-  of those layers is reused, so drafting needs no prefill of its own, and the draft entries are cropped
-  before verification;
+  of those layers is reused, so drafting needs no prefill of its own;
+* verification reuses the draft's work (`reuse.py`): the draft already ran the first `draft_layer` layers
+  one token at a time for every position the verifier checks, so the verification forward runs only the
+  deeper layers (and the head) on the draft's layer-`draft_layer` states and K/V;
 * the router at `draft_layer` gates every draft token: drafting stops as soon as it says "not converged",
   and a round only starts drafting when the router called the previous token converged (its score comes
   for free from the full-depth forward, which runs `draft_layer` anyway), so a shut gate costs nothing;
@@ -35,7 +37,6 @@ from another thread during a speculative call.
 
 from __future__ import annotations
 
-import copy
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -48,9 +49,9 @@ from torch import Tensor, nn
 from transformers import GenerationConfig
 from transformers.generation.candidate_generator import CandidateGenerator
 
+from ..compat import CANDIDATE_GENERATOR_FACTORY, eos_token_tensor, extend_model_kwargs
 from ..modeling import layer_output
 from ..runtime import Patches, Session, TideHandle
-from .compat import CANDIDATE_GENERATOR_FACTORY, eos_token_tensor, extend_model_kwargs
 from .draft import (
     DraftEstimates,
     best_draft_length,
@@ -59,14 +60,14 @@ from .draft import (
     prior_acceptance,
     prior_speedup,
 )
+from .reuse import DraftReuse, install_reuse
+from .rows import fallback_reason, row_kwargs, stack_rows
 
 # A rejected draft token costs one draft forward, nothing else: the gate stops a draft only where the router
 # calls the token more likely unconverged than not, never at a quality target's stricter threshold (those are
 # for exits whose tokens are emitted).
 GATE_THRESHOLD = 0.5
 PLAIN_TIMING_EVERY = 16  # drafting rounds between plain steps that keep the plain-step time current
-_FALLBACK_KWARGS = ("assistant_model", "custom_generate", "past_key_values", "inputs_embeds", "stop_strings",
-                    "negative_prompt_ids")
 _ESTIMATES: weakref.WeakKeyDictionary[nn.Module, dict[int, DraftEstimates]] = weakref.WeakKeyDictionary()
 
 
@@ -114,6 +115,8 @@ class SpeculativeStats:
     accepted: int = 0  # proposed tokens the verifier kept
     trials: int = 0  # proposed tokens the verifier checked (up to and including the first rejected one)
     draft_forwards: int = 0  # forwards through the first `draft_layer` layers
+    tail_forwards: int = 0  # the last draft token through the first layers, without the head (for reuse)
+    reused: int = 0  # verification forwards that ran only the layers after `draft_layer`
     gate_stops: int = 0  # drafts cut short because the router said "not converged"
     draft_cost: float = 0.0  # c at the end of the call: a draft forward's time over a plain step's
     verify_slope: float = 0.0  # s at the end of the call: extra plain steps per extra verified token
@@ -146,6 +149,8 @@ class TideCandidateGenerator(CandidateGenerator):
         self.do_sample = bool(generation_config.do_sample)
         self.max_length = generation_config.max_length
         self.eos = eos_token_tensor(generation_config)
+        self.reuse = DraftReuse(self.cache, self.layer, enabled=not (generation_config.output_hidden_states
+                                                                     or generation_config.output_attentions))
         self.threshold = min(handle.options.threshold(self.layer), GATE_THRESHOLD)
         self.drafting = False  # set around draft forwards (read by the hooks)
         self.gate_open = False  # the router's verdict on the newest draft token
@@ -154,7 +159,8 @@ class TideCandidateGenerator(CandidateGenerator):
         self.pregate = False  # the router's verdict on the last token the verifier emitted
         self.round_start: float | None = None
         self.prefill = True  # the open round is the prefill (not a plain step's time)
-        self.last: tuple[int, int, float] | None = None  # (proposed, forwards, draft seconds) of the open round
+        # (proposed, draft forwards, their seconds, whether the verification is a timing sample) of the open round
+        self.last: tuple[int, int, float, bool] | None = None
         self.declined = 0  # rounds the plan declined since the last drafted one
         self.since_plain = 0  # rounds since the last plain step (timed: drafting rounds leave no plain time)
 
@@ -163,6 +169,7 @@ class TideCandidateGenerator(CandidateGenerator):
         hidden = layer_output(output)
         if self.drafting:
             self.gate_open = bool(self.handle.score(self.layer, hidden[:, -1]).min() >= self.threshold)
+            self.reuse.record(output)
         else:  # a verification forward: keep the scores of the positions that may predict the next token
             self.window_scores = self.handle.score(self.layer, hidden[:, -self.window:])
 
@@ -179,6 +186,7 @@ class TideCandidateGenerator(CandidateGenerator):
         if self.round_start is not None:
             self._close_round(now - self.round_start)
         self.round_start, self.last, self.window = now, None, 1
+        self.reuse.clear()
         room = self.max_length - input_ids.shape[1] - 1  # tokens one round may draft, the verifier's own aside
         if self.cache.get_seq_length() != input_ids.shape[1] - 1 or room < 1:  # the prefill, or no room left
             return input_ids, None
@@ -218,7 +226,8 @@ class TideCandidateGenerator(CandidateGenerator):
     # -- internals --
     def _draft(self, input_ids: torch.LongTensor, room: int, start: float) -> tuple[torch.LongTensor, Tensor | None]:
         config = getattr(self.model, self.model.base_model_prefix).config
-        ids, scores, forwards = input_ids, [], 0
+        ids, scores, forwards, tail = input_ids, [], 0, False
+        reuse = self.reuse.available()
         patches = Patches()
         patches.set_attr(config, "num_hidden_layers", self.layer)  # stock early-exit drafting's mechanism
         self.drafting = True
@@ -234,24 +243,34 @@ class TideCandidateGenerator(CandidateGenerator):
                 ids, scores = torch.cat([ids, token.to(ids.device)], dim=-1), [*scores, step]
                 if self.eos is not None and bool(torch.isin(token, self.eos.to(token.device)).any()):
                     break
+            draft_seconds = time.perf_counter() - start
+            proposed = ids.shape[1] - input_ids.shape[1]
+            if reuse and forwards == proposed:  # the last draft token still needs the first layers: the tail
+                self._forward(ids, head=False)
+                tail = True
         finally:
             patches.restore()
             self.drafting = False
-            if forwards:  # back to the verified length
-                for cache_layer in self.cache.layers[: self.layer]:
-                    cache_layer.crop(-forwards)
+            if forwards:  # back to the verified length, the draft's work kept for the verification
+                self.reuse.stash(forwards + tail, keep=reuse)
         self.stats.draft_forwards += forwards
-        proposed = ids.shape[1] - input_ids.shape[1]
-        self.last, self.window = (proposed, forwards, time.perf_counter() - start), proposed + 1
+        self.stats.tail_forwards += tail
+        # a verification whose first position the last draft forward ran is cheaper than the model's v(k + 1)
+        self.last, self.window = (proposed, forwards, draft_seconds, tail or not reuse), proposed + 1
         if proposed == 0:
             return input_ids, None
         return ids, (torch.stack(scores, dim=1) if self.do_sample else None)
 
-    def _forward(self, ids: torch.LongTensor) -> torch.Tensor:
-        """Logits of the last position of `ids`, its predecessors being in the cache of the draft layers."""
+    def _forward(self, ids: torch.LongTensor, head: bool = True) -> torch.Tensor | None:
+        """Logits of the last position of `ids`, its predecessors being in the cache of the draft layers
+        (`head=False`: the model body only, for its cache entries and the hooks; returns None)."""
         kwargs = extend_model_kwargs(self.kwargs, ids.shape[1])
         inputs = self.model.prepare_inputs_for_generation(ids, next_sequence_length=1, past_key_values=self.cache,
                                                           **kwargs)
+        if not head:
+            inputs.pop("logits_to_keep", None)
+            getattr(self.model, self.model.base_model_prefix)(**inputs)
+            return None
         if "logits_to_keep" in inputs:
             inputs["logits_to_keep"] = 1
         return self.model(**inputs).logits[:, -1].to(dtype=torch.float32, device=ids.device)
@@ -265,8 +284,10 @@ class TideCandidateGenerator(CandidateGenerator):
             self.estimates.observe_plain(seconds)
             self.since_plain = 0
             return
-        proposed, forwards, draft_seconds = self.last
+        proposed, forwards, draft_seconds, timed = self.last
         self.estimates.observe_draft(draft_seconds / forwards)
+        if not timed:  # the last draft forward did the verification's first layers: not the modelled cost
+            return
         verify = seconds - draft_seconds
         if proposed == 0:  # the gate shut at the first draft forward: the verification was a plain step
             self.estimates.observe_plain(verify)
@@ -283,6 +304,7 @@ def _patched(model: nn.Module, factory: Callable[..., CandidateGenerator], handl
         raise RuntimeError("a speculative generate call is already running on this model (one at a time)")
     layers = handle.adapter.layers
     with Patches() as patches:
+        install_reuse(layers, layer, lambda: owner[-1].reuse if owner else None, patches)
         patches.hook(layers[layer - 1].register_forward_hook(lambda *a: owner[-1].gate_hook(*a) if owner else None))
         patches.hook(layers[layer].register_forward_pre_hook(lambda *a: owner[-1].depth_guard(*a) if owner else None))
         patches.set_attr(model, CANDIDATE_GENERATOR_FACTORY, factory)
@@ -290,34 +312,6 @@ def _patched(model: nn.Module, factory: Callable[..., CandidateGenerator], handl
 
 
 # -- entry point ------------------------------------------------------------------------------------------
-def _fallback_reason(model: nn.Module, args: tuple, kwargs: dict, batch: int) -> str | None:
-    """Why stock assisted decoding could not reproduce stock generate for this call (None: it can)."""
-    if len(args) > 1:
-        return "positional arguments after the inputs"
-    given = [k for k in _FALLBACK_KWARGS if kwargs.get(k) is not None]
-    if given:
-        return f"{given[0]}= given"
-    if kwargs.get("stopping_criteria"):
-        return "custom stopping criteria (assisted decoding checks them once per round, not per token)"
-    if model.device.type == "meta":  # stock moves candidates to `model.device`, its first parameter's device
-        return "the model's first parameter is offloaded (on the meta device)"
-    gc = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
-    for key, value in kwargs.items():  # plain setattr: `update()` would validate and warn a second time
-        if hasattr(gc, key):
-            setattr(gc, key, value)
-    if (gc.num_beams or 1) > 1 or (gc.num_return_sequences or 1) > 1:
-        return "beam search or several sequences per prompt"
-    if gc.use_cache is False or gc.cache_implementation is not None or gc.use_mtp:
-        return "cache settings that assisted decoding does not support"
-    if gc.guidance_scale not in (None, 1.0) or gc.dola_layers is not None:
-        return "classifier-free guidance or DoLa"
-    if gc.assistant_early_exit is not None or gc.prompt_lookup_num_tokens is not None:
-        return "another assisted-decoding method requested"
-    if batch > 1 and (gc.return_dict_in_generate or kwargs.get("streamer") is not None):
-        return "return_dict_in_generate or a streamer with batch size > 1"
-    return None
-
-
 def generate(handle: TideHandle, original: Callable, model: nn.Module, args: tuple, kwargs: dict,
              session: Session) -> Any:
     """Stock `generate` with router-gated self-speculation: the output equals stock generate's (greedy: token
@@ -326,7 +320,7 @@ def generate(handle: TideHandle, original: Callable, model: nn.Module, args: tup
     batch = inputs.shape[0] if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 else 0
     layer = resolve_draft_layer(handle)
     stats = SpeculativeStats(layer, prior_speedup(handle.router, handle.adapter, layer))
-    stats.fallback = "no 2-D input_ids" if batch == 0 else _fallback_reason(model, args, kwargs, batch)
+    stats.fallback = "no 2-D input_ids" if batch == 0 else fallback_reason(model, args, kwargs, batch)
     try:
         with handle.disabled():  # the router runs only in the gate hook; verification is the stock model
             if stats.fallback is not None:
@@ -335,9 +329,9 @@ def generate(handle: TideHandle, original: Callable, model: nn.Module, args: tup
             kwargs = {k: v for k, v in kwargs.items() if k != "inputs"} | {key: inputs}
             if batch == 1:
                 return _generate_row(handle, original, model, kwargs, stats, session)
-            rows = [_generate_row(handle, original, model, _row(kwargs, i, batch), stats, session)
+            rows = [_generate_row(handle, original, model, row_kwargs(kwargs, i, batch), stats, session)
                     for i in range(batch)]
-            return _stack(rows, model, kwargs)
+            return stack_rows(rows, model, kwargs)
     finally:
         estimates = draft_estimates(handle, layer)
         stats.draft_cost, stats.verify_slope = estimates.cost, estimates.slope
@@ -354,6 +348,7 @@ def _generate_row(handle: TideHandle, original: Callable, model: nn.Module, kwar
 
     with _patched(model, factory, handle, stats.draft_layer, owner):
         out = original(model, **kwargs, assistant_early_exit=stats.draft_layer)
+    stats.reused += sum(generator.reuse.verified for generator in owner)
     _count_tokens(handle, session, kwargs, out)
     return out
 
@@ -369,22 +364,3 @@ def _count_tokens(handle: TideHandle, session: Session, kwargs: dict, out: Any) 
     full = handle.num_layers
     session.stats.prefill.add(torch.full((prompt,), full), full)
     session.stats.decode.add(torch.full((max(new - 1, 0),), full), full)
-
-
-def _row(kwargs: dict, i: int, batch: int) -> dict:
-    """Row `i` of every per-row tensor argument (left padding and mask kept, as the batch had them)."""
-    return {k: v[i: i + 1] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch else v
-            for k, v in kwargs.items()}
-
-
-def _stack(rows: list[torch.Tensor], model: nn.Module, kwargs: dict) -> torch.Tensor:
-    """Right-pad the rows with the pad id stock batched generate uses after EOS (the EOS id without one)."""
-    gc = kwargs.get("generation_config") or model.generation_config
-    pad = kwargs.get("pad_token_id", gc.pad_token_id)
-    if pad is None:
-        eos = kwargs.get("eos_token_id", gc.eos_token_id)
-        pad = eos[0] if isinstance(eos, (list, tuple)) else eos
-    width = max(r.shape[1] for r in rows)
-    if pad is None and any(r.shape[1] != width for r in rows):
-        raise ValueError("rows ended at different lengths but there is neither a pad nor an EOS token id to pad with")
-    return torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=pad or 0) for r in rows], dim=0)

@@ -31,18 +31,21 @@ def model_call(model: nn.Module) -> Callable:
 class CompiledCall:
     """Stands in for `model.get_compiled_call` while a handle is attached (same signature and caching)."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, steps: Callable[[Any], Callable] | None = None) -> None:
+        """`steps(config)`, when given, makes the compiled step instead (skip mode's segments, `segments.py`)."""
+        self.model, self.steps = model, steps
         self._compiled: tuple[Any, Callable] | None = None
 
     def __call__(self, compile_config: Any = None) -> Callable:
         config = compile_config or getattr(self.model.generation_config, "compile_config", None) or CompileConfig()
+        if self.steps is not None:
+            return self.steps(config)
         if self._compiled is None or self._compiled[0] != config:
             self._compiled = (config, torch.compile(model_call(self.model), **config.to_dict()))
         return self._compiled[1]
 
 
-def install_compiled_call(model: nn.Module, patches: Patches) -> None:
-    """Replace `model.get_compiled_call` (recorded in `patches`) when the model has one."""
+def install_compiled_call(model: nn.Module, patches: Patches, steps: Callable[[Any], Callable] | None = None) -> None:
+    """Replace `model.get_compiled_call` (recorded in `patches`) when the model has one; `steps`: see `CompiledCall`."""
     if hasattr(model, COMPILED_CALL):
-        patches.set_attr(model, COMPILED_CALL, CompiledCall(model))
+        patches.set_attr(model, COMPILED_CALL, CompiledCall(model, steps))

@@ -30,6 +30,7 @@ from ..modeling.targets import select
 from .compiled import install_compiled_call
 from .kv import KVRecompute
 from .patching import Patches
+from .segments import SegmentedDecoding
 from .session import Session, Step
 from .skip import LayerSkipper
 from .stats import ExitStats
@@ -78,10 +79,15 @@ class TideHandle:
         for k in self.checkpoints:
             self._patches.hook(adapter.layers[k - 1].register_forward_hook(self._checkpoint_hook(k)))
         self._patches.hook(adapter.layers[-1].register_forward_hook(self._final_hook))
-        install_compiled_call(model, self._patches)  # transformers' compiled decoding steps: graphs of TIDE's own
         self._skipper = LayerSkipper(adapter.layers, self.open_checkpoints[0], options.kv, self.current_step,
                                      self.recompute_state, self._patches) \
             if options.mode == "skip" and self.open_checkpoints else None
+        segments = SegmentedDecoding(model, adapter.layers, self.open_checkpoints, options.kv, options.threshold,
+                                     self.score, self.exit_mask, self.current_step, self.recompute_state,
+                                     self._skipper, self._patches) \
+            if self._skipper is not None and SegmentedDecoding.supported(adapter.layers) else None
+        # transformers' compiled decoding steps: graphs of TIDE's own (skip mode: one per segment of layers)
+        install_compiled_call(model, self._patches, None if segments is None else segments.compiled_call)
 
     def __enter__(self) -> TideHandle:
         return self
@@ -215,7 +221,7 @@ class TideHandle:
 
         def hook(_module: nn.Module, _args: tuple, output: Any) -> None:
             step = getattr(self._local, "step", None)
-            if step is None or threshold >= 1.0 or step.skip_after is not None or not self._active():
+            if step is None or threshold >= 1.0 or step.skip_after is not None or step.segmented or not self._active():
                 return  # (skip mode: once every row has exited, later checkpoints have nothing to decide)
             hidden = layer_output(output)
             fresh = step.exit_layer == self.num_layers
@@ -233,7 +239,7 @@ class TideHandle:
 
     def _final_hook(self, _module: nn.Module, _args: tuple, output: Any) -> Any:
         step = getattr(self._local, "step", None)
-        if step is None or step.exit_state is None or self.options.mode == "speculative":
+        if step is None or step.exit_state is None or step.segmented or self.options.mode == "speculative":
             return None  # speculative mode only drafts with exits; verification stays exact
         hidden = layer_output(output)
         exited = (step.exit_layer < self.num_layers).to(hidden.device).unsqueeze(-1)

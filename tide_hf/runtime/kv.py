@@ -126,6 +126,23 @@ class FusedPropagation:
             cache.update(keys[:, part], values[:, part], layer.self_attn.layer_idx)
 
 
+def initialize_cache_layers(cache: Any, layers: list[nn.Module]) -> None:
+    """Allocate the static-cache layers of `layers` that no forward has written yet, shaped like the first one.
+
+    A static cache allocates each layer at its first write; under `kv="recompute"` a skipped prefill leaves the
+    deep layers unwritten, and a compiled graph traced before that write would be traced again after it.
+    """
+    cache_layers = getattr(cache, "layers", None)
+    if not cache_layers or not getattr(cache_layers[0], "is_initialized", False) \
+            or not hasattr(cache_layers[0], "lazy_initialization"):
+        return
+    template = cache_layers[0]
+    for layer in layers:
+        target = cache_layers[layer.self_attn.layer_idx]
+        if not target.is_initialized:
+            target.lazy_initialization(template.keys[:, :, :1], template.values[:, :, :1])
+
+
 @dataclass
 class Pending:
     """Tokens of a skipped step whose deeper layers have not run yet: their state at `depth`."""
@@ -163,34 +180,49 @@ class KVRecompute:
         cos, sin = kwargs["position_embeddings"]
         self.pending.append(Pending(hidden, depth, cos, sin))
 
-    def run(self, number: int, layer: nn.Module, original: Callable, hidden: torch.Tensor,
-            kwargs: dict[str, Any], mask2d: torch.Tensor | None) -> Any:
-        """Run layer `number` on [pending tokens at depth number-1, step tokens]; return the step's part."""
+    def extend(self, number: int, layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any],
+               mask2d: torch.Tensor | None) -> tuple[list[Pending], torch.Tensor, dict[str, Any]] | None:
+        """Inputs for layer `number` (`layer`) on [pending tokens at depth number-1, step tokens]: (due blocks, the
+        extended hidden states, the layer's kwargs for them); None when no pending token is due there."""
         due = [p for p in self.pending if p.depth == number - 1]
         if not due:
-            return original(hidden, **kwargs)
+            return None
         block = torch.cat([p.hidden for p in due] + [hidden], dim=1)
         cos, sin = kwargs["position_embeddings"]
         ext = dict(kwargs, position_embeddings=(torch.cat([p.cos for p in due] + [cos], dim=1),
                                                 torch.cat([p.sin for p in due] + [sin], dim=1)))
         ext.pop("position_ids", None)  # rotary comes from position_embeddings
-        ext["attention_mask"] = self._mask(layer, kwargs["past_key_values"], block, mask2d)
-        out = original(block, **ext)
-        states = out[0] if isinstance(out, tuple) else out
+        ext["attention_mask"] = self.catch_up_mask(kwargs["past_key_values"], layer.self_attn.layer_idx, block, mask2d)
+        return due, block, ext
+
+    def advance(self, due: list[Pending], states: torch.Tensor, depth: int) -> torch.Tensor:
+        """Record `states` (B, due + step tokens, H), the output of layer `depth` for the block `extend` built,
+        as the due tokens' new state; return the step's own part."""
         start = 0
         for p in due:
             width = p.hidden.shape[1]
-            p.hidden, p.depth, start = states[:, start : start + width], number, start + width
+            p.hidden, p.depth, start = states[:, start : start + width], depth, start + width
         self.pending = [p for p in self.pending if p.depth < self.num_layers]
-        mine = states[:, start:]
+        return states[:, start:]
+
+    def run(self, number: int, layer: nn.Module, original: Callable, hidden: torch.Tensor,
+            kwargs: dict[str, Any], mask2d: torch.Tensor | None) -> Any:
+        """Run layer `number` on [pending tokens at depth number-1, step tokens]; return the step's part."""
+        extended = self.extend(number, layer, hidden, kwargs, mask2d)
+        if extended is None:
+            return original(hidden, **kwargs)
+        due, block, ext = extended
+        out = original(block, **ext)
+        mine = self.advance(due, out[0] if isinstance(out, tuple) else out, number)
         return (mine, *out[1:]) if isinstance(out, tuple) else mine
 
     @staticmethod
-    def _mask(layer: nn.Module, cache: Any, block: torch.Tensor, mask2d: torch.Tensor | None) -> torch.Tensor:
-        """Additive mask for the extended queries: causal, padding from the call's 2-D mask."""
-        cached = cache.layers[layer.self_attn.layer_idx].get_seq_length()
+    def catch_up_mask(cache: Any, layer_idx: int, block: torch.Tensor, mask2d: torch.Tensor | None) -> torch.Tensor:
+        """Additive mask for the extended queries of cache layer `layer_idx`: causal, padding from the call's
+        2-D mask."""
+        cached = cache.layers[layer_idx].get_seq_length()
         queries = block.shape[1]
-        width = max(cache.layers[layer.self_attn.layer_idx].get_max_length(), cached + queries)
+        width = max(cache.layers[layer_idx].get_max_length(), cached + queries)
         keys = torch.arange(width, device=block.device)
         allowed = keys[None, :] <= cached + torch.arange(queries, device=block.device)[:, None]
         allowed = allowed[None].expand(block.shape[0], -1, -1)

@@ -23,6 +23,7 @@ class Step:
     skip_after: int | None = None  # skip mode: every row exited here, later layers are not run
     skipped: int = 0  # layers the skip wrappers did not run in this forward
     mask2d: torch.Tensor | None = None  # the call's (batch, length) attention mask, when it has one
+    segmented: bool = False  # compiled skip mode: the segment graphs make the exit decisions, not the hooks
 
 
 @dataclass

@@ -40,14 +40,16 @@ class LayerSkipper:
         """
         self.current_step, self.recompute_state = current_step, recompute_state
         self._returns_tuple: dict[int, bool] = {}
+        self.originals: dict[int, Callable] = {}  # layer number -> the forward it replaced (compiled segments run it)
         skippable = list(layers)[first_checkpoint:]
-        self._fused = FusedPropagation.build(skippable, first_checkpoint + 1) if kv == "propagate" else None
+        self.fused = FusedPropagation.build(skippable, first_checkpoint + 1) if kv == "propagate" else None
         for number in range(first_checkpoint + 1, len(layers) + 1):
             layer = layers[number - 1]
             patches.replace_forward(
                 layer, lambda original, number=number, layer=layer: self._wrap(number, layer, original))
 
     def _wrap(self, number: int, layer: nn.Module, original: Callable) -> Callable:
+        self.originals[number] = original
         def forward(*args: Any, **kwargs: Any) -> Any:
             step = self.current_step()
             recompute = self.recompute_state(kwargs.get("past_key_values"))
@@ -62,9 +64,9 @@ class LayerSkipper:
             if recompute is not None:
                 if number == step.skip_after + 1:
                     recompute.park(hidden, step.skip_after, kwargs)
-            elif self._fused is not None:
+            elif self.fused is not None:
                 if number == step.skip_after + 1:  # one pass writes every skipped layer's K/V
-                    self._fused.write(step.skip_after, hidden, kwargs)
+                    self.fused.write(step.skip_after, hidden, kwargs)
             else:
                 propagate_kv(layer, hidden, kwargs)
             step.skipped += 1

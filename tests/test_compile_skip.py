@@ -1,0 +1,112 @@
+"""Skip mode under transformers' compiled decoding: segment graphs between checkpoints, chosen per step.
+
+Each decoding step runs one compiled graph per segment of layers it reaches (a finish graph when every row
+exited at a checkpoint); dynamo's recompile log must stay silent after a warm-up call, the graph count
+stays within the design's bound, and the tokens equal eager TIDE skip mode on the same static cache.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from helpers import NUM_LAYERS, constant_router, left_padded, make_model, mixed_router
+from test_compile import compiled, generate
+from torch._dynamo.utils import counters
+
+import tide_hf
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+NEW_TOKENS = 32
+MIXED = (0.3, 0.3)  # router quantiles whose decode steps skip at 4, skip at 8 and run every layer
+
+
+@contextmanager
+def recompile_log() -> Iterator[list[str]]:
+    """Messages of dynamo's `recompiles` log (one per recompilation of an already compiled function)."""
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "recompiles" in record.name:
+                messages.append(record.getMessage())
+
+    handler = Collect()
+    logger = logging.getLogger("torch._dynamo")
+    torch._logging.set_logs(recompiles=True)
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+        torch._logging.set_logs()
+
+
+def test_recompile_log_sees_a_recompile() -> None:
+    """The log these tests rely on really reports recompilations (a new static shape recompiles)."""
+    fn = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+    with recompile_log() as recompiles:
+        fn(torch.ones(2))
+        assert not recompiles
+        fn(torch.ones(3))
+    assert len(recompiles) == 1
+
+
+def static(**kwargs) -> dict:
+    return {"cache_implementation": "static", **kwargs}
+
+
+@pytest.mark.parametrize("kv", ["propagate", "recompute"])
+@pytest.mark.parametrize("decisions", ["forced", "mixed"])
+def test_skip_mode_compiles_into_bounded_segment_graphs(kv: str, decisions: str) -> None:
+    model = make_model()
+    ids, mask = left_padded()
+    later_ids, later_mask = left_padded(seed=1)  # same shapes, other tokens: other exit decisions
+    router = constant_router(model, 30.0) if decisions == "forced" else mixed_router(model, ids, mask, quantiles=MIXED)
+    with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="skip", kv=kv) as handle:
+        eager = [generate(model, i, m, NEW_TOKENS, **static()) for i, m in ((ids, mask), (later_ids, later_mask))]
+        executed = dict(handle.last_stats.decode.executed)
+        torch._dynamo.reset()
+        counters.clear()
+        first = generate(model, ids, mask, NEW_TOKENS, **static(compile_config=compiled()))
+        with recompile_log() as recompiles:
+            later = generate(model, later_ids, later_mask, NEW_TOKENS, **static(compile_config=compiled()))
+        assert dict(handle.last_stats.decode.executed) == executed  # the compiled steps skipped what eager skipped
+    assert torch.equal(first, eager[0]) and torch.equal(later, eager[1])
+    if decisions == "forced":  # every row exits at layer 4: the later layers never ran
+        assert executed == {4: ids.shape[0] * (NEW_TOKENS - 1)}
+    else:  # steps skipping at 4, at 8, and running every layer (rows exiting at different checkpoints)
+        assert set(executed) == {4, 8, NUM_LAYERS}
+    assert not counters["graph_break"]
+    assert not recompiles, recompiles
+    checkpoints = len(handle.open_checkpoints)
+    segments = checkpoints + 1
+    catch_up = segments - 1 if kv == "recompute" else 0  # one graph of dynamic query length per later segment
+    assert 1 <= counters["stats"]["unique_graphs"] <= segments + checkpoints + catch_up
+    if decisions == "forced":  # exactly the first segment and its finish
+        assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_compiled_skip_mode_keeps_the_static_cache_as_eager_does() -> None:
+    """Both kv policies leave every layer's static cache (lengths, keys, values) compiled as in eager.
+
+    Values agree to float rounding only: the compiled layers round differently from eager (every layer
+    differs by ~1e-7, also those that always run); a wrong or missing write differs by orders of magnitude.
+    """
+    model = make_model()
+    ids, mask = left_padded()
+    router = mixed_router(model, ids, mask, quantiles=MIXED)
+    for kv in ("propagate", "recompute"):
+        caches = []
+        with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="skip", kv=kv):
+            for config in ({}, {"compile_config": compiled()}):
+                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12,
+                                     do_sample=False, pad_token_id=0, return_dict_in_generate=True, **static(**config))
+                caches.append([(int(layer.cumulative_length), layer.keys.clone(), layer.values.clone())
+                               for layer in out.past_key_values.layers])
+        for eager, compiled_ in zip(*caches):
+            assert eager[0] == compiled_[0]
+            torch.testing.assert_close(compiled_[1:], eager[1:], rtol=1e-5, atol=1e-6)

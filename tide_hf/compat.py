@@ -1,0 +1,54 @@
+"""Every private transformers name tide_hf relies on, in one place (pyproject bounds transformers to >=5.17,<6).
+
+Speculative mode hands its candidates to stock assisted decoding through the instance attribute stock
+looks up (`_get_candidate_generator`), extends a prompt's model kwargs to a draft with stock's own helpers,
+and reads the EOS ids generate prepared. Compiled skip mode reads transformers' output-capture collector
+the way transformers' own compiled forward does. Should transformers rename any of these, this module is
+the one to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from transformers.generation.candidate_generator import (
+    _prepare_attention_mask,
+    _prepare_position_ids,
+    _prepare_token_type_ids,
+)
+from transformers.utils.output_capturing import _active_collector
+
+CANDIDATE_GENERATOR_FACTORY = "_get_candidate_generator"  # GenerationMixin method that builds the drafter
+
+
+def extend_model_kwargs(model_kwargs: dict[str, Any], length: int) -> dict[str, Any]:
+    """Stock's extension of the prompt's attention mask, positions and token types to `length` tokens."""
+    kwargs = _prepare_attention_mask(dict(model_kwargs), length, False)
+    return _prepare_token_type_ids(_prepare_position_ids(kwargs, length, False), length)
+
+
+def eos_token_tensor(generation_config: Any) -> Any:
+    """The EOS ids generate prepared for this call (a tensor, or None)."""
+    return generation_config._eos_token_tensor
+
+
+@contextmanager
+def traceable_output_capture() -> Iterator[None]:
+    """Let dynamo trace transformers' output-capturing hooks inside a graph that starts below the model.
+
+    `@capture_outputs` sets its collector (a `ContextVar`, which dynamo cannot read) when the model's forward
+    starts; under a compiled whole-model forward transformers keeps it in a plain attribute instead. Segment
+    graphs compile decoder layers only, so for their duration the collector set in eager is moved to that
+    attribute, as transformers' compiled path would have it.
+    """
+    collector = _active_collector
+    if collector.compiling:  # already inside a compiled forward: nothing to move
+        yield
+        return
+    collector.global_var, collector.compiling = collector.context_var.get(), True
+    try:
+        yield
+    finally:
+        collector.global_var, collector.compiling = None, False

@@ -1,0 +1,64 @@
+"""What stock assisted decoding can reproduce of a generate call, and batches decoded row by row.
+
+Stock assisted decoding supports batch size 1 only, so speculative mode decodes a batch row by row (each
+row keeps its left padding and mask) and re-assembles it like stock batched generate pads it; calls it
+cannot reproduce exactly run stock generate instead (`fallback_reason` says why).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+# generate() arguments assisted decoding cannot take (or would change the output with)
+FALLBACK_KWARGS = ("assistant_model", "custom_generate", "past_key_values", "inputs_embeds", "stop_strings",
+                   "negative_prompt_ids")
+
+
+def fallback_reason(model: nn.Module, args: tuple, kwargs: dict, batch: int) -> str | None:
+    """Why stock assisted decoding could not reproduce stock generate for this call (None: it can)."""
+    if len(args) > 1:
+        return "positional arguments after the inputs"
+    given = [k for k in FALLBACK_KWARGS if kwargs.get(k) is not None]
+    if given:
+        return f"{given[0]}= given"
+    if kwargs.get("stopping_criteria"):
+        return "custom stopping criteria (assisted decoding checks them once per round, not per token)"
+    if model.device.type == "meta":  # stock moves candidates to `model.device`, its first parameter's device
+        return "the model's first parameter is offloaded (on the meta device)"
+    gc = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
+    for key, value in kwargs.items():  # plain setattr: `update()` would validate and warn a second time
+        if hasattr(gc, key):
+            setattr(gc, key, value)
+    if (gc.num_beams or 1) > 1 or (gc.num_return_sequences or 1) > 1:
+        return "beam search or several sequences per prompt"
+    if gc.use_cache is False or gc.cache_implementation is not None or gc.use_mtp:
+        return "cache settings that assisted decoding does not support"
+    if gc.guidance_scale not in (None, 1.0) or gc.dola_layers is not None:
+        return "classifier-free guidance or DoLa"
+    if gc.assistant_early_exit is not None or gc.prompt_lookup_num_tokens is not None:
+        return "another assisted-decoding method requested"
+    if batch > 1 and (gc.return_dict_in_generate or kwargs.get("streamer") is not None):
+        return "return_dict_in_generate or a streamer with batch size > 1"
+    return None
+
+
+def row_kwargs(kwargs: dict, i: int, batch: int) -> dict:
+    """Row `i` of every per-row tensor argument (left padding and mask kept, as the batch had them)."""
+    return {k: v[i: i + 1] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch else v
+            for k, v in kwargs.items()}
+
+
+def stack_rows(rows: list[torch.Tensor], model: nn.Module, kwargs: dict) -> torch.Tensor:
+    """Right-pad the rows with the pad id stock batched generate uses after EOS (the EOS id without one)."""
+    gc = kwargs.get("generation_config") or model.generation_config
+    pad = kwargs.get("pad_token_id", gc.pad_token_id)
+    if pad is None:
+        eos = kwargs.get("eos_token_id", gc.eos_token_id)
+        pad = eos[0] if isinstance(eos, (list, tuple)) else eos
+    width = max(r.shape[1] for r in rows)
+    if pad is None and any(r.shape[1] != width for r in rows):
+        raise ValueError("rows ended at different lengths but there is neither a pad nor an EOS token id to pad with")
+    return torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=pad or 0) for r in rows], dim=0)

@@ -8,17 +8,19 @@ checkpoint k, quantities the runtime hook has at hand: the pre-norm state's log 
 layer's input (one layer of movement) and with the previous checkpoint's state (the embedding output for the
 first checkpoint).
 
-    PYTHONPATH=. python scripts/router_features.py --out /tmp/r12x/data.pt
+    PYTHONPATH=. python scripts/router_features.py --out /tmp/r12x/data.safetensors
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 from tide_hf.assets import load_model, smollm2_path, sotu_path
 from tide_hf.calibration import load_texts, pad_right
@@ -28,6 +30,37 @@ from tide_hf.config import TideRouterConfig
 from tide_hf.modeling import get_adapter, layer_output
 
 SPLITS = ("train", "val", "test", "a", "b")
+PER_LAYER = ("features", "top1", "kl", "nll")
+META = ("splits", "layers", "num_layers", "seconds", "kl_threshold")
+
+
+def save_features(out: dict[str, Any], path: str) -> None:
+    """The collected features as safetensors (per-layer tensors under "name/layer", extras under
+    "extra/name/layer"), the scalars and lists as JSON metadata: no pickle on either side."""
+    tensors = {f"{name}/{k}": t.contiguous() for name in PER_LAYER for k, t in out[name].items()}
+    tensors |= {f"extra/{n}/{k}": t.contiguous() for n, d in out["extra"].items() for k, t in d.items()}
+    tensors |= {"split": out["split"], "sample": out["sample"]}
+    save_file(tensors, path, metadata={"meta": json.dumps({m: out[m] for m in META})})
+
+
+def load_features(path: str) -> dict[str, Any]:
+    """What `save_features` wrote, in the shape `main` built it (layers as int keys)."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        meta = json.loads(f.metadata()["meta"])
+    tensors = load_file(path)
+    out: dict[str, Any] = {**meta, "splits": tuple(meta["splits"]), "split": tensors.pop("split"),
+                           "sample": tensors.pop("sample"), "extra": {}}
+    for name in PER_LAYER:
+        out[name] = {}
+    for key, t in tensors.items():
+        parts = key.split("/")
+        if parts[0] == "extra":
+            out["extra"].setdefault(parts[1], {})[int(parts[2])] = t
+        else:
+            out[parts[0]][int(parts[1])] = t
+    return out
 
 
 def split_samples(tokenizer: Any, texts: list[str], docs: dict[str, int], chunks_per_doc: int, seq_len: int,
@@ -110,8 +143,9 @@ def main() -> None:
            "extra": {n: {k: torch.cat(v) for k, v in d.items()} for n, d in extra.items()},
            "split": which, "sample": doc_of, "splits": SPLITS, "layers": layers,
            "num_layers": adapter.num_layers, "seconds": time.perf_counter() - t0, "kl_threshold": cfg.kl_threshold}
-    assert len(which) == len(data.top1[layers[0]]) == len(out["extra"]["move"][layers[0]])
-    torch.save(out, args.out)
+    if not len(which) == len(data.top1[layers[0]]) == len(out["extra"]["move"][layers[0]]):
+        raise RuntimeError("the extra hooks saw other tokens than collect() kept: the kept-token draws differ")
+    save_features(out, args.out)
     print({n: int((which == i).sum()) for i, n in enumerate(SPLITS)}, f"{out['seconds']:.0f} s")
 
 

@@ -6,7 +6,7 @@ oracle's at the same top-1 agreement) on held-out A and B under the thresholds `
 pick: the exit path is ordered on the val split and its losses counted on the test split with the repo's own
 code (`build_path`, `path_losses`, `select`).
 
-    PYTHONPATH=. python scripts/router_variants.py /tmp/r12x/data.pt --variants base kl top1_kl extras
+    PYTHONPATH=. python scripts/router_variants.py /tmp/r12x/data.safetensors --variants base kl top1_kl extras
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from router_features import load_features
 
 from tide_hf.calibration.thresholds import build_path, path_losses
 from tide_hf.calibration.training import auc
@@ -193,7 +194,7 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    data = torch.load(args.data)
+    data = load_features(args.data)
     results = {}
     print("| variant | AUC per checkpoint (A) | A eff@97/95/90 (agr@97) | B eff@97/95/90 (agr@97) | "
           "best path point eff@97 A/B | best epochs |")

@@ -8,7 +8,7 @@ checkpoint k, quantities the runtime hook has at hand: the pre-norm state's log 
 layer's input (one layer of movement) and with the previous checkpoint's state (the embedding output for the
 first checkpoint).
 
-    PYTHONPATH=. python scripts/router_features.py --out /tmp/r12x/data.safetensors
+    PYTHONPATH=. python scripts/router_features.py --shipped my-router --out /tmp/r12x/data.safetensors
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tide_hf.assets import load_model, smollm2_path, sotu_path
@@ -45,8 +46,6 @@ def save_features(out: dict[str, Any], path: str) -> None:
 
 def load_features(path: str) -> dict[str, Any]:
     """What `save_features` wrote, in the shape `main` built it (layers as int keys)."""
-    from safetensors import safe_open
-
     with safe_open(path, "pt") as f:
         meta = json.loads(f.metadata()["meta"])
     tensors = load_file(path)
@@ -83,7 +82,7 @@ def main() -> None:
     parser.add_argument("--chunks-per-doc", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--keep", type=float, default=0.7, help="share of tokens kept")
-    parser.add_argument("--shipped", default="/tmp/r12/router-top1", help="its calibration documents are skipped")
+    parser.add_argument("--shipped", required=True, help="a router folder: its calibration documents are skipped")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -1,6 +1,6 @@
 """`tide-hf demo`: routers for the embedded SmolLM2 (calibrated on SOTU once, then reused from the cache), one
 prompt answered by stock generate and by TIDE, and the two side by side: text, tokens/s, layers executed per
-token, agreement with stock.
+token, agreement with stock, under the quality target the demo states.
 
 The TIDE options the demo attaches with live in `DEMO_ATTACH` / `attach_options()` alone.
 """

@@ -20,11 +20,15 @@ from tide_hf.eval.easy import make_near_identity
 from tide_hf.integrations.draft import (
     DEFAULT_ACCEPTANCE,
     MAX_DRAFT_TOKENS,
+    MEMORY_BOUND,
     PROBE_LOSS,
     DraftEstimates,
+    VerifyCost,
     best_draft_length,
     choose_draft_layer,
     draft_cost,
+    interpolated_verify,
+    linear_verify,
 )
 from tide_hf.integrations.speculative import draft_estimates
 
@@ -202,23 +206,47 @@ def test_closed_gate_drafts_nothing():
     assert spec["gate_skips"] == 32 - 2 and spec["plain_steps"] == 32
 
 
-def simulated_speedup(acceptance: float, k: int, cost: float, slope: float, rounds: int = 20000) -> float:
+def simulated_speedup(acceptance: float, k: int, cost: float, verify: VerifyCost, rounds: int = 20000) -> float:
     """Tokens per plain-step time of `rounds` simulated rounds: k Bernoulli(acceptance) drafts, the accepted
-    prefix plus the verifier's token emitted, each round costing 1 + (slope + cost) * k plain steps."""
+    prefix plus the verifier's token emitted, each round costing cost * k + verify(k + 1) plain steps."""
     gen = torch.Generator().manual_seed(0)
     right = torch.rand(rounds, k, generator=gen) < acceptance
     prefix = right.int().cumprod(dim=1).sum(dim=1) if k else torch.zeros(rounds)
-    return float((prefix + 1).sum()) / (rounds * (1.0 + (slope + cost) * k))
+    return float((prefix + 1).sum()) / (rounds * (cost * k + verify(k + 1)))
 
 
-@pytest.mark.parametrize("acceptance, cost, slope", [(0.9, 0.47, 0.0), (0.8, 0.63, 0.1), (0.6, 0.05, 0.0),
-                                                     (0.3, 0.6, 0.2), (0.99, 0.2, 0.05)])
-def test_draft_length_is_the_simulated_optimum(acceptance, cost, slope):
-    simulated = [simulated_speedup(acceptance, k, cost, slope) for k in range(MAX_DRAFT_TOKENS + 1)]
-    k, gain = best_draft_length(acceptance, cost, slope)
+def flat_verify(width: int) -> float:
+    """A CPU-like verification: any width from 2 on costs 1.45 plain steps."""
+    return 1.0 if width == 1 else 1.45
+
+
+@pytest.mark.parametrize("acceptance, cost, verify", [
+    (0.9, 0.47, linear_verify(0.0)), (0.8, 0.63, linear_verify(0.1)), (0.6, 0.05, linear_verify(0.0)),
+    (0.3, 0.6, linear_verify(0.2)), (0.99, 0.2, linear_verify(0.05)), (0.95, 0.5, flat_verify),
+    (0.876, 0.667, flat_verify)])
+def test_draft_length_is_the_simulated_optimum(acceptance, cost, verify):
+    simulated = [simulated_speedup(acceptance, k, cost, verify) for k in range(MAX_DRAFT_TOKENS + 1)]
+    k, gain = best_draft_length(acceptance, cost, verify)
     assert gain == pytest.approx(simulated[k], rel=0.02)
     assert gain >= max(simulated) * 0.98  # no other length does better, up to simulation noise
     assert (k == 0) == (max(simulated) <= 1.0 + 0.02 and gain == 1.0)
+
+
+def test_flat_verification_is_not_extrapolated_as_a_line():
+    """On a CPU whose verification costs ~1.45 plain steps at any width, a line through V(1) and V(2) says
+    drafting loses at a = 0.95, c = 0.5, while long drafts pay ~1.3x: the per-width costs find them."""
+    line = linear_verify(flat_verify(2) - 1.0)
+    assert best_draft_length(0.95, 0.5, line)[0] == 0
+    k, gain = best_draft_length(0.95, 0.5, flat_verify)
+    assert k >= 4 and gain > 1.25
+
+
+def test_verify_costs_are_interpolated_between_measured_widths():
+    verify = interpolated_verify({3: 1.4, 7: 1.8})
+    assert verify(1) == 1.0 and verify(2) == pytest.approx(1.2)  # between the known V(1) = 1 and V(3)
+    assert verify(3) == pytest.approx(1.4) and verify(5) == pytest.approx(1.6)
+    assert verify(9) == pytest.approx(1.8)  # beyond the widest: as costly, so a plan tries it and then knows
+    assert interpolated_verify({})(6) == 1.0  # nothing measured: memory-bound
 
 
 def test_estimates_drop_one_time_costs_and_follow_acceptance():
@@ -232,14 +260,14 @@ def test_estimates_drop_one_time_costs_and_follow_acceptance():
     assert est.cost == pytest.approx(0.3)
     est.observe_verify(0.5, 3)  # first verification of several tokens: dropped too
     est.observe_verify(0.12, 3)
-    assert est.slope == pytest.approx(0.1)
+    assert est.verify_costs == {3: pytest.approx(1.2)} and est.verify(2) == pytest.approx(1.1)
     for _ in range(40):  # drafts keep being rejected at the first token: drafting loses, probes are rare
         est.observe_round(proposed=1, accepted=0)
     assert est.acceptance < 0.1 and est.plan(8)[0] == 0
     assert est.probe_interval() == math.ceil((0.1 + 0.3 - est.acceptance) / PROBE_LOSS)
     for _ in range(10):  # probes find the drafts right again: drafting resumes
         est.observe_round(proposed=1, accepted=1)
-    assert est.plan(8) == best_draft_length(est.acceptance, 0.3, 0.1) and est.plan(8)[0] > 0
+    assert est.plan(8) == best_draft_length(est.acceptance, 0.3, est.verify) and est.plan(8)[0] > 0
 
 
 @pytest.fixture
@@ -250,7 +278,8 @@ def frozen_costs(monkeypatch):
         handle = tide_hf.attach(model, router, mode="speculative", exit_threshold=0.5, draft_layer=4)
         est = draft_estimates(handle, 4)
         handle.detach()
-        est.plain_s, est.draft_s, est.verify_slope = 1.0, cost, slope
+        est.plain_s, est.draft_s = 1.0, cost
+        est.verify_s = {w: linear_verify(slope)(w) for w in range(2, MAX_DRAFT_TOKENS + 2)}
         for name in ("observe_plain", "observe_draft", "observe_verify"):
             monkeypatch.setattr(est, name, lambda *a: None)
         return est
@@ -269,7 +298,7 @@ def test_policy_drafts_the_optimal_length_when_drafts_are_right(frozen_costs):
     out, stats = speculative(model, router, prompt, max_new_tokens=64, do_sample=False, eos_token_id=None)
     spec = stats.speculative
     assert torch.equal(out, stock) and spec["acceptance_per_token"] == 1.0  # precondition: drafts always right
-    assert best_draft_length(1.0, 0.3, 0.05)[0] == MAX_DRAFT_TOKENS
+    assert best_draft_length(1.0, 0.3, linear_verify(0.05))[0] == MAX_DRAFT_TOKENS
     # the prior (0.5, no metrics) plans short drafts; accepted ones raise the estimate to the optimum
     assert spec["planned"] >= MAX_DRAFT_TOKENS * (spec["rounds"] - 3) and spec["plan_skips"] == spec["probes"] == 0
     assert spec["optimal_draft_length"] == MAX_DRAFT_TOKENS and est.acceptance > 0.9
@@ -355,8 +384,8 @@ def test_default_draft_layer_from_metrics():
     # the layer with the best optimum E from its top-1 agreement and cost, computed here by brute force
     for top1 in ((0.3, 0.97), (0.9, 0.95), (0.6, 0.7)):
         router.config.metrics = {str(k): {"label_rates": {"top1": a}} for k, a in zip((4, 8), top1)}
-        best = {k: max(simulated_speedup(a, n, draft_cost(adapter, k), 0.0) for n in range(MAX_DRAFT_TOKENS + 1))
-                for k, a in zip((4, 8), top1)}
+        best = {k: max(simulated_speedup(a, n, draft_cost(adapter, k), MEMORY_BOUND)
+                       for n in range(MAX_DRAFT_TOKENS + 1)) for k, a in zip((4, 8), top1)}
         assert choose_draft_layer(router, adapter, [4, 8]) == max(best, key=best.get), (top1, best)
 
 

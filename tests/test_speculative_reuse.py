@@ -102,7 +102,7 @@ def test_smollm2_easy_model_greedy_identical_with_reuse(monkeypatch):
 def test_verify_timings_come_from_rounds_with_a_tail(monkeypatch):
     """A draft the gate stopped ran its last position through the first layers in a draft forward, so its
     verification costs less than the model's v(k + 1) (less than a plain step when nothing was proposed):
-    only rounds whose tail ran in the verification time the slope, and zero-token rounds no plain step."""
+    only rounds whose tail ran in the verification time V(w), and zero-token rounds no plain step."""
     widths: list[int] = []
     plain = [0]
 

@@ -74,6 +74,18 @@ def test_path_goes_from_closed_to_open_and_saves_more_at_each_step() -> None:
     assert all(b >= a for a, b in zip(totals, totals[1:])), "every step lowers a threshold: exits only grow"
 
 
+def test_path_takes_small_steps_first() -> None:
+    """The first points exit about 1/grid^2 of the tokens each, not 1/grid: one coarse first step whose loss
+    cannot be certified would stop fixed-sequence testing before any exit (the perplexity path on SmolLM2)."""
+    gen = torch.Generator().manual_seed(0)
+    scores, wrong = synthetic(4000, gen)
+    grid = 10
+    path = build_path(scores, wrong.double(), SAVED, grid=grid)
+    exits = [int((exit_index(scores, torch.tensor(p)) < 2).sum()) for p in path[:3]]
+    assert exits[0] == 0
+    assert 0 < exits[1] <= 1.5 * 4000 / grid**2 and exits[2] - exits[1] <= 3.5 * 4000 / grid**2
+
+
 def test_shallow_unreliable_checkpoint_opens_later_than_the_deep_one() -> None:
     """The point of per-checkpoint thresholds: at a strict target the error-prone shallow checkpoint stays
     closed (or much stricter) while the reliable deep one already exits."""

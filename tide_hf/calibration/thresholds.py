@@ -3,12 +3,12 @@ the validation samples, with their losses counted on the threshold samples (see 
 for how attach picks a point with a guarantee).
 
 Ordering: greedy. From every checkpoint closed (threshold 1.0), each step lowers one checkpoint's threshold
-to its next candidate (score quantiles on the validation tokens), choosing the move that saves the most
-layers per unit of added loss under the serving rule (a token exits at the first checkpoint whose score
-reaches its threshold). The agreement path counts top-1 mismatches as loss. The perplexity path is ordered by
-KL(final || exit), the expected change in next-token NLL (the observed change is heavy-tailed, and ordering
-by it follows the validation samples' noise), and tested with the observed change. Because the ordering never
-sees the threshold samples, testing along it is valid.
+to its next candidate (score quantiles on the validation tokens, finest near "no exit"), choosing the move
+that saves the most layers per unit of added loss under the serving rule (a token exits at the first
+checkpoint whose score reaches its threshold). The agreement path counts top-1 mismatches as loss. The
+perplexity path is ordered by KL(final || exit), the expected change in next-token NLL (the observed change is
+heavy-tailed, and ordering by it follows the validation samples' noise), and tested with the observed change.
+Because the ordering never sees the threshold samples, testing along it is valid.
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ def build_path(scores: torch.Tensor, loss: torch.Tensor, saved: torch.Tensor, gr
     n, k = scores.shape
     loss = torch.cat([loss, loss.new_zeros(n, 1)], 1)
     saved = torch.cat([saved, saved.new_zeros(1)])
-    levels = torch.linspace(1.0, 0.0, grid + 1, dtype=torch.float64)[1:]
+    # Quadratic spacing: the first candidates exit a handful of tokens each (1/grid^2, 3/grid^2, ...), so the
+    # first path points add little loss and fixed-sequence testing is not stopped by one coarse first step.
+    levels = 1.0 - (torch.arange(1, grid + 1, dtype=torch.float64) / grid) ** 2
     candidates = [[CLOSED] + sorted({round(float(v), DECIMALS) for v in torch.quantile(scores[:, j].double(), levels)
                                      if round(float(v), DECIMALS) < CLOSED}, reverse=True) for j in range(k)]
     position = [0] * k

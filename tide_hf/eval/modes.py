@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..integrations.draft import best_draft_length
+from ..integrations.draft import best_draft_length, interpolated_verify
 from ..modeling import TideRouter
 from ..runtime import Patches, attach
 from .measure import generate, left_pad, match_rate, perplexity
@@ -161,7 +161,7 @@ def speculative(model: Any, router: TideRouter, batches: list[dict], batched: di
                         counters = {k: v + handle.last_stats.speculative[k] for k, v in counters.items()}
         batch_identical = torch.equal(generate(model, batched, new_tokens, tide=False)[0],
                                       generate(model, batched, new_tokens, tide=True)[0])
-        costs = {k: handle.last_stats.speculative[k] for k in ("draft_cost", "verify_slope")}  # the latest
+        costs = {k: handle.last_stats.speculative[k] for k in ("draft_cost", "verify_costs")}  # the latest
     finally:
         handle.detach()
     stock = torch.cat(tokens["stock"])
@@ -169,7 +169,7 @@ def speculative(model: Any, router: TideRouter, batches: list[dict], batched: di
     ratio = {name: statistics.median(st / s for st, s in zip(seconds["stock"], seconds[name]))
              for name in ("speculative", "assisted")}
     acceptance = counters["accepted"] / counters["trials"] if counters["trials"] else 0.0
-    optimal_k, optimum = best_draft_length(acceptance, costs["draft_cost"], costs["verify_slope"])
+    optimal_k, optimum = best_draft_length(acceptance, costs["draft_cost"], interpolated_verify(costs["verify_costs"]))
     rounds = counters["rounds"]
     return {"draft_layer": layer, "assisted_layer": assisted_layer, "prompts": len(batches), "reps": reps,
             "identical_all_prompts": divergence["speculative"] == 0.0, "identical_batched": batch_identical,

@@ -1,24 +1,28 @@
 """How far and where speculative mode drafts: the speculative-decoding optimum from acceptance and cost.
 
 A round drafts k tokens (k forwards through the first `draft_layer` layers, c plain steps each) and
-verifies k + 1 tokens (v(k + 1) = 1 + s * k plain steps). Verification reuses the drafts' first layers
-(`reuse.py`): it runs the last draft token through them (the tail) and only the deeper layers and the head
-for all k + 1 positions, so s, the verify slope, is the extra cost of one more position in the deeper
-layers and the head alone: ~0 when a step is memory-bound, larger on CPUs. With per-token acceptance a it emits
-(1 - a^(k+1)) / (1 - a) tokens (Leviathan et al., 2023), so its speed relative to plain decoding is
+verifies k + 1 tokens (V(k + 1) plain steps). Verification reuses the drafts' first layers (`reuse.py`): it
+runs the last draft token through them (the tail) and only the deeper layers and the head for all k + 1
+positions. How V grows with the width depends on the hardware: about flat at ~1 where a step is
+memory-bound (a GPU), but on a CPU a forward of 2-9 tokens can cost 1.4-1.8 plain steps, nearly flat in the
+width, so no straight line through V(1) = 1 and V(2) predicts V(5). With per-token acceptance a a round
+emits (1 - a^(k+1)) / (1 - a) tokens (Leviathan et al., 2023), so its speed relative to plain decoding is
 
-    E(k) = (1 - a^(k+1)) / ((1 - a) * (1 + s * k + c * k)),   E(0) = 1 (a plain step).
+    E(k) = (1 - a^(k+1)) / ((1 - a) * (c * k + V(k + 1))),   E(0) = 1 (a plain step, V(1) = 1).
 
-`DraftEstimates` keeps running estimates of a, c and s for one model and draft layer (measured warm: the
-first sample of each timing is dropped, so first-call costs, lazy allocation and compilation are never
-charged to drafting) and plans every round's k as the argmax of E; `choose_draft_layer` ranks router checkpoints by
-the same E from calibration metrics and parameter counts.
+`DraftEstimates` keeps running estimates of a, c and V per verified width for one model and draft layer
+(measured warm: the first sample of each timing is dropped, so first-call costs, lazy allocation and
+compilation are never charged to drafting; widths not measured yet are interpolated, and wider ones taken as
+costly as the widest measured, so the plan tries them and then knows) and plans every round's k as the
+argmax of E; `choose_draft_layer` ranks router checkpoints by the same E from calibration metrics and
+parameter counts.
 """
 
 from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -42,15 +46,39 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
 
 
-def speedup(acceptance: float, k: int, cost: float, slope: float) -> float:
+VerifyCost = Callable[[int], float]  # V(w): plain steps a verification of w tokens costs (V(1) = 1)
+
+
+def linear_verify(slope: float) -> VerifyCost:
+    """V(w) = 1 + slope * (w - 1): each extra verified token costs `slope` plain steps (0: memory-bound)."""
+    return lambda width: 1.0 + slope * (width - 1)
+
+
+MEMORY_BOUND = linear_verify(0.0)  # V before any verification is timed, and for ranking draft layers
+
+
+def interpolated_verify(costs: dict[int, float]) -> VerifyCost:
+    """V(w) through (1, 1) and the measured `costs` (width -> plain steps): linear between known widths, as
+    costly as the widest known beyond it (no measurement: memory-bound, V = 1)."""
+    known = sorted({1: 1.0, **{int(w): float(v) for w, v in costs.items()}}.items())
+
+    def verify(width: int) -> float:
+        for (w0, v0), (w1, v1) in zip(known, known[1:]):
+            if width <= w1:
+                return v0 + (v1 - v0) * (width - w0) / (w1 - w0)
+        return known[-1][1]
+    return verify
+
+
+def speedup(acceptance: float, k: int, cost: float, verify: VerifyCost) -> float:
     """E(k): tokens per plain-step time of rounds drafting k tokens (1.0 = plain decoding)."""
-    return expected_tokens(acceptance, k) / (1.0 + (slope + cost) * k)
+    return expected_tokens(acceptance, k) / (cost * k + verify(k + 1))
 
 
-def best_draft_length(acceptance: float, cost: float, slope: float,
+def best_draft_length(acceptance: float, cost: float, verify: VerifyCost,
                       max_draft: int = MAX_DRAFT_TOKENS) -> tuple[int, float]:
     """(k, E(k)) maximizing E over 0..`max_draft` (k = 0: drafting loses)."""
-    return max(((k, speedup(acceptance, k, cost, slope)) for k in range(max_draft + 1)), key=lambda p: p[1])
+    return max(((k, speedup(acceptance, k, cost, verify)) for k in range(max_draft + 1)), key=lambda p: p[1])
 
 
 def draft_cost(adapter: ModelAdapter, layer: int) -> float:
@@ -75,7 +103,7 @@ def prior_acceptance(router: TideRouter, layer: int) -> float | None:
 def prior_speedup(router: TideRouter, adapter: ModelAdapter, layer: int) -> float | None:
     """The optimum E of drafting at `layer` from calibration metrics and parameter counts (None without)."""
     acceptance = prior_acceptance(router, layer)
-    return None if acceptance is None else best_draft_length(acceptance, draft_cost(adapter, layer), 0.0)[1]
+    return None if acceptance is None else best_draft_length(acceptance, draft_cost(adapter, layer), MEMORY_BOUND)[1]
 
 
 def choose_draft_layer(router: TideRouter, adapter: ModelAdapter, candidates: list[int]) -> int:
@@ -85,7 +113,7 @@ def choose_draft_layer(router: TideRouter, adapter: ModelAdapter, candidates: li
     if known:
         def rank(k: int) -> tuple[float, float]:
             cost = draft_cost(adapter, k)
-            return best_draft_length(known[k], cost, 0.0)[1], speedup(known[k], 1, cost, 0.0)
+            return best_draft_length(known[k], cost, MEMORY_BOUND)[1], speedup(known[k], 1, cost, MEMORY_BOUND)
         return max(known, key=rank)
     return min(candidates, key=lambda k: abs(k - DEFAULT_DRAFT_FRACTION * adapter.num_layers))
 
@@ -96,7 +124,7 @@ class DraftEstimates:
 
     Acceptance counts one trial per draft token the verifier checked up to the first rejection; earlier
     rounds fade by `ACCEPTANCE_MEMORY` so the estimate follows the text. Timings are in seconds: a plain
-    step, a draft forward, and the verify slope s (extra plain steps per extra verified token).
+    step, a draft forward, and a verification per width (tokens verified, tail included).
     """
 
     prior_cost: float  # c by parameter count, until both timings are measured
@@ -104,7 +132,7 @@ class DraftEstimates:
     trials: float
     plain_s: float | None = None
     draft_s: float | None = None
-    verify_slope: float | None = None  # raw running value (noise can make it negative)
+    verify_s: dict[int, float] = field(default_factory=dict)  # width -> running seconds of its verification
     warm: set[str] = field(default_factory=set)  # timings whose first (one-time-cost) sample was dropped
 
     @classmethod
@@ -117,21 +145,26 @@ class DraftEstimates:
         return self.accepted / self.trials
 
     @property
-    def slope(self) -> float:
-        return max(self.verify_slope or 0.0, 0.0)
-
-    @property
     def cost(self) -> float:
         return self.draft_s / self.plain_s if self.draft_s is not None and self.plain_s else self.prior_cost
 
+    @property
+    def verify_costs(self) -> dict[int, float]:
+        """Measured V(w) in plain steps (none until a plain step is timed)."""
+        return {w: t / self.plain_s for w, t in sorted(self.verify_s.items())} if self.plain_s else {}
+
+    @property
+    def verify(self) -> VerifyCost:
+        return interpolated_verify(self.verify_costs)
+
     def plan(self, room: int) -> tuple[int, float]:
         """The draft length maximizing E with the current estimates, at most `room` tokens."""
-        return best_draft_length(self.acceptance, self.cost, self.slope, min(room, MAX_DRAFT_TOKENS))
+        return best_draft_length(self.acceptance, self.cost, self.verify, min(room, MAX_DRAFT_TOKENS))
 
     def probe_interval(self) -> int:
-        """Plain steps between one-token probes while drafting loses: a probe round costs 1 + s + c plain steps
+        """Plain steps between one-token probes while drafting loses: a probe round costs c + V(2) plain steps
         and emits 1 + a tokens, and its expected loss must stay within `PROBE_LOSS` of the steps between."""
-        loss = max(self.slope + self.cost - self.acceptance, 0.0)
+        loss = max(self.cost + self.verify(2) - 1.0 - self.acceptance, 0.0)
         return max(1, math.ceil(loss / PROBE_LOSS))
 
     def observe_round(self, proposed: int, accepted: int) -> None:
@@ -145,11 +178,12 @@ class DraftEstimates:
         self.draft_s = self._running("draft", self.draft_s, seconds_per_forward)
 
     def observe_verify(self, seconds: float, tokens: int) -> None:
-        """A verification of `tokens` > 1 tokens (tail included): its time beyond a plain step, per extra token."""
-        if self.plain_s is not None and tokens > 1:
-            extra = (seconds / self.plain_s - 1.0) / (tokens - 1)
-            # each new verify width is a new shape (kernel selection, allocations): its first sample is dropped
-            self.verify_slope = self._running(f"verify{tokens}", self.verify_slope, extra)
+        """A verification of `tokens` > 1 tokens (tail included); each width is a new shape (kernel selection,
+        allocations), so its first sample is dropped."""
+        if tokens > 1:
+            value = self._running(f"verify{tokens}", self.verify_s.get(tokens), seconds)
+            if value is not None:
+                self.verify_s[tokens] = value
 
     def _running(self, kind: str, old: float | None, new: float) -> float | None:
         if kind not in self.warm:  # the first sample carries one-time costs: drop it

@@ -41,7 +41,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -57,6 +57,7 @@ from .draft import (
     best_draft_length,
     choose_draft_layer,
     draft_cost,
+    interpolated_verify,
     prior_acceptance,
     prior_speedup,
 )
@@ -119,12 +120,12 @@ class SpeculativeStats:
     reused: int = 0  # verification forwards that ran only the layers after `draft_layer`
     gate_stops: int = 0  # drafts cut short because the router said "not converged"
     draft_cost: float = 0.0  # c at the end of the call: a draft forward's time over a plain step's
-    verify_slope: float = 0.0  # s at the end of the call: extra plain steps per extra verified token
+    verify_costs: dict[int, float] = field(default_factory=dict)  # measured V(w) at the end of the call
     fallback: str | None = None  # why stock generate ran instead, if it did
 
     def as_dict(self) -> dict[str, Any]:
         acceptance = self.accepted / self.trials if self.trials else 0.0
-        k, gain = best_draft_length(acceptance, self.draft_cost, self.verify_slope)
+        k, gain = best_draft_length(acceptance, self.draft_cost, interpolated_verify(self.verify_costs))
         return {**self.__dict__,
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
                 "acceptance_per_token": acceptance,
@@ -334,7 +335,7 @@ def generate(handle: TideHandle, original: Callable, model: nn.Module, args: tup
             return stack_rows(rows, model, kwargs)
     finally:
         estimates = draft_estimates(handle, layer)
-        stats.draft_cost, stats.verify_slope = estimates.cost, estimates.slope
+        stats.draft_cost, stats.verify_costs = estimates.cost, estimates.verify_costs
         session.stats.speculative = stats.as_dict()
 
 

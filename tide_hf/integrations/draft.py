@@ -150,8 +150,11 @@ class DraftEstimates:
 
     @property
     def verify_costs(self) -> dict[int, float]:
-        """Measured V(w) in plain steps (none until a plain step is timed)."""
-        return {w: t / self.plain_s for w, t in sorted(self.verify_s.items())} if self.plain_s else {}
+        """Measured V(w) in plain steps (none until a plain step is timed), at least 1: a verification runs
+        every layer and the head for at least one token, as a plain step does (a lower reading is noise)."""
+        if not self.plain_s:
+            return {}
+        return {w: max(t / self.plain_s, 1.0) for w, t in sorted(self.verify_s.items())}
 
     @property
     def verify(self) -> VerifyCost:

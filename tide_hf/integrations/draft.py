@@ -1,7 +1,7 @@
 """How far and where speculative mode drafts: the speculative-decoding optimum from acceptance and cost.
 
-A round drafts k tokens (k forwards through the first `draft_layer` layers, c plain steps each) and verifies k
-+ 1 tokens (V(k + 1) plain steps). Verification reuses the drafts' first layers (`reuse.py`): it runs the last
+A round drafts k tokens (k forwards through the first `draft_layer` layers, c plain steps each) and verifies
+k + 1 tokens (V(k + 1) plain steps). Verification reuses the drafts' first layers (`reuse.py`): it runs the last
 draft token through them (the tail) and only the deeper layers and the head for all k + 1 positions. How V
 grows with the width depends on the hardware: it should stay near 1 where a step is memory-bound (a GPU), but
 on a CPU a forward of 2-9 tokens can cost 1.4-2.0 plain steps with no steady growth in the width (the BLAS

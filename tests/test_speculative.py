@@ -302,6 +302,7 @@ def test_policy_drafts_the_optimal_length_when_drafts_are_right(frozen_costs):
     # the prior (0.5, no metrics) plans short drafts; accepted ones raise the estimate to the optimum
     assert spec["planned"] >= MAX_DRAFT_TOKENS * (spec["rounds"] - 3) and spec["plan_skips"] == spec["probes"] == 0
     assert spec["optimal_draft_length"] == MAX_DRAFT_TOKENS and est.acceptance > 0.9
+    assert spec["verify_costs"] == pytest.approx({w: 1.0 + 0.05 * (w - 1) for w in range(2, MAX_DRAFT_TOKENS + 2)})
     assert full[0] == spec["rounds"] + spec["plain_steps"] <= 64 // 4
 
 

@@ -1,5 +1,6 @@
 """How much a forward of w new tokens costs next to a one-token decode step, on this machine, and what that
-allows speculative decoding at a given acceptance and draft cost (the ceiling behind #16's CPU figure).
+allows speculative decoding at a given acceptance and draft cost (the ceiling behind the README's CPU
+speculative figures).
 
 Speculative decoding pays when verifying k + 1 tokens costs little more than one step (a memory-bound GPU).
 Where it costs much more (a CPU whose BLAS handles 2-8 rows far slower than 1), no draft policy can win:

@@ -25,7 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from tide_hf.assets import load_model
-from tide_hf.integrations.draft import expected_tokens
+from tide_hf.integrations.draft import MAX_DRAFT_TOKENS, interpolated_verify, speedup
 
 
 @torch.no_grad()
@@ -49,7 +49,8 @@ def main() -> None:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", default="smollm2", help="Hub id or folder ('smollm2' = embedded)")
     parser.add_argument("--prompt-len", type=int, default=128, help="cached tokens before the timed forward")
-    parser.add_argument("--max-width", type=int, default=9, help="widest forward timed (k + 1 for k = 8 drafts)")
+    parser.add_argument("--max-width", type=int, default=MAX_DRAFT_TOKENS + 1,
+                        help="widest forward timed (k + 1 for the longest draft speculative mode plans)")
     parser.add_argument("--reps", type=int, default=20, help="repetitions per width (median)")
     parser.add_argument("--acceptance", type=float, default=None, help="per-token acceptance a, for E(k)")
     parser.add_argument("--draft-cost", type=float, default=None, help="draft forward cost c in plain steps")
@@ -60,11 +61,11 @@ def main() -> None:
     prompt = torch.randint(0, vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
     forward_ms(model, prompt, 1, 2, vocab)  # warm-up
     ms = {w: forward_ms(model, prompt, w, args.reps, vocab) for w in range(1, args.max_width + 1)}
-    result: dict = {"torch_threads": torch.get_num_threads(), "ms": ms,
-                    "cost_vs_one_token": {w: t / ms[1] for w, t in ms.items()}}
+    costs = {w: t / ms[1] for w, t in ms.items()}
+    result: dict = {"torch_threads": torch.get_num_threads(), "ms": ms, "cost_vs_one_token": costs}
     if args.acceptance is not None and args.draft_cost is not None:
-        result["E"] = {k: expected_tokens(args.acceptance, k) / (k * args.draft_cost + ms[k + 1] / ms[1])
-                       for k in range(1, args.max_width)}
+        verify = interpolated_verify(costs)  # the policy's own E(k), with these costs as V(w)
+        result["E"] = {k: speedup(args.acceptance, k, args.draft_cost, verify) for k in range(1, args.max_width)}
     print(json.dumps(result, indent=1))
 
 

@@ -4,10 +4,9 @@ A round drafts k tokens (k forwards through the first `draft_layer` layers, c pl
 k + 1 tokens (V(k + 1) plain steps). Verification reuses the drafts' first layers (`reuse.py`): it runs the last
 draft token through them (the tail) and only the deeper layers and the head for all k + 1 positions. How V
 grows with the width depends on the hardware: it should stay near 1 where a step is memory-bound (a GPU), but
-on a CPU a forward of 2-9 tokens can cost 1.4-2.0 plain steps with no steady growth in the width (the BLAS
-picks a kernel per shape), so no straight line through V(1) = 1 and V(2) predicts V(5). With per-token
-acceptance a a round emits (1 - a^(k+1)) / (1 - a) tokens (Leviathan et al., 2023), so its speed relative to
-plain decoding is
+on a CPU a forward of 2-9 tokens can cost 1.4-2.0 plain steps with no steady growth in the width, so no
+straight line through V(1) = 1 and V(2) predicts V(5). With per-token acceptance a a round emits
+(1 - a^(k+1)) / (1 - a) tokens (Leviathan et al., 2023), so its speed relative to plain decoding is
 
     E(k) = (1 - a^(k+1)) / ((1 - a) * (c * k + V(k + 1))),   E(0) = 1 (a plain step, V(1) = 1).
 

@@ -25,10 +25,10 @@ from safetensors.torch import load_file, save_file
 
 from tide_hf.assets import load_model, smollm2_path, sotu_path
 from tide_hf.calibration import load_texts, pad_right
-from tide_hf.calibration.labels import collect
+from tide_hf.calibration.labels import collect, label
 from tide_hf.calibration.samples import document_chunks, held_out_texts
 from tide_hf.config import TideRouterConfig
-from tide_hf.modeling import get_adapter, layer_output
+from tide_hf.modeling import TideRouter, get_adapter, layer_output
 
 SPLITS = ("train", "val", "test", "a", "b")
 PER_LAYER = ("features", "top1", "kl", "nll")
@@ -136,6 +136,7 @@ def main() -> None:
     finally:
         for h in handles:
             h.remove()
+    label(data, adapter, TideRouter(cfg), device=torch.device("cpu"))  # the model's own head (cfg: exit_head lens)
     which = torch.cat([torch.full((int(k.sum()),), SPLITS.index(n)) for k, n in zip(keep, names)])
     doc_of = torch.cat([torch.full((int(k.sum()),), i) for i, k in enumerate(keep)])
     out = {"features": data.features, "top1": data.top1, "kl": data.kl, "nll": data.nll,

@@ -48,8 +48,8 @@ def main() -> None:
                    progress=False)
     if distributed.is_main_process():
         router.save_pretrained(out / "router")
-        tensors = {"is_val": data.is_val, **{f"labelled.{k}": v for k, v in data.labelled.items()}}
-        for name in ("features", "cosine", "top1", "kl"):
+        tensors = {"is_val": data.is_val, "final": data.final, "next_ids": data.next_ids}
+        for name in ("features", "cosine"):
             tensors.update({f"{name}.{k}": v.contiguous() for k, v in getattr(data, name).items()})
         save_file(tensors, out / "collected.safetensors")
         (out / "run.json").write_text(json.dumps({"calibrate_seconds": wall,

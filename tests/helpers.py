@@ -102,8 +102,17 @@ def reference(model, router, ids, mask=None, *, threshold: float = 0.5, min_laye
         score = torch.sigmoid(router.logit(k, model.model.norm(hidden).float()))
         exits = (exit_layer == NUM_LAYERS) & (score >= threshold)
         exit_layer[exits] = k
-        logits[exits] = model.lm_head(model.model.norm(hidden))[exits]
+        logits[exits] = model.lm_head(model.model.norm(exit_state_by_hand(model, router, k, hidden)))[exits]
     return exit_layer, logits
+
+
+def exit_state_by_hand(model, router, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+    """What the final norm reads for a token exiting at `layer`: `hidden`, or its exit head's map of
+    norm(hidden), written out as a matmul."""
+    if router.config.exit_head == "lens":
+        return hidden
+    head = router.exit_heads[str(layer)]
+    return model.model.norm(hidden) @ head.weight.T + head.bias
 
 
 @torch.no_grad()

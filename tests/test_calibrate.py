@@ -21,7 +21,7 @@ from tide_hf import (
     model_fingerprint,
 )
 from tide_hf.calibration import make_samples
-from tide_hf.calibration.labels import collect
+from tide_hf.calibration.labels import collect, label
 from tide_hf.calibration.training import auc
 
 FAST = dict(seq_len=32, num_epochs=3, router_bottleneck_dim=16, progress=False)
@@ -98,7 +98,16 @@ def test_calibrate_tokens_equals_calibrate_on_the_same_samples(tiny_llama, byte_
             calibrate_tokens(tiny_llama, bad, **fast)
 
 
-# --- collect(): labels against an independent forward pass ----------------------------------------------
+# --- collect() + label(): labels against an independent forward pass -------------------------------------
+
+
+def collect_labelled(model, samples: list[torch.Tensor], cfg: TideRouterConfig, batch_size: int,
+                     router: TideRouter | None = None):
+    """collect() then label() with `router`'s exit heads (default: a router of `cfg`, the model's own head)."""
+    adapter = get_adapter(model)
+    data = collect(model, adapter, samples, cfg, batch_size=batch_size, pad_id=0, progress=False)
+    label(data, adapter, router or TideRouter(cfg), device=torch.device("cpu"), progress=False)
+    return data
 
 
 def reference(model, samples: list[torch.Tensor], layers: list[int]):
@@ -146,7 +155,7 @@ def ragged_samples() -> list[torch.Tensor]:
 
 def test_collect_labels_match_independent_forward(tiny_llama, ragged_samples) -> None:
     cfg = TideRouterConfig(hidden_size=32, num_hidden_layers=9, label="top1", max_train_tokens=10**6)
-    data = collect(tiny_llama, get_adapter(tiny_llama), ragged_samples, cfg, batch_size=3, pad_id=0, progress=False)
+    data = collect_labelled(tiny_llama, ragged_samples, cfg, 3)
     total = sum(len(s) for s in ragged_samples)
     # every real token kept, in order; no padding token (batches of 3 ragged samples are right-padded)
     assert data.is_val.shape == (total,) and bool(data.labelled["top1"].all())
@@ -177,7 +186,7 @@ def test_collect_labels_match_independent_forward(tiny_llama, ragged_samples) ->
 
 def test_collect_kl_label_computes_kl_for_every_token(tiny_llama, ragged_samples) -> None:
     cfg = TideRouterConfig(hidden_size=32, num_hidden_layers=9, label="kl", max_train_tokens=10**6)
-    data = collect(tiny_llama, get_adapter(tiny_llama), ragged_samples, cfg, batch_size=3, pad_id=0, progress=False)
+    data = collect_labelled(tiny_llama, ragged_samples, cfg, 3)
     assert bool(data.labelled["kl"].all()) and bool(data.labelled["top1"].all())
     ref = reference(tiny_llama, ragged_samples, [4])
     torch.testing.assert_close(data.kl[4], ref[4]["kl"], atol=2e-5, rtol=1e-3)
@@ -196,7 +205,7 @@ def reference_normed_final_cosine(model, samples: list[torch.Tensor], layer: int
 def test_collect_subsample_keeps_only_real_tokens(tiny_llama, ragged_samples) -> None:
     total = sum(len(s) for s in ragged_samples)
     cfg = TideRouterConfig(hidden_size=32, num_hidden_layers=9, label="top1", max_train_tokens=total // 3)
-    data = collect(tiny_llama, get_adapter(tiny_llama), ragged_samples, cfg, batch_size=4, pad_id=0, progress=False)
+    data = collect_labelled(tiny_llama, ragged_samples, cfg, 4)
     n = data.is_val.numel()
     assert 0 < n < total
     ref = reference(tiny_llama, ragged_samples, [4, 8])
@@ -226,7 +235,7 @@ def test_memory_bound_does_not_scale_with_samples(tiny_llama, byte_tokenizer, te
     samples = make_samples(byte_tokenizer, [p.read_text() for p in sorted(text_folder.iterdir())],
                                          64, 32, seed=0)
     cfg = TideRouterConfig(hidden_size=32, num_hidden_layers=9, label="cosine", max_train_tokens=budget)
-    data = collect(tiny_llama, get_adapter(tiny_llama), samples, cfg, batch_size=8, pad_id=0, progress=False)
+    data = collect_labelled(tiny_llama, samples, cfg, 8)
     assert sum(len(s) for s in samples) > 10 * budget
     assert data.features[4].shape[0] == data.features[8].shape[0] == data.is_val.numel() <= 1.4 * budget
     # cosine label: head-based labels computed only on held-out rows
@@ -343,8 +352,17 @@ def test_smollm2_sotu_end_to_end(tmp_path) -> None:
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         router = calibrate(model, tokenizer, str(sotu_path()), num_samples=24, seq_len=64, num_epochs=3,
+                           label="top1", exit_head="lens", progress=False)
+        linear = calibrate(model, tokenizer, str(sotu_path()), num_samples=24, seq_len=64, num_epochs=3,
                            label="top1", progress=False)
     assert tide_warnings(record) == []
+    # the default exit heads (fitted on other tokens than each one they label) agree with the final layer far
+    # more often than the model's own head on the same state, most of all at the shallow checkpoints
+    rates = {name: [r.config.metrics[str(k)]["label_rates"]["top1"] for k in r.config.checkpoint_layers]
+             for name, r in (("lens", router), ("linear", linear))}
+    assert linear.config.exit_head == "linear" and router.config.exit_head == "lens"
+    assert all(b > a for a, b in zip(rates["lens"], rates["linear"])), rates
+    assert rates["linear"][0] > 2 * rates["lens"][0], rates
     cfg = router.config
     assert (cfg.num_hidden_layers, cfg.hidden_size) == (30, 576)
     assert cfg.checkpoint_layers == [4, 8, 12, 16, 20, 24, 28]

@@ -60,12 +60,15 @@ def static(**kwargs) -> dict:
 
 
 @pytest.mark.parametrize("kv", ["propagate", "recompute"])
-@pytest.mark.parametrize("decisions", ["forced", "mixed"])
+@pytest.mark.parametrize("decisions", ["forced", "mixed", "mixed-heads"])
 def test_skip_mode_compiles_into_bounded_segment_graphs(kv: str, decisions: str) -> None:
+    """`mixed-heads`: a router with linear exit heads, whose maps run inside the segment graphs."""
     model = make_model()
     ids, mask = left_padded()
     later_ids, later_mask = left_padded(seed=1)  # same shapes, other tokens: other exit decisions
-    router = constant_router(model, 30.0) if decisions == "forced" else mixed_router(model, ids, mask, quantiles=MIXED)
+    heads = {"exit_head": "linear"} if decisions == "mixed-heads" else {}
+    router = constant_router(model, 30.0) if decisions == "forced" else \
+        mixed_router(model, ids, mask, quantiles=MIXED, **heads)
     with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="skip", kv=kv) as handle:
         eager = [generate(model, i, m, NEW_TOKENS, **static()) for i, m in ((ids, mask), (later_ids, later_mask))]
         executed = dict(handle.last_stats.decode.executed)
@@ -78,8 +81,10 @@ def test_skip_mode_compiles_into_bounded_segment_graphs(kv: str, decisions: str)
     assert torch.equal(first, eager[0]) and torch.equal(later, eager[1])
     if decisions == "forced":  # every row exits at layer 4: the later layers never ran
         assert executed == {4: ids.shape[0] * (NEW_TOKENS - 1)}
-    else:  # steps skipping at 4, at 8, and running every layer (rows exiting at different checkpoints)
+    elif decisions == "mixed":  # steps skipping at 4, at 8, and running every layer (rows exiting elsewhere)
         assert set(executed) == {4, 8, NUM_LAYERS}
+    else:  # other exit logits, other tokens, other decisions: still steps of more than one depth
+        assert len(set(executed)) >= 2, executed
     assert not counters["graph_break"]
     assert not recompiles, recompiles
     checkpoints = len(handle.open_checkpoints)

@@ -56,7 +56,7 @@ def make_model(kind: str = "random", seed: int = 0):
 
 
 @torch.no_grad()
-def make_router(model, gate: str, seed: int = 0, prior: bool = True) -> TideRouter:
+def make_router(model, gate: str, seed: int = 0, prior: bool = True, exit_head: str = "lens") -> TideRouter:
     """'always' (+30: converged everywhere), 'never' (-30), 'mixed' (saturated random scores around 0.5).
 
     `prior`: calibration metrics with the top-1 agreement the gate's rate implies (the policy's prior
@@ -66,7 +66,7 @@ def make_router(model, gate: str, seed: int = 0, prior: bool = True) -> TideRout
     rate = {"always": 1.0, "never": 0.0, "mixed": 0.5}[gate]
     router = TideRouter(TideRouterConfig(
         hidden_size=model.config.hidden_size, num_hidden_layers=model.config.num_hidden_layers,
-        router_bottleneck_dim=16, base_architecture=type(model).__name__, label="top1",
+        router_bottleneck_dim=16, base_architecture=type(model).__name__, label="top1", exit_head=exit_head,
         base_fingerprint=tide_hf.model_fingerprint(model),
         metrics={"4": {"predicted_rate": rate, "precision": 1.0, "label_rates": {"top1": rate}}} if prior else None))
     for mlp in router.routers.values():
@@ -178,6 +178,23 @@ def test_drafts_are_accepted_and_save_full_forwards():
     assert computed[0] == 1 + (full[0] - 1 - spec["reused"]) + spec["draft_forwards"] + spec["tail_forwards"]
     assert spec["accepted"] <= spec["drafted"] <= spec["draft_forwards"]
     assert spec["mean_draft_length"] == pytest.approx(spec["drafted"] / spec["rounds"])
+
+
+def test_drafts_come_from_the_exit_head_and_stay_lossless():
+    """A router with random exit heads drafts through them: on the shallow model, whose layer-4 lens already
+    predicts the final tokens, its drafts are rejected far more often, and the output is still stock's."""
+    model = make_model("shallow")
+    ids, mask = prompts(0)
+    prompt = ids[:1, -int(mask[0].sum()):]
+    with torch.no_grad():
+        stock = model.generate(prompt, max_new_tokens=32, do_sample=False)
+    rates = {}
+    for head in ("lens", "linear"):
+        out, stats = speculative(model, make_router(model, "always", exit_head=head), prompt, max_new_tokens=32,
+                                 do_sample=False)
+        assert torch.equal(out, stock)
+        rates[head] = stats.speculative["accepted"] / max(stats.speculative["drafted"], 1)
+    assert rates["lens"] > 0.5 and rates["linear"] < rates["lens"] - 0.3, rates
 
 
 def test_sampling_returns_valid_tokens():

@@ -60,7 +60,9 @@ def reference_train(router: TideRouter, data: Collected) -> dict[int, dict]:
 def collected(features: dict[int, torch.Tensor], labels: dict[int, torch.Tensor], is_val: torch.Tensor) -> Collected:
     """Synthetic collected tokens: `labels` as the top1 label of each checkpoint."""
     n = len(is_val)
-    return Collected(features=features, cosine={k: torch.zeros(n) for k in features}, top1=labels,
+    hidden = next(iter(features.values())).shape[1]
+    return Collected(features=features, cosine={k: torch.zeros(n) for k in features},
+                     final=torch.zeros(n, hidden), next_ids=torch.zeros(n, dtype=torch.long), top1=labels,
                      kl={k: torch.zeros(n) for k in features}, nll={k: torch.zeros(n) for k in features},
                      is_val=is_val, is_test=torch.zeros(n, dtype=torch.bool),
                      labelled={kind: torch.ones(n, dtype=torch.bool) for kind in ("top1", "kl", "top1_kl")},

@@ -19,8 +19,9 @@ from .assets import DEFAULT_MODEL
 # a name missing here is read from TideRouterConfig itself (slower, still correct).
 ROUTER_DEFAULTS = {"checkpoint_interval": 4, "convergence_threshold": 0.98, "kl_threshold": 0.1, "num_epochs": 100,
                    "early_stopping_patience": 10, "max_train_tokens": 65536, "exit_threshold": 0.85, "seed": 0,
-                   "label": "top1", "min_agreement": 0.95, "confidence": 0.9}
+                   "label": "top1", "min_agreement": 0.95, "confidence": 0.9, "exit_head_ridge": 0.01}
 LABEL_KINDS = ("cosine", "top1", "kl", "top1_kl")  # config.LABEL_KINDS, without importing transformers
+EXIT_HEADS, CALIBRATED_EXIT_HEAD = ("lens", "linear"), "linear"  # config's, without importing transformers
 CPU = "on a 2-core CPU"
 # eval.synthetic's SHAPES and CONFIGS, without importing torch (tests/test_cli.py checks they agree)
 SYNTHETIC_SHAPES = ("llama3-8b", "tiny")
@@ -60,6 +61,12 @@ def _add_calibration_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label", default=d.label, choices=list(LABEL_KINDS),
                    help="what 'converged' means: cosine(h_k, h_final) > --convergence-threshold, top-1 agreement, "
                         "KL(final || exit) < --kl-threshold, or top-1 agreement and that KL (top1_kl)")
+    p.add_argument("--exit-head", default=CALIBRATED_EXIT_HEAD, choices=list(EXIT_HEADS),
+                   help="how an exited token's logits are made: linear (a per-checkpoint linear map to the last "
+                        "layer's state, fitted by least squares, then the model's head) or lens (the model's head "
+                        "on the checkpoint's state as is)")
+    p.add_argument("--exit-head-ridge", type=float, default=d.exit_head_ridge,
+                   help="--exit-head linear: ridge penalty, relative to the mean diagonal of the Gram matrix")
     p.add_argument("--min-agreement", type=float, default=d.min_agreement,
                    help="the router's default quality target: top-1 agreement attach() keeps without arguments")
     p.add_argument("--confidence", type=float, default=d.confidence,

@@ -13,6 +13,10 @@ from transformers import PretrainedConfig
 from .errors import TideArgumentError, TideArgumentTypeError
 
 LABEL_KINDS = ("cosine", "top1", "kl", "top1_kl")
+# How an exited token's logits are made: "lens" runs the model's final norm and head on the checkpoint's state
+# as is; "linear" first maps it with a per-checkpoint linear exit head fitted by least squares at calibration.
+EXIT_HEADS = ("lens", "linear")
+CALIBRATED_EXIT_HEAD = "linear"  # what calibrate() makes unless told otherwise (the class default reads old files)
 MODES = ("select", "skip", "speculative")
 KV_POLICIES = ("propagate", "recompute")
 
@@ -35,6 +39,12 @@ class TideRouterConfig(PretrainedConfig):
     most `num_epochs` per router and stops after `early_stopping_patience` epochs without a better loss on the
     validation samples (`validation_fraction`; 0: never stops early).
 
+    Exit heads: with `exit_head="linear"` a token exiting at checkpoint `k` reads its logits from
+    `final_norm(E_k(final_norm(h_k)))` through the model's head, where `E_k` is a linear map fitted at calibration
+    (ridge least squares, `exit_head_ridge`) to predict the last layer's state (its direction) from the
+    checkpoint's: a "linear shortcut" (Din et al., 2023), far closer to the full model's distribution than the
+    model's head on `h_k` alone (`"lens"`, what routers made before exit heads existed use).
+
     Quality targets: `exit_paths` holds the calibrated exit paths (see `tide_hf.modeling.targets`), ordered on
     the validation samples with `path_grid` candidate thresholds per checkpoint and tested on the threshold
     samples (`threshold_fraction`), which neither training nor the ordering saw. Serving defaults:
@@ -53,6 +63,8 @@ class TideRouterConfig(PretrainedConfig):
         checkpoint_layers: list[int] | None = None,
         router_bottleneck_dim: int = 128,
         label: str = "top1",
+        exit_head: str = "lens",
+        exit_head_ridge: float = 0.01,
         convergence_threshold: float = 0.98,
         kl_threshold: float = 0.1,
         exit_threshold: float = 0.85,
@@ -95,6 +107,8 @@ class TideRouterConfig(PretrainedConfig):
         self.checkpoint_layers = list(checkpoint_layers)
         self.router_bottleneck_dim = router_bottleneck_dim
         self.label = label
+        self.exit_head = exit_head
+        self.exit_head_ridge = exit_head_ridge
         self.convergence_threshold = convergence_threshold
         self.kl_threshold = kl_threshold
         self.exit_threshold = exit_threshold
@@ -141,6 +155,9 @@ class TideRouterConfig(PretrainedConfig):
         check_real("validation_fraction", self.validation_fraction, low=0.0, high=1.0, low_open=True, high_open=True)
         if self.label not in LABEL_KINDS:
             raise TideArgumentError(f"label must be one of {LABEL_KINDS}, got {self.label!r}")
+        if self.exit_head not in EXIT_HEADS:
+            raise TideArgumentError(f"exit_head must be one of {EXIT_HEADS}, got {self.exit_head!r}")
+        check_real("exit_head_ridge", self.exit_head_ridge, low=0.0)
         if not isinstance(self.checkpoint_layers, (list, tuple)):
             raise TideArgumentTypeError(f"checkpoint_layers must be a list of ints, got {self.checkpoint_layers!r}")
         for k in self.checkpoint_layers:

@@ -30,6 +30,7 @@ def calibrate_from_args(args: argparse.Namespace) -> tuple[Any, Any, TideRouter]
         model, tokenizer, default_dataset(args.dataset),
         dataset_config=args.dataset_config, split=args.split, text_field=args.text_field,
         num_samples=args.num_samples, seq_len=args.seq_len, batch_size=args.batch_size, label=args.label,
+        exit_head=args.exit_head, exit_head_ridge=args.exit_head_ridge,
         checkpoint_interval=args.checkpoint_interval, convergence_threshold=args.convergence_threshold,
         kl_threshold=args.kl_threshold, num_epochs=args.num_epochs,
         early_stopping_patience=args.early_stopping_patience, max_train_tokens=args.max_train_tokens,
@@ -42,7 +43,8 @@ def calibrate_from_args(args: argparse.Namespace) -> tuple[Any, Any, TideRouter]
 def print_metrics(router: TideRouter) -> None:
     """The per-checkpoint validation table and the calibration's timings."""
     cfg = router.config
-    print(f"\nrouter: label={cfg.label}, checkpoints={cfg.checkpoint_layers}, threshold={cfg.exit_threshold}")
+    print(f"\nrouter: label={cfg.label}, exit_head={cfg.exit_head}, checkpoints={cfg.checkpoint_layers}, "
+          f"threshold={cfg.exit_threshold}")
     print(f"{'layer':>5} {'pos.rate':>8} {'precision':>9} {'recall':>7} {'AUC':>6} {'pred.rate':>9}")
     for k in cfg.checkpoint_layers:
         m = cfg.metrics[str(k)]

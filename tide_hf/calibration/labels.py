@@ -2,15 +2,19 @@
 quantities labels are made of (cosine to the final state, top-1 agreement and KL of the exit logits).
 
 What is compared: each checkpoint's pre-norm layer output with the pre-norm output of the last layer, in
-fp32 (cosine label), or the logits both produce through the model's own head (top1 / kl labels). Peak
-memory is bounded by `max_train_tokens` per checkpoint, not by the number of samples: tokens are
-subsampled before anything is kept, and labels are computed only for the kept tokens.
+fp32 (cosine label), or the exit logits (the router's exit heads, `TideRouter.exit_logits`) with the final
+logits (top1 / kl labels). Two passes: `collect` runs the model and keeps, per kept token, the features, the
+cosine, the last layer's state and the next token; `label` computes the head-based quantities once the exit
+heads are fitted (they are fitted on the kept tokens themselves). Peak memory is bounded by
+`max_train_tokens` per checkpoint, not by the number of samples: tokens are subsampled before anything is
+kept, and labels are computed only for the kept tokens.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,11 +24,13 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..config import TideRouterConfig
-from ..modeling import ModelAdapter, layer_output
+from ..modeling import ModelAdapter, TideRouter, layer_output
 from ..modeling.devices import execution_device
 from .distributed import gather_collected, local_batches
 from .samples import pad_right
 
+# exit logits of kept tokens: (layer, their rows in `Collected`, their final-normed features, the model's dtype)
+ExitLogits = Callable[[int, torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
 LABEL_CHUNK_ROWS = 256  # tokens whose vocab-sized exit logits are held at once while labelling
 KL_LABELS = ("kl", "top1_kl")  # labels that need the KL of every kept token, not only held-out ones
 
@@ -35,13 +41,15 @@ class Collected:
 
     features: dict[int, torch.Tensor]  # layer -> (n, hidden) fp32, final-normed
     cosine: dict[int, torch.Tensor]  # layer -> (n,) cos(h_k, h_final), pre-norm, fp32
+    final: torch.Tensor  # (n, hidden) fp32, the last layer's pre-norm output
+    next_ids: torch.Tensor  # (n,) the token that follows (-1: none)
     top1: dict[int, torch.Tensor]  # layer -> (n,) bool, exit argmax == final argmax
     kl: dict[int, torch.Tensor]  # layer -> (n,) KL(final || exit) in nats
     nll: dict[int, torch.Tensor]  # layer -> (n,) NLL(next token | exit) - NLL(next token | final); NaN: not computed
     is_val: torch.Tensor  # (n,) bool, token comes from a held-out sample (validation or threshold split)
     is_test: torch.Tensor  # (n,) bool, token comes from the threshold split (never used to train or to order)
     labelled: dict[str, torch.Tensor]  # "top1" / "kl" -> (n,) bool, computed for this token
-    seconds: dict[str, float]  # wall time of the model body ("forward") and of labelling ("label")
+    seconds: dict[str, float]  # wall time of the model body ("forward") and of labelling ("label", in `label`)
 
     def labels(self, layer: int, cfg: TideRouterConfig) -> torch.Tensor:
         """The positive ("converged") label of each kept token under `cfg.label`."""
@@ -102,7 +110,8 @@ def collect(
     progress: bool = True,
 ) -> Collected:
     """Run the model body over `samples` with hooks at the checkpoints and the last layer; keep a
-    seeded random subset of real (non-padding) tokens and compute their features and label inputs.
+    seeded random subset of real (non-padding) tokens, their features, cosines, last-layer states and next
+    tokens. Head-based labels are left empty for `label`.
 
     Under `accelerate launch` each process runs its own block of batches and every process returns the
     gathered tokens of all of them, equal to a single process's (see `tide_hf.distributed`)."""
@@ -121,6 +130,8 @@ def collect(
     out = Collected(
         features={k: torch.empty(n, cfg.hidden_size) for k in layers},
         cosine={k: torch.empty(n) for k in layers},
+        final=torch.empty(n, cfg.hidden_size),
+        next_ids=torch.full((n,), -1, dtype=torch.long),
         top1={k: torch.zeros(n, dtype=torch.bool) for k in layers},
         kl={k: torch.full((n,), math.nan) for k in layers},
         nll={k: torch.full((n,), math.nan) for k in layers},
@@ -151,43 +162,21 @@ def collect(
             sel, _ = pad_right(keep[start : start + batch_size], 0)
             selection[:] = [sel.bool().to(device)]
             following = torch.where(mask[:, 1:].bool(), ids[:, 1:], -1)  # each position's next token (-1: none)
-            next_ids = torch.cat([following, following.new_full((len(ids), 1), -1)], 1)[sel.bool()].to(device)
+            next_ids = torch.cat([following, following.new_full((len(ids), 1), -1)], 1)[sel.bool()]
             t0 = time.perf_counter()
             model.base_model(input_ids=ids.to(in_device), attention_mask=mask.to(in_device), use_cache=False)
-            t1 = time.perf_counter()
             h_final = captured[final_layer]
             m = h_final.shape[0]
             rows = torch.arange(cursor, cursor + m)
-            # Head-based labels cost a vocab-sized matmul per token and checkpoint: compute them for every
-            # kept token only when they are the training label, else on held-out tokens for the report.
-            # The KL and the NLL change also need vocab-sized softmaxes per row, so unless the label needs
-            # the KL they are held-out only (the threshold fit and the report use held-out tokens only).
-            head = rows if cfg.label != "cosine" else rows[is_val[rows]]
+            out.final[rows] = h_final.float().cpu()
+            out.next_ids[rows] = next_ids
             for k in layers:
                 h = captured[k]
                 out.features[k][rows] = adapter.normed(h).float().cpu()
                 out.cosine[k][rows] = F.cosine_similarity(h.float(), h_final.float(), dim=-1).cpu()
-            # vocab-sized logits in row chunks, so their memory does not grow with the batch
-            for part in head.split(LABEL_CHUNK_ROWS):
-                local = (part - cursor).to(device)
-                with_kl = torch.ones_like(part, dtype=torch.bool) if cfg.label in KL_LABELS else is_val[part]
-                final_logits = adapter.logits(h_final[local])
-                final_argmax = final_logits.argmax(-1)
-                final = FinalDistribution(final_logits[with_kl.to(device)])
-                targets = next_ids[local][with_kl.to(device)]
-                for k in layers:
-                    exit_logits = adapter.logits(captured[k][local])
-                    out.top1[k][part] = (exit_logits.argmax(-1) == final_argmax).cpu()
-                    logq = F.log_softmax(exit_logits[with_kl.to(device)].float(), dim=-1)
-                    out.kl[k][part[with_kl]] = final.kl_logq(logq).cpu()
-                    out.nll[k][part[with_kl]] = final.nll_change(logq, targets).cpu()
-                out.labelled["top1"][part] = True
-                out.labelled["kl"][part[with_kl]] = True
-                out.labelled["top1_kl"][part[with_kl]] = True
             cursor += m
             captured.clear()
-            out.seconds["forward"] += t1 - t0
-            out.seconds["label"] += time.perf_counter() - t1
+            out.seconds["forward"] += time.perf_counter() - t0
             bar.update(sum(len(s) for s in samples[start : start + batch_size]))
         bar.close()
     finally:
@@ -195,3 +184,39 @@ def collect(
             handle.remove()
     return gather_collected(out)
 
+
+@torch.no_grad()
+def label(data: Collected, adapter: ModelAdapter, router: TideRouter, *, device: torch.device,
+          exit_logits: ExitLogits | None = None, progress: bool = True) -> None:
+    """Fill the head-based label inputs of `data` (top-1 agreement, KL, NLL change) with the router's exit heads,
+    or with `exit_logits(layer, rows, normed, dtype)` when given (out-of-fold heads, `heads.CrossFit`).
+
+    Head-based labels cost a vocab-sized matmul per token and checkpoint: they are computed for every kept
+    token only when they are the training label, else on held-out tokens for the report. The KL and the NLL
+    change also need vocab-sized softmaxes per row, so unless the label needs the KL they are held-out only
+    (the threshold fit and the report use held-out tokens only)."""
+    cfg = router.config
+    started = time.perf_counter()
+    dtype = next(adapter.lm_head.parameters()).dtype
+    rows = torch.arange(data.is_val.numel())
+    head = rows if cfg.label != "cosine" else rows[data.is_val]
+    # vocab-sized logits in row chunks, so their memory does not grow with the number of tokens
+    for part in tqdm(head.split(LABEL_CHUNK_ROWS), desc="tide_hf: labelling", disable=not progress):
+        with_kl = torch.ones_like(part, dtype=torch.bool) if cfg.label in KL_LABELS else data.is_val[part]
+        kl_rows = with_kl.to(device)
+        final_logits = adapter.logits(data.final[part].to(device, dtype))
+        final_argmax = final_logits.argmax(-1)
+        final = FinalDistribution(final_logits[kl_rows])
+        targets = data.next_ids[part].to(device)[kl_rows]
+        for k in cfg.checkpoint_layers:
+            normed = data.features[k][part].to(device)
+            logits = router.exit_logits(adapter, k, normed, dtype) if exit_logits is None \
+                else exit_logits(k, part, normed, dtype)
+            data.top1[k][part] = (logits.argmax(-1) == final_argmax).cpu()
+            logq = F.log_softmax(logits[kl_rows].float(), dim=-1)
+            data.kl[k][part[with_kl]] = final.kl_logq(logq).cpu()
+            data.nll[k][part[with_kl]] = final.nll_change(logq, targets).cpu()
+        data.labelled["top1"][part] = True
+        data.labelled["kl"][part[with_kl]] = True
+        data.labelled["top1_kl"][part[with_kl]] = True
+    data.seconds["label"] = time.perf_counter() - started

@@ -1,7 +1,8 @@
-"""`calibrate()`: real text -> hidden states at the checkpoints -> convergence labels -> one router each.
+"""`calibrate()`: real text -> hidden states at the checkpoints -> exit heads -> convergence labels -> one router
+each -> exit paths for quality targets.
 
 Routers are trained and scored on the same representation, `final_norm(h_k)`; see `labels.py` for what is
-collected and `training.py` for how routers are fitted.
+collected, `heads.py` for the exit heads the labels are made with, and `training.py` for how routers are fitted.
 """
 
 from __future__ import annotations
@@ -16,16 +17,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import LABEL_KINDS, TideRouterConfig, check_int
+from ..config import CALIBRATED_EXIT_HEAD, LABEL_KINDS, TideRouterConfig, check_int
 from ..errors import TideArgumentTypeError
-from ..modeling import TideRouter, get_adapter, model_fingerprint, text_config
+from ..modeling import ModelAdapter, TideRouter, get_adapter, model_fingerprint, text_config
 from ..modeling.devices import execution_device
 from .data import DEFAULT_DATASET, load_texts
 from .distributed import is_main_process, main_process_first, train_on_main
-from .labels import Collected, collect
+from .heads import fit_exit_heads
+from .labels import Collected, collect, label
 from .samples import make_samples, pad_token_id
 from .thresholds import fit_exit_paths
-from .training import train_routers
+from .training import check_splits, train_routers
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +67,23 @@ def check_calibrate_args(*, num_samples: Any, seq_len: Any, batch_size: Any, con
             raise TideArgumentTypeError(f"calibrate() got an unexpected keyword argument {key!r}{hint}")
 
 
-def fit(router: TideRouter, data: Collected, *, device: torch.device | None = None, progress: bool = True) -> None:
-    """Train the routers on `device` (default: where the features are), then calibrate their exit paths for
-    quality targets (`config.exit_paths`), scoring the held-out tokens there too; the router ends where it was."""
-    train_routers(router, data, device=device, progress=progress)
+def fit(router: TideRouter, data: Collected, *, adapter: ModelAdapter, device: torch.device | None = None,
+        progress: bool = True) -> None:
+    """Fit the exit heads, label the kept tokens with them (the model's head, `adapter`, on `device`), train the
+    routers on `device` (default: where the features are), then calibrate their exit paths for quality targets
+    (`config.exit_paths`), scoring the held-out tokens there too; the router ends where it was."""
+    check_splits(data, router.config)
     home = router.device
-    router.to(device or home)
+    work = torch.device(device) if device is not None else home
+    router.to(work)
+    try:
+        crossfit = fit_exit_heads(router, data, device=work)
+        exit_logits = None if crossfit is None else partial(crossfit.exit_logits, router, adapter)
+        label(data, adapter, router, device=work, exit_logits=exit_logits, progress=progress)
+    finally:
+        router.to(home)
+    train_routers(router, data, device=device, progress=progress)
+    router.to(work)
     try:
         router.config.exit_paths = fit_exit_paths(router, data)
     finally:
@@ -93,8 +106,10 @@ def calibrate(
 ) -> TideRouter:
     """Calibrate TIDE routers for `model` on `dataset` and return them as a `TideRouter`.
 
-    `config_kwargs` are `TideRouterConfig` fields (label, checkpoint_interval, convergence_threshold,
-    kl_threshold, router_bottleneck_dim, learning_rate, num_epochs, max_train_tokens, seed, ...).
+    `config_kwargs` are `TideRouterConfig` fields (label, exit_head, checkpoint_interval, convergence_threshold,
+    kl_threshold, router_bottleneck_dim, learning_rate, num_epochs, max_train_tokens, seed, ...); unlike the
+    config class, whose default reads routers made before exit heads existed, calibration fits linear exit
+    heads unless `exit_head="lens"` is given.
     Under `accelerate launch`, call it in every process with the same arguments: the processes share the
     forward passes, the main one trains, and every process returns the same router.
     """
@@ -139,7 +154,7 @@ def model_config(model: nn.Module, seq_len: int, config_kwargs: dict[str, Any]) 
         base_model_type=model.config.model_type,
         base_fingerprint=model_fingerprint(model, adapter),
         seq_len=seq_len,
-        **config_kwargs,
+        **{"exit_head": CALIBRATED_EXIT_HEAD, **config_kwargs},
     )
     torch.manual_seed(cfg.seed)
     return cfg
@@ -160,8 +175,10 @@ def calibrate_config(model: nn.Module, cfg: TideRouterConfig, samples: list[torc
     started = time.perf_counter()
     router = TideRouter(cfg)
     device = execution_device(adapter.lm_head)  # where the forward ran: the routers train there too
-    train_on_main(partial(fit, device=device), router, data, progress=progress)  # every process gets its result
-    cfg.calibration_seconds = {**data.seconds, "train": time.perf_counter() - started}
+    # every process gets the main process's result
+    train_on_main(partial(fit, adapter=adapter, device=device), router, data, progress=progress)
+    labelling = data.seconds["label"]  # the main process's; 0 in the others, which do not label
+    cfg.calibration_seconds = {**data.seconds, "train": time.perf_counter() - started - labelling}
     if is_main_process():
         warn_if_silent(cfg)
     return router

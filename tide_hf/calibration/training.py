@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..config import LABEL_KINDS
+from ..config import LABEL_KINDS, TideRouterConfig
 from ..modeling import TideRouter
 from .labels import Collected
 
@@ -168,6 +168,17 @@ def constant_router(router: TideRouter, data: Collected, layer: int, label: torc
             "scores": torch.full_like(y_va, torch.sigmoid(torch.tensor(logit)).item())}
 
 
+def check_splits(data: Collected, cfg: TideRouterConfig) -> None:
+    """Raise unless calibration kept training tokens and validation tokens (the threshold split stays unseen)."""
+    train, val = ~data.is_val, data.is_val & ~data.is_test
+    if not train.any() or not val.any():
+        raise ValueError(
+            f"calibration kept {int(train.sum())} training and {int(val.sum())} held-out tokens; both must be > 0 "
+            f"(raise max_train_tokens={cfg.max_train_tokens}, num_samples or "
+            f"validation_fraction={cfg.validation_fraction})"
+        )
+
+
 def train_routers(router: TideRouter, data: Collected, *, device: torch.device | str | None = None,
                   progress: bool = True) -> None:
     """Fit every checkpoint's MLP with class-balanced BCE and Adam at once on `device` (default: where the
@@ -177,13 +188,8 @@ def train_routers(router: TideRouter, data: Collected, *, device: torch.device |
     SOTU samples) the best epoch was 2-8 of 100, and the epochs after it only overfit.
     """
     cfg = router.config
+    check_splits(data, cfg)
     train, val = ~data.is_val, data.is_val & ~data.is_test  # the threshold split stays unseen
-    if not train.any() or not val.any():
-        raise ValueError(
-            f"calibration kept {int(train.sum())} training and {int(val.sum())} held-out tokens; both must be > 0 "
-            f"(raise max_train_tokens={cfg.max_train_tokens}, num_samples or "
-            f"validation_fraction={cfg.validation_fraction})"
-        )
     layers = list(cfg.checkpoint_layers)
     device = torch.device(device) if device is not None else data.features[layers[0]].device
     labels = {k: data.labels(k, cfg) for k in layers}

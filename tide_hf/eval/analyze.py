@@ -7,7 +7,9 @@
   an error budget: at agreement a, the (1 - a) share of tokens whose wrong early exit saves the most layers
   leave at the first checkpoint. That is the fewest layers any checkpoint-exit policy can use at agreement a.
 - Router efficiency, on the model's own greedy text: layers the routers save at a threshold divided by
-  layers the oracle saves at the same top-1 agreement.
+  layers the oracle saves at the same top-1 agreement. Both exit through the router's exit heads (when it has
+  them), so the oracle there is the best any policy could do with those heads; the convergence section uses
+  the model's own head, which is the model's property, not the router's.
 """
 
 from __future__ import annotations
@@ -55,9 +57,10 @@ def _layer_states(model: Any, adapter: ModelAdapter, ids: torch.Tensor, mask: to
 
 
 @torch.no_grad()
-def _compare(adapter: ModelAdapter, states: dict[int, torch.Tensor], final: int, kl: bool
-             ) -> dict[str, torch.Tensor]:
-    """Per token (rows) and layer (columns, in `states` order): cosine, top-1 match, and KL if asked."""
+def _compare(adapter: ModelAdapter, states: dict[int, torch.Tensor], final: int, kl: bool,
+             router: TideRouter | None = None) -> dict[str, torch.Tensor]:
+    """Per token (rows) and layer (columns, in `states` order): cosine, top-1 match, and KL if asked. Exit
+    logits: the model's own head on each state, or `router`'s exit logits (its exit heads) when given."""
     layers = [k for k in states]
     h_final = states[final]
     out = {"cosine": torch.stack([F.cosine_similarity(states[k].float(), h_final.float(), dim=-1) for k in layers], 1),
@@ -69,7 +72,12 @@ def _compare(adapter: ModelAdapter, states: dict[int, torch.Tensor], final: int,
         final_argmax = final_logits.argmax(-1)
         target = FinalDistribution(final_logits) if kl else None
         for j, k in enumerate(layers):
-            exit_logits = final_logits if k == final else adapter.logits(states[k][rows])
+            if k == final:
+                exit_logits = final_logits
+            elif router is None:
+                exit_logits = adapter.logits(states[k][rows])
+            else:
+                exit_logits = router.exit_logits(adapter, k, adapter.normed(states[k][rows]), states[k].dtype)
             out["match"][rows, j] = (exit_logits.argmax(-1) == final_argmax).cpu()
             if target is not None:
                 out["kl"][rows, j] = target.kl(exit_logits).cpu()
@@ -143,7 +151,7 @@ def _scored_text(model: Any, router: TideRouter, texts: list[tuple[torch.Tensor,
         states = _layer_states(model, adapter, ids, torch.ones_like(ids), [*checkpoints, n])
         positions = slice(start, len(seq) - 1)  # positions whose next token is part of the text
         states = {k: h[positions] for k, h in states.items()}
-        matches.append(_compare(adapter, states, n, kl=False)["match"][:, :-1])
+        matches.append(_compare(adapter, states, n, kl=False, router=router)["match"][:, :-1])
         scores.append(torch.stack([torch.sigmoid(router.logit(k, adapter.normed(states[k]).float())).cpu()
                                    for k in checkpoints], 1))
     return torch.cat(matches), torch.cat(scores)

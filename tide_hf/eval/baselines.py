@@ -5,7 +5,8 @@ All methods run on the same held-out prompts and text, in one process, against s
 - static layer skipping: one fixed set of layers dropped for every token, chosen greedily on calibration
   text (each round drops the layer whose removal keeps the highest top-1 agreement with the full model);
 - softmax confidence (CALM-style): a token exits at the first checkpoint where the exit logits' top
-  probability reaches a threshold; it runs through TIDE's own exit machinery, only the score differs;
+  probability reaches a threshold; it runs through TIDE's own exit machinery (the router's exit heads
+  included, so both exit with the same logits), only the score differs;
 - TIDE: the router's scores, at several thresholds.
 TIDE and confidence run in skip mode with `kv="recompute"`, so their wall clock includes real skipping.
 Each point reports perplexity change, greedy continuation match vs stock, mean layers and speed vs stock.
@@ -33,11 +34,12 @@ PPL_LEVELS = (0.05, 0.10, 0.25)  # perplexity changes at which methods are compa
 
 
 class ConfidenceHandle(TideHandle):
-    """Scores a checkpoint by the top softmax probability of its exit logits (no router involved)."""
+    """Scores a checkpoint by the top softmax probability of its exit logits (no router MLP involved; the exit
+    logits are the ones an exit there would produce, through the router's exit heads when it has them)."""
 
     @torch.no_grad()
     def score(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(self.adapter.logits(hidden).float(), dim=-1).amax(-1)
+        return torch.softmax(self.adapter.logits(self.exit_state(layer, hidden)).float(), dim=-1).amax(-1)
 
 
 def _returns_tuple(model: Any, adapter: ModelAdapter) -> bool:

@@ -7,7 +7,8 @@ via `_get_candidate_generator`, replaced on the model instance for the duration 
 
 * drafts run the model's first `draft_layer` layers (`config.num_hidden_layers` is lowered around each
   draft forward, the mechanism of stock `assistant_early_exit`) on the main KV cache: the verified cache
-  of those layers is reused, so drafting needs no prefill of its own;
+  of those layers is reused, so drafting needs no prefill of its own; a draft token's logits are an exit's
+  (through the router's exit head at `draft_layer` when it has one);
 * verification reuses the draft's work (`reuse.py`): the draft already ran the first `draft_layer` layers
   one token at a time for every position the verifier checks, so the verification forward runs only the
   deeper layers (and the head) on the draft's layer-`draft_layer` states and K/V;
@@ -166,11 +167,14 @@ class TideCandidateGenerator(CandidateGenerator):
         self.since_plain = 0  # rounds since the last plain step (timed: drafting rounds leave no plain time)
 
     # -- hooks (registered by `_patched` for the call) --
-    def gate_hook(self, _module: nn.Module, _args: tuple, output: Any) -> None:
+    def gate_hook(self, _module: nn.Module, _args: tuple, output: Any) -> Any:
         hidden = layer_output(output)
         if self.drafting:
             self.gate_open = bool(self.handle.score(self.layer, hidden[:, -1]).min() >= self.threshold)
-            self.reuse.record(output)
+            self.reuse.record(output)  # the layer's own output: what verification continues from
+            state = self.handle.exit_state(self.layer, hidden)
+            if state is not hidden:  # the draft's logits come from the router's exit head, as an exit's do
+                return (state, *output[1:]) if isinstance(output, tuple) else state
         else:  # a verification forward: keep the scores of the positions that may predict the next token
             self.window_scores = self.handle.score(self.layer, hidden[:, -self.window:])
 

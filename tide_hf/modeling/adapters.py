@@ -55,7 +55,11 @@ class ModelAdapter:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits the model would produce if `hidden` were its last layer's output."""
-        out = self.normed(hidden)
+        return self.head(self.normed(hidden))
+
+    def head(self, normed: torch.Tensor) -> torch.Tensor:
+        """The model's head on an already final-normed state (what follows the final norm)."""
+        out = normed
         if self.pre_head is not None:
             out = self.pre_head(out)
         out = self.lm_head(out)

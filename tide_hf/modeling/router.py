@@ -36,7 +36,9 @@ class TideRouter(PreTrainedModel):
     """One `RouterMLP` per checkpoint layer, scoring the final-normed hidden state of that layer.
 
     Routers read `final_norm(h_k)` (the model's own final norm on the k-th layer's output), the same
-    representation in calibration and at serving time.
+    representation in calibration and at serving time. With `config.exit_head == "linear"` the router also holds
+    one exit head (`nn.Linear(hidden, hidden)`) per checkpoint: what an exited token's logits are made from
+    (`exit_state`, `exit_logits`).
     """
 
     config_class = TideRouterConfig
@@ -48,6 +50,9 @@ class TideRouter(PreTrainedModel):
         self.routers = nn.ModuleDict(
             {str(k): RouterMLP(config.hidden_size, config.router_bottleneck_dim) for k in config.checkpoint_layers}
         )
+        self.exit_heads = nn.ModuleDict(
+            {str(k): nn.Linear(config.hidden_size, config.hidden_size) for k in config.checkpoint_layers}
+            if config.exit_head == "linear" else {})
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -62,6 +67,25 @@ class TideRouter(PreTrainedModel):
         """Pre-sigmoid score of checkpoint `layer` for normed features of shape (..., hidden)."""
         mlp = self.routers[str(layer)]
         return mlp(features.to(mlp.fc1.weight.device, mlp.fc1.weight.dtype))
+
+    def exit_state(self, adapter: ModelAdapter, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """The last-layer state that stands in for `hidden` (checkpoint `layer`'s output) when a token exits there:
+        the model's final norm and head turn it into the exit logits. `hidden` itself without exit heads."""
+        if not self.exit_heads:
+            return hidden
+        return self.mapped(layer, adapter.normed(hidden)).to(hidden.dtype)
+
+    def mapped(self, layer: int, normed: torch.Tensor) -> torch.Tensor:
+        """Exit head of checkpoint `layer` on final-normed features (fp32 out; linear exit heads only)."""
+        head = self.exit_heads[str(layer)]
+        return head(normed.to(head.weight.device, head.weight.dtype))
+
+    def exit_logits(self, adapter: ModelAdapter, layer: int, normed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Logits of tokens exiting at `layer` from their final-normed features (`dtype`: the model's), as the
+        runtime makes them: the model's head on them, or on the final norm of the exit head's output."""
+        if not self.exit_heads:
+            return adapter.head(normed.to(dtype))
+        return adapter.logits(self.mapped(layer, normed).to(dtype))
 
     def forward(self, hidden_states: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Scores in [0, 1] for each checkpoint present in `hidden_states` (layer -> normed features)."""

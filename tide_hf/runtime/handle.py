@@ -3,10 +3,11 @@
 Per forward, a hook at each checkpoint layer scores the positions of the step with that checkpoint's
 router (on `final_norm(h)`, the representation the router was trained on) and records, per row and
 position, the first checkpoint whose score reaches `exit_threshold`. A hook on the last layer then
-replaces the output of the positions that exited by their exit hidden state, so the model's own final
-norm and LM head produce the exit logits, and every stock logits processor (repetition penalty,
-temperature, top-k/p...) and every stock decoding strategy acts on them. Nothing is asked of the model
-beyond its layers' outputs: no `output_hidden_states`, no second forward.
+replaces the output of the positions that exited by their exit state (the router's exit head on the
+checkpoint's state, or that state itself), so the model's own final norm and LM head produce the exit
+logits, and every stock logits processor (repetition penalty, temperature, top-k/p...) and every stock
+decoding strategy acts on them. Nothing is asked of the model beyond its layers' outputs: no
+`output_hidden_states`, no second forward.
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ class TideHandle:
             spec = norm_spec(adapter.final_norm)
             for k in router.checkpoint_layers:
                 device = execution_device(adapter.layers[k - 1])
-                router.routers[str(k)].to(device)
+                for modules in (router.routers, router.exit_heads):
+                    if str(k) in modules:  # (a router without exit heads has an empty dict of them)
+                        modules[str(k)].to(device)
                 self._norm_specs[k] = None if spec is None else replace(
                     spec, weight=_to(spec.weight, device), bias=_to(spec.bias, device))
         self._patches = Patches()
@@ -83,8 +86,8 @@ class TideHandle:
                                      self.recompute_state, self._patches) \
             if options.mode == "skip" and self.open_checkpoints else None
         segments = SegmentedDecoding(model, adapter.layers, self.open_checkpoints, options.kv, options.threshold,
-                                     self.score, self.exit_mask, self.current_step, self.recompute_state,
-                                     self._skipper, self._patches) \
+                                     self.score, self.exit_mask, self.exit_state, self.current_step,
+                                     self.recompute_state, self._skipper, self._patches) \
             if self._skipper is not None and SegmentedDecoding.supported(adapter.layers) else None
         # transformers' compiled decoding steps: graphs of TIDE's own (skip mode: one per segment of layers)
         install_compiled_call(model, self._patches, None if segments is None else segments.compiled_call)
@@ -208,6 +211,10 @@ class TideHandle:
         mlp = self.router.routers[str(layer)]
         return norm_router_scores(hidden, spec, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias)
 
+    def exit_state(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """What the final norm and head read for a position exiting at `layer` (`TideRouter.exit_state`)."""
+        return self.router.exit_state(self.adapter, layer, hidden)
+
     def exit_mask(self, scores: torch.Tensor, hidden: torch.Tensor, threshold: float) -> torch.Tensor:
         """Positions that may exit: a finite hidden state whose finite score reaches `threshold`.
 
@@ -228,11 +235,11 @@ class TideHandle:
             exits = fresh & self.exit_mask(self.score(layer, hidden), hidden, threshold).to(fresh.device)
             # Device-side writes only (no `exits.any()`, no row indices): select mode never waits for the device.
             step.exit_layer = step.exit_layer.masked_fill(exits, layer)
-            if step.exit_state is None:  # values of rows that have not exited are never read
-                step.exit_state = hidden.clone()
+            state, states = self.exit_state(layer, hidden), step.exit_state
+            if states is None:  # values of rows that have not exited are never read
+                step.exit_state = state if state is not hidden else hidden.clone()
             else:  # checkpoints of a model split over devices write into the exit states of the first one
-                states = step.exit_state
-                step.exit_state = torch.where(exits.to(states.device).unsqueeze(-1), hidden.to(states.device), states)
+                step.exit_state = torch.where(exits.to(states.device).unsqueeze(-1), state.to(states.device), states)
             if self._skipper is not None and bool(((step.exit_layer < self.num_layers) | ~step.valid).all()):
                 step.skip_after = layer  # skip mode's one host read per checkpoint reached
         return hook
@@ -284,19 +291,11 @@ def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | Non
 
 
 def attach(
-    model: nn.Module,
-    router: TideRouter,
-    *,
-    min_agreement: float | None = None,
-    max_perplexity_increase: float | None = None,
-    confidence: float | None = None,
-    exit_threshold: float | None = None,
-    min_layers: int | None = None,
-    mode: str = "select",
-    kv: str = "propagate",
-    draft_layer: int | None = None,
-    ignore_fingerprint: bool = False,
-    handle_class: type[TideHandle] = TideHandle,
+    model: nn.Module, router: TideRouter, *,
+    min_agreement: float | None = None, max_perplexity_increase: float | None = None, confidence: float | None = None,
+    exit_threshold: float | None = None, min_layers: int | None = None,
+    mode: str = "select", kv: str = "propagate", draft_layer: int | None = None,
+    ignore_fingerprint: bool = False, handle_class: type[TideHandle] = TideHandle,
 ) -> TideHandle:
     """Attach `router` to `model`; stock `generate()`, `pipeline()` and plain forwards then use TIDE.
 

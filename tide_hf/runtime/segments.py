@@ -70,12 +70,13 @@ class SegmentedDecoding:
                  threshold: Callable[[int], float],
                  score: Callable[[int, torch.Tensor], torch.Tensor],
                  exit_mask: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor],
+                 exit_state: Callable[[int, torch.Tensor], torch.Tensor],
                  current_step: Callable[[], Step | None], recompute_state: Callable[[Any], KVRecompute | None],
                  skipper: LayerSkipper, patches: Patches) -> None:
         """Replace every layer's forward (recorded in `patches`, after the skipper's) by a dispatcher that runs
         the segments while `step` runs, and the forward it replaced otherwise."""
         self.model, self.layers, self.num_layers, self.kv = model, layers, len(layers), kv
-        self.score, self.exit_mask = score, exit_mask
+        self.score, self.exit_mask, self.exit_state = score, exit_mask, exit_state
         self.current_step, self.recompute_state = current_step, recompute_state
         bounds = [0, *checkpoints, self.num_layers]
         self.segments = [Segment(a + 1, b, threshold(b) if b in checkpoints else None)
@@ -115,7 +116,7 @@ class SegmentedDecoding:
 
     def _segment_fn(self, segment: Segment) -> Callable:
         forwards, num_layers = self.forwards[segment.first - 1 : segment.last], self.num_layers
-        score, exit_mask, layer = self.score, self.exit_mask, segment.last
+        score, exit_mask, exit_state_of, layer = self.score, self.exit_mask, self.exit_state, segment.last
 
         def run(block: torch.Tensor, exit_layer: torch.Tensor, exit_state: torch.Tensor | None, valid: torch.Tensor,
                 kwargs: dict[str, Any]) -> tuple:
@@ -132,7 +133,11 @@ class SegmentedDecoding:
                 return states, with_hidden(out, mine), exit_layer, exit_state, None
             exits = (exit_layer == num_layers) & exit_mask(score(layer, mine), mine, segment.threshold)
             exit_layer = exit_layer.masked_fill(exits, layer)
-            exit_state = mine.clone() if exit_state is None else torch.where(exits.unsqueeze(-1), mine, exit_state)
+            state = exit_state_of(layer, mine)
+            if exit_state is None:
+                exit_state = state if state is not mine else mine.clone()
+            else:
+                exit_state = torch.where(exits.unsqueeze(-1), state, exit_state)
             done = ((exit_layer < num_layers) | ~valid).all()
             return states, with_hidden(out, mine), exit_layer, exit_state, done
         return run

@@ -1,0 +1,93 @@
+"""Exit heads against the model's own head ("logit lens"), per checkpoint, on held-out documents.
+
+Fits the linear exit heads exactly as calibration does (`collect` + `fit_exit_heads`) on the first documents of
+the text, then measures on the last ones, which the fit never saw, for every checkpoint: top-1 agreement of the
+exit logits with the final logits, the mean KL(final || exit), and the perplexity change if *every* token
+exited there. Writes a JSON and prints a table.
+
+    python scripts/exit_heads.py --out results/smollm2-cpu/exit-heads.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from tide_hf.assets import default_dataset, load_model
+from tide_hf.calibration import load_texts, make_samples, pad_token_id
+from tide_hf.calibration.heads import fit_exit_heads
+from tide_hf.calibration.labels import LABEL_CHUNK_ROWS, collect
+from tide_hf.calibration.pipeline import model_config
+from tide_hf.modeling import TideRouter, get_adapter
+
+
+@torch.no_grad()
+def measure(router: TideRouter, adapter, data, dtype: torch.dtype) -> dict[int, dict[str, float]]:
+    """Per checkpoint: agreement, mean KL and the NLL change of the next token (all held-out rows of `data`)."""
+    rows = torch.nonzero(data.next_ids >= 0).squeeze(1)
+    sums = {k: {"agree": 0.0, "kl": 0.0, "nll": 0.0} for k in router.checkpoint_layers}
+    base = 0.0
+    for part in rows.split(LABEL_CHUNK_ROWS):
+        final = adapter.logits(data.final[part].to(dtype)).float().log_softmax(-1)
+        targets = data.next_ids[part][:, None]
+        base += float(-final.gather(1, targets).sum())
+        for k in router.checkpoint_layers:
+            logq = router.exit_logits(adapter, k, data.features[k][part], dtype).float().log_softmax(-1)
+            s = sums[k]
+            s["agree"] += float((logq.argmax(-1) == final.argmax(-1)).sum())
+            s["kl"] += float((final.exp() * (final - logq)).sum())
+            s["nll"] += float(-logq.gather(1, targets).sum())
+    n = len(rows)
+    return {k: {"agreement": s["agree"] / n, "mean_kl": s["kl"] / n,
+                "ppl_change_all_exit": math.exp((s["nll"] - base) / n) - 1.0} for k, s in sums.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--dataset", default="sotu")
+    parser.add_argument("--num-samples", type=int, default=400, help="calibration samples (fit)")
+    parser.add_argument("--test-samples", type=int, default=64, help="held-out samples (measure)")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--max-train-tokens", type=int, default=65536)
+    parser.add_argument("--held-out-share", type=float, default=0.2, help="last share of documents held out")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    model, tokenizer = load_model(args.model)
+    adapter = get_adapter(model)
+    texts = load_texts(default_dataset(args.dataset))
+    cut = int(len(texts) * (1 - args.held_out_share))
+    started = time.perf_counter()
+    fit_cfg = model_config(model, args.seq_len, {"exit_head": "linear", "max_train_tokens": args.max_train_tokens})
+    fit_samples = make_samples(tokenizer, texts[:cut], args.num_samples, args.seq_len, fit_cfg.seed)
+    data = collect(model, adapter, fit_samples, fit_cfg, batch_size=8, pad_id=pad_token_id(tokenizer))
+    linear = TideRouter(fit_cfg)
+    fit_exit_heads(linear, data, device=torch.device("cpu"))
+    lens = TideRouter(model_config(model, args.seq_len, {"exit_head": "lens"}))
+    test_cfg = model_config(model, args.seq_len, {"max_train_tokens": 10**9})
+    test_samples = make_samples(tokenizer, texts[cut:], args.test_samples, args.seq_len, test_cfg.seed)
+    test = collect(model, adapter, test_samples, test_cfg, batch_size=8, pad_id=pad_token_id(tokenizer))
+    dtype = next(model.parameters()).dtype
+    result = {"model": args.model, "dataset": args.dataset, "settings": vars(args),
+              "fit_tokens": int((~data.is_val).sum()), "test_tokens": int((test.next_ids >= 0).sum()),
+              "lens": measure(lens, adapter, test, dtype), "linear": measure(linear, adapter, test, dtype),
+              "seconds": time.perf_counter() - started}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"fitted on {result['fit_tokens']} tokens, measured on {result['test_tokens']} held-out tokens")
+    print("| checkpoint | agreement lens / head | mean KL lens / head | ppl change if all exit, lens / head |")
+    print("|---|---|---|---|")
+    for k in linear.checkpoint_layers:
+        a, b = result["lens"][k], result["linear"][k]
+        print(f"| {k} | {a['agreement']:.1%} / {b['agreement']:.1%} | {a['mean_kl']:.2f} / {b['mean_kl']:.2f} | "
+              f"{a['ppl_change_all_exit']:+.0%} / {b['ppl_change_all_exit']:+.0%} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Exit heads: per checkpoint, a linear map from the checkpoint's final-normed state to the last layer's state.
+
+A token that exits at checkpoint k gets its logits from the model's final norm and head applied to
+`E_k(final_norm(h_k))` instead of to `h_k` itself. `E_k` is fitted in closed form by ridge least squares on
+the training split of the kept calibration tokens (a "linear shortcut", Din et al. 2023, "Jump to
+Conclusions"): it predicts the direction of the last layer's pre-norm state, which is all the final norm
+keeps (RMSNorm and LayerNorm are scale-invariant), so every token weighs the same in the fit. The validation
+and threshold samples are left out, so the thresholds fitted on them see exit heads that never saw them.
+
+Cross-fitting: a head fitted on a token agrees with the final layer on it more often than on unseen text, so
+labels made with it would teach the routers an agreement they will not meet. The training tokens are split
+into `CROSS_FOLDS` contiguous blocks (whole samples, but for the block edges) and each block is labelled with
+a head fitted on the other blocks; the router keeps the head fitted on all of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..modeling import ModelAdapter, TideRouter
+from .labels import Collected
+
+CROSS_FOLDS = 2  # blocks of training tokens; each is labelled by a head fitted on the others
+FIT_CHUNK_ROWS = 8192  # tokens per accumulation of the normal equations (bounds the fit's device memory)
+RMS_FLOOR = 1e-12  # an all-zero state has no direction; it keeps weight ~0 in the fit instead of dividing by 0
+
+
+@dataclass
+class CrossFit:
+    """Out-of-fold exit heads: the head each training token is labelled with was fitted without it."""
+
+    fold: torch.Tensor  # (n,) long: the training block of each kept token; -1 for held-out tokens
+    weights: dict[int, list[torch.Tensor]]  # layer -> per block, (hidden + 1, hidden) weights fitted without it
+
+    def exit_logits(self, router: TideRouter, adapter: ModelAdapter, layer: int, rows: torch.Tensor,
+                    normed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Exit logits of kept tokens `rows` (features `normed`) at `layer`: each training token through the head
+        that did not see it, each held-out one through the router's own (fitted on every training token)."""
+        fold = self.fold[rows].to(normed.device)
+        mapped = router.mapped(layer, normed).to(normed.device)
+        for f, weights in enumerate(self.weights[layer]):
+            mine = fold == f
+            w = weights.to(normed.device, mapped.dtype)
+            mapped[mine] = normed[mine].to(mapped.dtype) @ w[:-1] + w[-1]
+        return adapter.logits(mapped.to(dtype))
+
+
+@torch.no_grad()
+def fit_exit_heads(router: TideRouter, data: Collected, *, device: torch.device) -> CrossFit | None:
+    """Fit every checkpoint's exit head of `router` (when `config.exit_head == "linear"`) on `data`'s training
+    tokens: minimise |[x, 1] W - y|^2 + ridge |W|^2 in float64, x the final-normed features, y the last layer's
+    state scaled to unit RMS, ridge = `config.exit_head_ridge` times the mean diagonal of the Gram matrix.
+    Returns the out-of-fold heads to label the training tokens with (None without exit heads)."""
+    if not router.exit_heads:
+        return None
+    train = torch.nonzero(~data.is_val).squeeze(1)
+    blocks = list(train.tensor_split(CROSS_FOLDS))
+    fold = torch.full_like(data.is_val, -1, dtype=torch.long)
+    for f, rows in enumerate(blocks):
+        fold[rows] = f
+    dtype = torch.float64 if device.type != "mps" else torch.float32  # MPS has no float64
+    weights: dict[int, list[torch.Tensor]] = {}
+    for k in router.checkpoint_layers:
+        sums = [_normal_equations(data, k, rows, device, dtype) for rows in blocks]
+        gram, cross = sum(g for g, _ in sums), sum(c for _, c in sums)
+        full = _solve(gram, cross, router.config.exit_head_ridge)  # (hidden + 1, hidden): the last row is the bias
+        head = router.exit_heads[str(k)]
+        head.weight.copy_(full[:-1].T.to(head.weight.device, head.weight.dtype))
+        head.bias.copy_(full[-1].to(head.bias.device, head.bias.dtype))
+        weights[k] = [_solve(gram - g, cross - c, router.config.exit_head_ridge).float() for g, c in sums]
+    return CrossFit(fold, weights)
+
+
+def _normal_equations(data: Collected, layer: int, rows: torch.Tensor, device: torch.device,
+                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """X^T X and X^T Y over `rows` (X: features with a column of ones, Y: last-layer states at unit RMS)."""
+    hidden = data.features[layer].shape[1]
+    gram = torch.zeros(hidden + 1, hidden + 1, dtype=dtype, device=device)
+    cross = torch.zeros(hidden + 1, hidden, dtype=dtype, device=device)
+    for part in rows.split(FIT_CHUNK_ROWS):
+        x = data.features[layer][part].to(device, dtype)
+        x = torch.cat([x, x.new_ones(len(x), 1)], 1)
+        y = data.final[part].to(device, dtype)
+        y = y / y.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(RMS_FLOOR)
+        gram += x.T @ x
+        cross += x.T @ y
+    return gram, cross
+
+
+def _solve(gram: torch.Tensor, cross: torch.Tensor, ridge: float) -> torch.Tensor:
+    regularised = gram.clone()
+    regularised.diagonal().add_(ridge * gram.diagonal().mean())
+    return torch.linalg.solve(regularised, cross)

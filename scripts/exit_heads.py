@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from tide_hf.calibration import load_texts, make_samples, pad_token_id
 from tide_hf.calibration.heads import fit_exit_heads
 from tide_hf.calibration.labels import LABEL_CHUNK_ROWS, collect
 from tide_hf.calibration.pipeline import model_config
+from tide_hf.eval.report import format_exit_heads
 from tide_hf.modeling import TideRouter, get_adapter
 
 
@@ -55,6 +57,7 @@ def main() -> None:
     parser.add_argument("--test-samples", type=int, default=64, help="held-out samples (measure)")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--max-train-tokens", type=int, default=65536)
+    parser.add_argument("--rank", type=int, default=None, help="exit_head_rank (default: full rank)")
     parser.add_argument("--held-out-share", type=float, default=0.2, help="last share of documents held out")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -64,7 +67,8 @@ def main() -> None:
     texts = load_texts(default_dataset(args.dataset))
     cut = int(len(texts) * (1 - args.held_out_share))
     started = time.perf_counter()
-    fit_cfg = model_config(model, args.seq_len, {"exit_head": "linear", "max_train_tokens": args.max_train_tokens})
+    fit_cfg = model_config(model, args.seq_len, {"exit_head": "linear", "exit_head_rank": args.rank,
+                                                    "max_train_tokens": args.max_train_tokens})
     fit_samples = make_samples(tokenizer, texts[:cut], args.num_samples, args.seq_len, fit_cfg.seed)
     data = collect(model, adapter, fit_samples, fit_cfg, batch_size=8, pad_id=pad_token_id(tokenizer))
     linear = TideRouter(fit_cfg)
@@ -74,19 +78,14 @@ def main() -> None:
     test_samples = make_samples(tokenizer, texts[cut:], args.test_samples, args.seq_len, test_cfg.seed)
     test = collect(model, adapter, test_samples, test_cfg, batch_size=8, pad_id=pad_token_id(tokenizer))
     dtype = next(model.parameters()).dtype
-    result = {"model": args.model, "dataset": args.dataset, "settings": vars(args),
+    command = "python scripts/exit_heads.py " + " ".join(sys.argv[1:])
+    result = {"command": command, "model": args.model, "dataset": args.dataset, "settings": vars(args),
               "fit_tokens": int((~data.is_val).sum()), "test_tokens": int((test.next_ids >= 0).sum()),
               "lens": measure(lens, adapter, test, dtype), "linear": measure(linear, adapter, test, dtype),
               "seconds": time.perf_counter() - started}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"fitted on {result['fit_tokens']} tokens, measured on {result['test_tokens']} held-out tokens")
-    print("| checkpoint | agreement lens / head | mean KL lens / head | ppl change if all exit, lens / head |")
-    print("|---|---|---|---|")
-    for k in linear.checkpoint_layers:
-        a, b = result["lens"][k], result["linear"][k]
-        print(f"| {k} | {a['agreement']:.1%} / {b['agreement']:.1%} | {a['mean_kl']:.2f} / {b['mean_kl']:.2f} | "
-              f"{a['ppl_change_all_exit']:+.0%} / {b['ppl_change_all_exit']:+.0%} |")
+    print(format_exit_heads(json.loads(json.dumps(result))))  # (the table as the README shows it)
 
 
 if __name__ == "__main__":

@@ -112,7 +112,8 @@ def exit_state_by_hand(model, router, layer: int, hidden: torch.Tensor) -> torch
     if router.config.exit_head == "lens":
         return hidden
     head = router.exit_heads[str(layer)]
-    return model.model.norm(hidden) @ head.weight.T + head.bias
+    low = model.model.norm(hidden) @ head.down.weight.T + head.down.bias
+    return low if router.config.exit_head_rank is None else low @ head.up.weight.T
 
 
 @torch.no_grad()

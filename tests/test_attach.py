@@ -123,15 +123,16 @@ def test_min_layers_past_every_checkpoint_disables_exits():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("exit_head", ["lens", "linear"])
+@pytest.mark.parametrize("exit_head", ["lens", "linear", "linear-rank-4"])
 def test_mixed_router_matches_per_position_reference(exit_head: str):
     model = make_model()
     ids, mask, pos = batch()
-    router = mixed_router(model, ids, mask, exit_head=exit_head)
+    rank = {"exit_head_rank": 4} if exit_head == "linear-rank-4" else {}
+    router = mixed_router(model, ids, mask, exit_head=exit_head.removesuffix("-rank-4"), **rank)
     exit_layer, expected = reference(model, router, ids, mask, threshold=0.5, min_layers=4)
     valid = mask.bool()
     assert set(exit_layer[valid].tolist()) == {4, 8, NUM_LAYERS}, "the test needs every kind of decision"
-    if exit_head == "linear":  # the exit heads change the exited positions' logits: the check is not vacuous
+    if exit_head != "lens":  # the exit heads change the exited positions' logits: the check is not vacuous
         _, lens = reference(model, mixed_router(model, ids, mask), ids, mask, threshold=0.5, min_layers=4)
         exited = valid & (exit_layer < NUM_LAYERS)
         assert (expected[exited] - lens[exited]).abs().max() > 0.1

@@ -52,7 +52,7 @@ def test_fit_is_the_ridge_solution_and_each_fold_is_fitted_without_its_tokens(ri
     crossfit = fit_exit_heads(router, data, device=torch.device("cpu"))
     train = torch.nonzero(~data.is_val).squeeze(1)
     for k in LAYERS:
-        head = router.exit_heads[str(k)]
+        head = router.exit_heads[str(k)].down
         fitted = torch.cat([head.weight.T, head.bias[None]]).double()
         torch.testing.assert_close(fitted, lstsq_solution(data, k, train, ridge), atol=1e-5, rtol=1e-4)
     # two contiguous blocks of training tokens; held-out tokens belong to none
@@ -66,6 +66,27 @@ def test_fit_is_the_ridge_solution_and_each_fold_is_fitted_without_its_tokens(ri
     predicted = router.mapped(8, data.features[8][rows])
     cos = torch.nn.functional.cosine_similarity(predicted, data.final[rows], dim=-1)
     assert float(cos.mean()) > 0.95
+
+
+@torch.no_grad()
+def test_low_rank_head_is_the_best_rank_r_map_of_the_fitted_values() -> None:
+    """Reduced-rank regression checked another way: the ridge solution's fitted values X W, truncated to their
+    top-r right singular vectors (an SVD of the values, not an eigendecomposition of their Gram matrix)."""
+    data, rank = synthetic(), 5
+    router = new_router(make_tiny_llama(), exit_head="linear", exit_head_rank=rank, checkpoint_layers=LAYERS)
+    crossfit = fit_exit_heads(router, data, device=torch.device("cpu"))
+    train = torch.nonzero(~data.is_val).squeeze(1)
+    full = lstsq_solution(data, 8, train, router.config.exit_head_ridge)
+    x = torch.cat([data.features[8][train], torch.ones(len(train), 1)], 1).double()
+    top = torch.linalg.svd(x @ full, full_matrices=False).Vh[:rank].T  # hidden x r
+    expected = x[:50] @ full @ top @ top.T
+    got = router.mapped(8, data.features[8][train[:50]]).double()
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-3)
+    head = router.exit_heads["8"]
+    assert head.down.weight.shape == (rank, HIDDEN) and head.up.weight.shape == (HIDDEN, rank)
+    # a rank-r map: the matrix of the whole head has rank r; the fold heads too
+    assert int(torch.linalg.matrix_rank(head.up.weight @ head.down.weight)) == rank
+    assert int(torch.linalg.matrix_rank(crossfit.weights[8][0][:-1])) == rank
 
 
 def test_lens_router_has_no_heads_and_fits_nothing() -> None:
@@ -91,7 +112,7 @@ def test_training_tokens_are_labelled_by_the_head_that_did_not_see_them() -> Non
         expected = torch.empty(len(data.final), dtype=torch.bool)
         folds = [(crossfit.fold == f, crossfit.weights[k][f]) for f in (0, 1)]
         for rows, weights in (*folds, (data.is_val, None)):
-            head = router.exit_heads[str(k)]
+            head = router.exit_heads[str(k)].down
             w, b = (head.weight.T, head.bias) if weights is None else (weights[:-1], weights[-1])
             state = data.features[k][rows] @ w + b
             expected[rows] = model.lm_head(model.model.norm(state)).argmax(-1) == final_top1[rows]
@@ -122,3 +143,5 @@ def test_bad_exit_head_settings_are_refused() -> None:
         new_router(make_tiny_llama(), exit_head="tuned")
     with pytest.raises(ValueError, match="exit_head_ridge"):
         new_router(make_tiny_llama(), exit_head_ridge=-1.0)
+    with pytest.raises(ValueError, match="exit_head_rank must be below hidden_size=32"):
+        new_router(make_tiny_llama(), exit_head="linear", exit_head_rank=32)

@@ -29,6 +29,9 @@ SYNTHETIC_CONFIGS = ("stock", "exits-off", "select-scored", "select-exit", "skip
                      "truncated")
 # the demo's calibration: fast (labelling every kept token dominates, hence the token cap), its routers still exit
 DEMO_SAMPLES, DEMO_SEQ_LEN, DEMO_TRAIN_TOKENS = 128, 128, 8192
+# ... and with so few tokens (~3k per cross-fitting block) full hidden x hidden exit heads overfit: rank-64 ones
+# let 11 % of SmolLM2's tokens exit at 96 % agreement, full-rank ones none (measured with `tide-hf demo`)
+DEMO_EXIT_HEAD_RANK = 64
 
 
 class RouterDefaults:
@@ -67,6 +70,9 @@ def _add_calibration_args(p: argparse.ArgumentParser) -> None:
                         "on the checkpoint's state as is)")
     p.add_argument("--exit-head-ridge", type=float, default=d.exit_head_ridge,
                    help="--exit-head linear: ridge penalty, relative to the mean diagonal of the Gram matrix")
+    p.add_argument("--exit-head-rank", type=int, default=None,
+                   help="--exit-head linear: store each exit head as rank-r factors (smaller sidecar; "
+                        "default: full rank, hidden x hidden per checkpoint)")
     p.add_argument("--min-agreement", type=float, default=d.min_agreement,
                    help="the router's default quality target: top-1 agreement attach() keeps without arguments")
     p.add_argument("--confidence", type=float, default=d.confidence,
@@ -157,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "example: tide-hf demo --prompt 'What should Congress do about taxes?'\n"
                     f"time {CPU}: ~2-3 min the first time (calibration), ~1 min once the router is cached")
     _add_calibration_args(p)
-    p.set_defaults(num_samples=DEMO_SAMPLES, seq_len=DEMO_SEQ_LEN, max_train_tokens=DEMO_TRAIN_TOKENS)
+    p.set_defaults(num_samples=DEMO_SAMPLES, seq_len=DEMO_SEQ_LEN, max_train_tokens=DEMO_TRAIN_TOKENS,
+                   exit_head_rank=DEMO_EXIT_HEAD_RANK)
     p.add_argument("--output", default=None, help="folder to save the router in (default: a folder under the "
                    "tide_hf cache keyed by model and calibration settings, printed)")
     p.add_argument("--recalibrate", action="store_true", help="calibrate again even if a cached router exists")

@@ -43,7 +43,9 @@ class TideRouterConfig(PretrainedConfig):
     `final_norm(E_k(final_norm(h_k)))` through the model's head, where `E_k` is a linear map fitted at calibration
     (ridge least squares, `exit_head_ridge`) to predict the last layer's state (its direction) from the
     checkpoint's: a "linear shortcut" (Din et al., 2023), far closer to the full model's distribution than the
-    model's head on `h_k` alone (`"lens"`, what routers made before exit heads existed use).
+    model's head on `h_k` alone (`"lens"`, what routers made before exit heads existed use). `exit_head_rank`
+    r < hidden stores each map as hidden x r and r x hidden factors (the best rank-r map, reduced-rank
+    regression), for models whose hidden x hidden maps would make the sidecar large.
 
     Quality targets: `exit_paths` holds the calibrated exit paths (see `tide_hf.modeling.targets`), ordered on
     the validation samples with `path_grid` candidate thresholds per checkpoint and tested on the threshold
@@ -65,6 +67,7 @@ class TideRouterConfig(PretrainedConfig):
         label: str = "top1",
         exit_head: str = "lens",
         exit_head_ridge: float = 0.01,
+        exit_head_rank: int | None = None,
         convergence_threshold: float = 0.98,
         kl_threshold: float = 0.1,
         exit_threshold: float = 0.85,
@@ -109,6 +112,7 @@ class TideRouterConfig(PretrainedConfig):
         self.label = label
         self.exit_head = exit_head
         self.exit_head_ridge = exit_head_ridge
+        self.exit_head_rank = exit_head_rank
         self.convergence_threshold = convergence_threshold
         self.kl_threshold = kl_threshold
         self.exit_threshold = exit_threshold
@@ -158,6 +162,11 @@ class TideRouterConfig(PretrainedConfig):
         if self.exit_head not in EXIT_HEADS:
             raise TideArgumentError(f"exit_head must be one of {EXIT_HEADS}, got {self.exit_head!r}")
         check_real("exit_head_ridge", self.exit_head_ridge, low=0.0)
+        if self.exit_head_rank is not None:
+            check_int("exit_head_rank", self.exit_head_rank, minimum=1)
+            if self.exit_head_rank >= self.hidden_size:
+                raise TideArgumentError(f"exit_head_rank must be below hidden_size={self.hidden_size} (None: full "
+                                        f"rank), got {self.exit_head_rank}")
         if not isinstance(self.checkpoint_layers, (list, tuple)):
             raise TideArgumentTypeError(f"checkpoint_layers must be a list of ints, got {self.checkpoint_layers!r}")
         for k in self.checkpoint_layers:

@@ -30,7 +30,7 @@ def calibrate_from_args(args: argparse.Namespace) -> tuple[Any, Any, TideRouter]
         model, tokenizer, default_dataset(args.dataset),
         dataset_config=args.dataset_config, split=args.split, text_field=args.text_field,
         num_samples=args.num_samples, seq_len=args.seq_len, batch_size=args.batch_size, label=args.label,
-        exit_head=args.exit_head, exit_head_ridge=args.exit_head_ridge,
+        exit_head=args.exit_head, exit_head_ridge=args.exit_head_ridge, exit_head_rank=args.exit_head_rank,
         checkpoint_interval=args.checkpoint_interval, convergence_threshold=args.convergence_threshold,
         kl_threshold=args.kl_threshold, num_epochs=args.num_epochs,
         early_stopping_patience=args.early_stopping_patience, max_train_tokens=args.max_train_tokens,

@@ -3,9 +3,11 @@
 A token that exits at checkpoint k gets its logits from the model's final norm and head applied to
 `E_k(final_norm(h_k))` instead of to `h_k` itself. `E_k` is fitted in closed form by ridge least squares on
 the training split of the kept calibration tokens (a "linear shortcut", Din et al. 2023, "Jump to
-Conclusions"): it predicts the direction of the last layer's pre-norm state, which is all the final norm
-keeps (RMSNorm and LayerNorm are scale-invariant), so every token weighs the same in the fit. The validation
-and threshold samples are left out, so the thresholds fitted on them see exit heads that never saw them.
+Conclusions"), at full rank or, with `exit_head_rank`, projected on the leading directions of its fitted
+values (reduced-rank regression): it predicts the direction of the last layer's pre-norm state, which is all
+the final norm keeps (RMSNorm and LayerNorm are scale-invariant), so every token weighs the same in the fit.
+The validation and threshold samples are left out, so the thresholds fitted on them see exit heads that
+never saw them.
 
 Cross-fitting: a head fitted on a token agrees with the final layer on it more often than on unseen text, so
 labels made with it would teach the routers an agreement they will not meet. The training tokens are split
@@ -62,15 +64,33 @@ def fit_exit_heads(router: TideRouter, data: Collected, *, device: torch.device)
         fold[rows] = f
     dtype = torch.float64 if device.type != "mps" else torch.float32  # MPS has no float64
     weights: dict[int, list[torch.Tensor]] = {}
+    ridge, rank = router.config.exit_head_ridge, router.config.exit_head_rank
     for k in router.checkpoint_layers:
         sums = [_normal_equations(data, k, rows, device, dtype) for rows in blocks]
         gram, cross = sum(g for g, _ in sums), sum(c for _, c in sums)
-        full = _solve(gram, cross, router.config.exit_head_ridge)  # (hidden + 1, hidden): the last row is the bias
+        w = _solve(gram, cross, ridge)  # (hidden + 1, hidden): the last row is the bias
+        basis = _output_basis(w, gram, rank)
         head = router.exit_heads[str(k)]
-        head.weight.copy_(full[:-1].T.to(head.weight.device, head.weight.dtype))
-        head.bias.copy_(full[-1].to(head.bias.device, head.bias.dtype))
-        weights[k] = [_solve(gram - g, cross - c, router.config.exit_head_ridge).float() for g, c in sums]
+        down = w if basis is None else w @ basis
+        head.down.weight.copy_(down[:-1].T)
+        head.down.bias.copy_(down[-1])
+        if basis is not None:
+            head.up.weight.copy_(basis)
+        weights[k] = []
+        for g, c in sums:
+            w_fold = _solve(gram - g, cross - c, ridge)
+            basis = _output_basis(w_fold, gram - g, rank)
+            weights[k].append((w_fold if basis is None else w_fold @ basis @ basis.T).float())
     return CrossFit(fold, weights)
+
+
+def _output_basis(weights: torch.Tensor, gram: torch.Tensor, rank: int | None) -> torch.Tensor | None:
+    """Reduced-rank regression: the `rank` leading eigenvectors (hidden x rank) of the fitted values' Gram
+    matrix W^T X^T X W; projecting the ridge solution on them gives the best rank-r map. None: full rank."""
+    if rank is None:
+        return None
+    _, vectors = torch.linalg.eigh(weights.T @ gram @ weights)  # ascending eigenvalues
+    return vectors[:, -rank:]
 
 
 def _normal_equations(data: Collected, layer: int, rows: torch.Tensor, device: torch.device,

@@ -70,6 +70,20 @@ def format_gpu_calibration(result: dict) -> str:
     return "\n".join(lines)
 
 
+def format_exit_heads(result: dict) -> str:
+    """`scripts/exit_heads.py`'s result: the model's own head against the exit heads, per checkpoint."""
+    lines = [f"Exit heads fitted on {result['fit_tokens']} tokens, measured on {result['test_tokens']} tokens of "
+             "held-out documents; the last column exits every token at that checkpoint.", "",
+             "| checkpoint | top-1 agreement: lens / exit head | mean KL: lens / exit head | "
+             "perplexity / the full model's: lens / exit head |", "|---|---|---|---|"]
+    for k, lens in result["lens"].items():
+        head = result["linear"][k]
+        lines.append(f"| {k} | {lens['agreement']:.1%} / {head['agreement']:.1%} | {lens['mean_kl']:.2f} / "
+                     f"{head['mean_kl']:.2f} | x{1 + lens['ppl_change_all_exit']:.3g} / "
+                     f"x{1 + head['ppl_change_all_exit']:.3g} |")
+    return "\n".join(lines)
+
+
 def _images(folder: Path, readme: Path, names: list[str]) -> list[str]:
     rel = folder.resolve().relative_to(readme.resolve().parent)
     return [f"![{n}]({(rel / n).as_posix()})" for n in names if (folder / n).exists()]
@@ -103,6 +117,7 @@ def render(folder: Path, readme: Path) -> str:
                 format_analysis(analysis), "", *_images(folder, readme, ["convergence.png", "heatmap.png",
                                                                            "efficiency.png"]), ""]
     for name, title, formatter, images in (
+        ("exit-heads", "Exit heads against the model's own head", format_exit_heads, []),
         ("bench", "Overhead and select-mode quality", format_table, []),
         ("modes", "Skip and speculative modes", format_modes, []),
         ("modes-easy", "Speculative mode on an easy model", format_easy, []),

@@ -32,13 +32,26 @@ class RouterMLP(nn.Module):
         return self.fc2(self.act(self.fc1(features))).squeeze(-1)
 
 
+class ExitHead(nn.Module):
+    """hidden -> hidden, affine: one checkpoint's exit head. Full rank (`rank` None): `down` is the whole map and
+    `up` the identity; rank r: `down` (hidden -> r, with the bias) then `up` (r -> hidden)."""
+
+    def __init__(self, hidden_size: int, rank: int | None) -> None:
+        super().__init__()
+        self.down = nn.Linear(hidden_size, rank or hidden_size)
+        self.up = nn.Linear(rank, hidden_size, bias=False) if rank else nn.Identity()
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.up(self.down(features))
+
+
 class TideRouter(PreTrainedModel):
     """One `RouterMLP` per checkpoint layer, scoring the final-normed hidden state of that layer.
 
     Routers read `final_norm(h_k)` (the model's own final norm on the k-th layer's output), the same
     representation in calibration and at serving time. With `config.exit_head == "linear"` the router also holds
-    one exit head (`nn.Linear(hidden, hidden)`) per checkpoint: what an exited token's logits are made from
-    (`exit_state`, `exit_logits`).
+    one exit head (`ExitHead`, an affine hidden -> hidden map) per checkpoint: what an exited token's logits
+    are made from (`exit_state`, `exit_logits`).
     """
 
     config_class = TideRouterConfig
@@ -51,7 +64,7 @@ class TideRouter(PreTrainedModel):
             {str(k): RouterMLP(config.hidden_size, config.router_bottleneck_dim) for k in config.checkpoint_layers}
         )
         self.exit_heads = nn.ModuleDict(
-            {str(k): nn.Linear(config.hidden_size, config.hidden_size) for k in config.checkpoint_layers}
+            {str(k): ExitHead(config.hidden_size, config.exit_head_rank) for k in config.checkpoint_layers}
             if config.exit_head == "linear" else {})
         self.post_init()
 
@@ -78,7 +91,7 @@ class TideRouter(PreTrainedModel):
     def mapped(self, layer: int, normed: torch.Tensor) -> torch.Tensor:
         """Exit head of checkpoint `layer` on final-normed features (fp32 out; linear exit heads only)."""
         head = self.exit_heads[str(layer)]
-        return head(normed.to(head.weight.device, head.weight.dtype))
+        return head(normed.to(head.down.weight.device, head.down.weight.dtype))
 
     def exit_logits(self, adapter: ModelAdapter, layer: int, normed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Logits of tokens exiting at `layer` from their final-normed features (`dtype`: the model's), as the
@@ -190,7 +203,8 @@ class TideRouter(PreTrainedModel):
             f"# TIDE router for {cfg.base_model_name_or_path or 'a causal LM'}\n\n"
             f"Early-exit routers ([TIDE](https://arxiv.org/abs/2603.21365)) made with `tide_hf` for "
             f"{cfg.base_architecture} ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}). "
-            f"Checkpoints after layers {cfg.checkpoint_layers}; label `{cfg.label}`; calibrated on "
+            f"Checkpoints after layers {cfg.checkpoint_layers}; label `{cfg.label}`; exit head `{cfg.exit_head}`; "
+            "calibrated on "
             f"{cfg.num_samples} samples of {cfg.seq_len} tokens from `{cfg.dataset}`.\n\n"
             "```python\nimport tide_hf\nfrom transformers import AutoModelForCausalLM\n"
             f"model = AutoModelForCausalLM.from_pretrained({cfg.base_model_name_or_path!r})\n"

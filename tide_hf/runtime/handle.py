@@ -235,7 +235,9 @@ class TideHandle:
             exits = fresh & self.exit_mask(self.score(layer, hidden), hidden, threshold).to(fresh.device)
             # Device-side writes only (no `exits.any()`, no row indices): select mode never waits for the device.
             step.exit_layer = step.exit_layer.masked_fill(exits, layer)
-            state, states = self.exit_state(layer, hidden), step.exit_state
+            # (speculative mode never swaps exit states in: no exit head to run there)
+            state = hidden if self.options.mode == "speculative" else self.exit_state(layer, hidden)
+            states = step.exit_state
             if states is None:  # values of rows that have not exited are never read
                 step.exit_state = state if state is not hidden else hidden.clone()
             else:  # checkpoints of a model split over devices write into the exit states of the first one

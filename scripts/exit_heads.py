@@ -18,11 +18,12 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from tide_hf.assets import default_dataset, load_model
 from tide_hf.calibration import load_texts, make_samples, pad_token_id
 from tide_hf.calibration.heads import fit_exit_heads
-from tide_hf.calibration.labels import LABEL_CHUNK_ROWS, collect
+from tide_hf.calibration.labels import LABEL_CHUNK_ROWS, FinalDistribution, collect
 from tide_hf.calibration.pipeline import model_config
 from tide_hf.eval.report import format_exit_heads
 from tide_hf.modeling import TideRouter, get_adapter
@@ -30,23 +31,23 @@ from tide_hf.modeling import TideRouter, get_adapter
 
 @torch.no_grad()
 def measure(router: TideRouter, adapter, data, dtype: torch.dtype) -> dict[int, dict[str, float]]:
-    """Per checkpoint: agreement, mean KL and the NLL change of the next token (all held-out rows of `data`)."""
+    """Per checkpoint: agreement, mean KL and the NLL change of the next token (all rows of `data` that have one)."""
     rows = torch.nonzero(data.next_ids >= 0).squeeze(1)
     sums = {k: {"agree": 0.0, "kl": 0.0, "nll": 0.0} for k in router.checkpoint_layers}
-    base = 0.0
     for part in rows.split(LABEL_CHUNK_ROWS):
-        final = adapter.logits(data.final[part].to(dtype)).float().log_softmax(-1)
-        targets = data.next_ids[part][:, None]
-        base += float(-final.gather(1, targets).sum())
+        final_logits = adapter.logits(data.final[part].to(dtype))
+        final = FinalDistribution(final_logits)
+        targets = data.next_ids[part]
         for k in router.checkpoint_layers:
-            logq = router.exit_logits(adapter, k, data.features[k][part], dtype).float().log_softmax(-1)
+            exit_logits = router.exit_logits(adapter, k, data.features[k][part], dtype)
+            logq = F.log_softmax(exit_logits.float(), dim=-1)
             s = sums[k]
-            s["agree"] += float((logq.argmax(-1) == final.argmax(-1)).sum())
-            s["kl"] += float((final.exp() * (final - logq)).sum())
-            s["nll"] += float(-logq.gather(1, targets).sum())
+            s["agree"] += float((exit_logits.argmax(-1) == final_logits.argmax(-1)).sum())
+            s["kl"] += float(final.kl_logq(logq).sum())
+            s["nll"] += float(final.nll_change(logq, targets).sum())
     n = len(rows)
     return {k: {"agreement": s["agree"] / n, "mean_kl": s["kl"] / n,
-                "ppl_change_all_exit": math.exp((s["nll"] - base) / n) - 1.0} for k, s in sums.items()}
+                "ppl_change_all_exit": math.exp(s["nll"] / n) - 1.0} for k, s in sums.items()}
 
 
 def main() -> None:
@@ -85,7 +86,7 @@ def main() -> None:
               "seconds": time.perf_counter() - started}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print(format_exit_heads(json.loads(json.dumps(result))))  # (the table as the README shows it)
+    print(format_exit_heads(result))  # the table as the README shows it
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from .labels import Collected
 
 CROSS_FOLDS = 2  # blocks of training tokens; each is labelled by a head fitted on the others
 FIT_CHUNK_ROWS = 8192  # tokens per accumulation of the normal equations (bounds the fit's device memory)
-RMS_FLOOR = 1e-12  # an all-zero state has no direction; it keeps weight ~0 in the fit instead of dividing by 0
+RMS_FLOOR = 1e-12  # an all-zero state has no direction: it stays a zero target instead of dividing by 0
 
 
 @dataclass
@@ -41,11 +41,14 @@ class CrossFit:
         """Exit logits of kept tokens `rows` (features `normed`) at `layer`: each training token through the head
         that did not see it, each held-out one through the router's own (fitted on every training token)."""
         fold = self.fold[rows].to(normed.device)
-        mapped = router.mapped(layer, normed).to(normed.device)
+        features = normed.float()
+        mapped = torch.empty_like(features)
+        held = fold < 0
+        mapped[held] = router.mapped(layer, features[held]).to(normed.device)
         for f, weights in enumerate(self.weights[layer]):
             mine = fold == f
-            w = weights.to(normed.device, mapped.dtype)
-            mapped[mine] = normed[mine].to(mapped.dtype) @ w[:-1] + w[-1]
+            w = weights.to(normed.device)
+            mapped[mine] = features[mine] @ w[:-1] + w[-1]
         return adapter.logits(mapped.to(dtype))
 
 

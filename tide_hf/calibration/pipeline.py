@@ -80,11 +80,7 @@ def fit(router: TideRouter, data: Collected, *, adapter: ModelAdapter, device: t
         crossfit = fit_exit_heads(router, data, device=work)
         exit_logits = None if crossfit is None else partial(crossfit.exit_logits, router, adapter)
         label(data, adapter, router, device=work, exit_logits=exit_logits, progress=progress)
-    finally:
-        router.to(home)
-    train_routers(router, data, device=device, progress=progress)
-    router.to(work)
-    try:
+        train_routers(router, data, device=device, progress=progress)
         router.config.exit_paths = fit_exit_paths(router, data)
     finally:
         router.to(home)

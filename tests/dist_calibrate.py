@@ -34,7 +34,7 @@ def main() -> None:
     torch.set_num_threads(1)  # the same arithmetic in every process and in the single-process run
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = make_tiny_llama(hidden=64), ByteTokenizer()
+    model, tokenizer = make_tiny_llama(hidden=64, vocab=1024), ByteTokenizer()  # 1024: a draft vocabulary
     settings = dict(num_samples=args.num_samples, seq_len=args.seq_len, batch_size=args.batch_size, label="top1",
                     num_epochs=args.num_epochs, max_train_tokens=args.max_train_tokens, progress=False)
     started = time.perf_counter()

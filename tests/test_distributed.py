@@ -145,6 +145,7 @@ def test_two_processes_train_the_single_process_router(launched, capsys) -> None
     # every process returned the main process's router
     hashes = {json.loads((multi / f"rank{i}.json").read_text())["router_sha256"] for i in range(2)}
     assert len(hashes) == 1
+    assert "draft_vocab" in load_file(multi / "router" / "model.safetensors")  # the ranking reached every process
     runs = [json.loads((folder / "run.json").read_text()) for folder in (single, multi)]
     inside = "; inside calibrate(): {:.2f} s vs {:.2f} s, of which model forward {:.2f} s vs {:.2f} s".format(
         runs[0]["calibrate_seconds"], runs[1]["calibrate_seconds"],

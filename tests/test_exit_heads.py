@@ -23,7 +23,7 @@ def synthetic(n: int = 600, seed: int = 0, held_out: int = 100) -> Collected:
     final = (features[8] @ mix + 0.3 * torch.randn(n, HIDDEN, generator=gen)) * torch.rand(n, 1, generator=gen) * 5
     is_val = torch.arange(n) >= n - held_out
     return Collected(features=features, cosine={k: torch.zeros(n) for k in LAYERS}, final=final,
-                     next_ids=torch.randint(3, 256, (n,), generator=gen),
+                     next_ids=torch.randint(3, 256, (n,), generator=gen), final_top1=torch.full((n,), -1),
                      top1={k: torch.zeros(n, dtype=torch.bool) for k in LAYERS},
                      kl={k: torch.full((n,), float("nan")) for k in LAYERS},
                      nll={k: torch.full((n,), float("nan")) for k in LAYERS}, is_val=is_val,
@@ -143,5 +143,7 @@ def test_bad_exit_head_settings_are_refused() -> None:
         new_router(make_tiny_llama(), exit_head="tuned")
     with pytest.raises(ValueError, match="exit_head_ridge"):
         new_router(make_tiny_llama(), exit_head_ridge=-1.0)
+    with pytest.raises(ValueError, match="exit_head_rank=4 needs exit_head='linear'"):
+        new_router(make_tiny_llama(), exit_head="lens", exit_head_rank=4)
     with pytest.raises(ValueError, match="exit_head_rank must be below hidden_size=32"):
         new_router(make_tiny_llama(), exit_head="linear", exit_head_rank=32)

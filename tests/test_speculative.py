@@ -293,7 +293,7 @@ def frozen_costs(monkeypatch):
     timings of a shared test machine."""
     def freeze(model, router, cost: float, slope: float) -> DraftEstimates:
         handle = tide_hf.attach(model, router, mode="speculative", exit_threshold=0.5, draft_layer=4)
-        est = draft_estimates(handle, 4)
+        est = draft_estimates(handle, 4, None)
         handle.detach()
         est.plain_s, est.draft_s = 1.0, cost
         est.verify_s = {w: linear_verify(slope)(w) for w in range(2, MAX_DRAFT_TOKENS + 2)}

@@ -195,6 +195,7 @@ def test_perplexity_path_is_ordered_by_kl_not_by_noisy_nll() -> None:
     noise = torch.randn(n, generator=gen) * 5
     data = Collected(features=features, cosine={k: torch.zeros(n) for k in layers},
                      final=torch.zeros(n, 32), next_ids=torch.zeros(n, dtype=torch.long),
+                     final_top1=torch.zeros(n, dtype=torch.long),
                      top1={k: torch.ones(n, dtype=torch.bool) for k in layers},
                      kl={4: torch.full((n,), 2.0), 8: torch.full((n,), 0.01)},
                      nll={4: noise - 3.0, 8: noise + 3.0},  # observed: shallow looks better than deep

@@ -62,7 +62,8 @@ def collected(features: dict[int, torch.Tensor], labels: dict[int, torch.Tensor]
     n = len(is_val)
     hidden = next(iter(features.values())).shape[1]
     return Collected(features=features, cosine={k: torch.zeros(n) for k in features},
-                     final=torch.zeros(n, hidden), next_ids=torch.zeros(n, dtype=torch.long), top1=labels,
+                     final=torch.zeros(n, hidden), next_ids=torch.zeros(n, dtype=torch.long),
+                     final_top1=torch.zeros(n, dtype=torch.long), top1=labels,
                      kl={k: torch.zeros(n) for k in features}, nll={k: torch.zeros(n) for k in features},
                      is_val=is_val, is_test=torch.zeros(n, dtype=torch.bool),
                      labelled={kind: torch.ones(n, dtype=torch.bool) for kind in ("top1", "kl", "top1_kl")},

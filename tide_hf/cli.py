@@ -111,6 +111,8 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 def cmd_demo(args: argparse.Namespace) -> None:
     from .eval.demo import run
 
+    if args.exit_head_rank is None and args.exit_head == "linear":  # the demo's small sidecar (lens: no heads)
+        args.exit_head_rank = DEMO_EXIT_HEAD_RANK
     run(args)
 
 
@@ -163,8 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "example: tide-hf demo --prompt 'What should Congress do about taxes?'\n"
                     f"time {CPU}: ~2-3 min the first time (calibration), ~1 min once the router is cached")
     _add_calibration_args(p)
-    p.set_defaults(num_samples=DEMO_SAMPLES, seq_len=DEMO_SEQ_LEN, max_train_tokens=DEMO_TRAIN_TOKENS,
-                   exit_head_rank=DEMO_EXIT_HEAD_RANK)
+    p.set_defaults(num_samples=DEMO_SAMPLES, seq_len=DEMO_SEQ_LEN, max_train_tokens=DEMO_TRAIN_TOKENS)
     p.add_argument("--output", default=None, help="folder to save the router in (default: a folder under the "
                    "tide_hf cache keyed by model and calibration settings, printed)")
     p.add_argument("--recalibrate", action="store_true", help="calibrate again even if a cached router exists")

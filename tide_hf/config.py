@@ -52,6 +52,10 @@ class TideRouterConfig(PretrainedConfig):
     samples (`threshold_fraction`), which neither training nor the ordering saw. Serving defaults:
     `min_agreement` at `confidence` when the router has paths and `min_agreement` is not None, else the
     global `exit_threshold` (also what routers calibrated before paths existed use); `min_layers` always.
+    Draft vocabulary: `draft_vocab_coverage` maps candidate sizes n (as strings) to the held-out share of
+    tokens whose final top-1 is among the n tokens the model predicted most often on the training samples; the
+    router then holds that ranking (`TideRouter.draft_vocab`), and speculative drafts may compute logits over the
+    first n tokens only (see `tide_hf.calibration.vocab`). Empty: drafts use the whole vocabulary.
     Results: `metrics`, one dict per checkpoint, and `calibration_seconds` (model body, labelling, training).
     """
 
@@ -91,6 +95,7 @@ class TideRouterConfig(PretrainedConfig):
         min_agreement: float | None = 0.95,
         confidence: float = 0.9,
         exit_paths: dict[str, Any] | None = None,
+        draft_vocab_coverage: dict[str, float] | None = None,
         seed: int = 0,
         metrics: dict[str, dict[str, Any]] | None = None,
         calibration_seconds: dict[str, float] | None = None,
@@ -136,6 +141,7 @@ class TideRouterConfig(PretrainedConfig):
         self.min_agreement = min_agreement
         self.confidence = confidence
         self.exit_paths = exit_paths or {}
+        self.draft_vocab_coverage = draft_vocab_coverage or {}
         self.seed = seed
         self.metrics = metrics or {}
         self.calibration_seconds = calibration_seconds or {}
@@ -163,6 +169,9 @@ class TideRouterConfig(PretrainedConfig):
             raise TideArgumentError(f"exit_head must be one of {EXIT_HEADS}, got {self.exit_head!r}")
         check_real("exit_head_ridge", self.exit_head_ridge, low=0.0)
         if self.exit_head_rank is not None:
+            if self.exit_head != "linear":
+                raise TideArgumentError(f"exit_head_rank={self.exit_head_rank} needs exit_head='linear' (the lens "
+                                        f"has no head to factor), got exit_head={self.exit_head!r}")
             check_int("exit_head_rank", self.exit_head_rank, minimum=1)
             if self.exit_head_rank >= self.hidden_size:
                 raise TideArgumentError(f"exit_head_rank must be below hidden_size={self.hidden_size} (None: full "
@@ -192,6 +201,7 @@ class TideRouterConfig(PretrainedConfig):
         check_real("confidence", self.confidence, low=0.0, high=1.0, low_open=True, high_open=True)
         check_threshold(self.exit_threshold)
         check_min_layers(self.min_layers, self.num_hidden_layers)
+        check_coverage(self.draft_vocab_coverage)
 
     @classmethod
     def field_names(cls) -> frozenset[str]:
@@ -221,6 +231,17 @@ def check_real(name: str, value: Any, *, low: float | None = None, high: float |
         lo = "-inf" if low is None else f"{'(' if low_open else '['}{low}"
         hi = "inf" if high is None else f"{high}{')' if high_open else ']'}"
         raise TideArgumentError(f"{name} must be a finite number in {lo}, {hi}, got {value}")
+
+
+def check_coverage(coverage: Any) -> None:
+    """`draft_vocab_coverage`: a dict of positive integer sizes (as strings, JSON keys) to shares in [0, 1]."""
+    if not isinstance(coverage, dict):
+        raise TideArgumentTypeError(f"draft_vocab_coverage must be a dict of size -> coverage, got {coverage!r}")
+    for size, share in coverage.items():
+        if not (isinstance(size, str) and size.isdigit() and int(size) >= 1):
+            raise TideArgumentError(f"draft_vocab_coverage: sizes must be positive integers written as strings, "
+                                    f"got {size!r}")
+        check_real(f"draft_vocab_coverage[{size!r}]", share, low=0.0, high=1.0)
 
 
 def check_threshold(value: Any) -> None:

@@ -41,7 +41,7 @@ def calibrate_from_args(args: argparse.Namespace) -> tuple[Any, Any, TideRouter]
 
 
 def print_metrics(router: TideRouter) -> None:
-    """The per-checkpoint validation table and the calibration's timings."""
+    """The per-checkpoint validation table, the draft vocabulary's coverage and the calibration's timings."""
     cfg = router.config
     print(f"\nrouter: label={cfg.label}, exit_head={cfg.exit_head}, checkpoints={cfg.checkpoint_layers}, "
           f"threshold={cfg.exit_threshold}")
@@ -50,6 +50,9 @@ def print_metrics(router: TideRouter) -> None:
         m = cfg.metrics[str(k)]
         cells = [m.get(f) for f in ("positive_rate", "precision", "recall", "auc", "predicted_rate")]
         print(f"{k:>5} " + " ".join(f"{'n/a' if v is None else f'{v:.3f}':>8}" for v in cells))
+    if cfg.draft_vocab_coverage:
+        print("draft vocabulary, held-out coverage by size:",
+              ", ".join(f"{n} {share:.1%}" for n, share in cfg.draft_vocab_coverage.items()))
     print("seconds:", {k: round(v, 1) for k, v in cfg.calibration_seconds.items()})
 
 
@@ -78,6 +81,7 @@ def write_calibration_results(args: argparse.Namespace, router: Any, wall: float
         "seq_len": cfg.seq_len, "checkpoint_layers": cfg.checkpoint_layers, "exit_threshold": cfg.exit_threshold,
         "wall_s": wall, "peak_rss_gb": peak_gb, "bare_forward_s": bare, "seconds": secs,
         "overhead_vs_bare": (secs["label"] + secs["train"]) / bare if bare else None, "metrics": cfg.metrics,
+        "draft_vocab_coverage": cfg.draft_vocab_coverage,
     }, indent=2))
 
 

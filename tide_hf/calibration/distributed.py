@@ -149,8 +149,8 @@ def _broadcast_bytes(payload: bytes, state: PartialState) -> bytes:
 
 def train_on_main(train: Callable[..., None], router: TideRouter, data: Any, *, progress: bool) -> None:
     """`train(router, data, progress=progress)` in the main process only; then every process holds the main
-    process's router parameters, `config.metrics` and `config.exit_paths`. An error in training is raised in
-    every process."""
+    process's router parameters and buffers, `config.metrics`, `config.exit_paths` and
+    `config.draft_vocab_coverage`. An error in training is raised in every process."""
     state = _state()
     if state is None:
         train(router, data, progress=progress)
@@ -162,6 +162,7 @@ def train_on_main(train: Callable[..., None], router: TideRouter, data: Any, *, 
         except Exception as exc:  # the other processes must not wait for parameters that never come
             failure = exc
     report = {"metrics": router.config.metrics, "exit_paths": router.config.exit_paths,
+              "draft_vocab_coverage": router.config.draft_vocab_coverage,
               "error": None if failure is None else f"{type(failure).__name__}: {failure}"}
     report = json.loads(_broadcast_bytes(json.dumps(report).encode(), state))
     if failure is not None:
@@ -170,6 +171,9 @@ def train_on_main(train: Callable[..., None], router: TideRouter, data: Any, *, 
         raise RuntimeError(f"router training failed in the main process: {report['error']}")
     router.config.metrics = report["metrics"]
     router.config.exit_paths = report["exit_paths"]
+    if report["draft_vocab_coverage"] and not state.is_main_process:  # the ranking itself comes with the tensors
+        coverage = report["draft_vocab_coverage"]
+        router.set_draft_vocab(torch.zeros(max(int(n) for n in coverage), dtype=torch.long), coverage)
     device = _comm_device(state)
     with torch.no_grad():
         for tensor in router.state_dict().values():

@@ -43,6 +43,7 @@ class Collected:
     cosine: dict[int, torch.Tensor]  # layer -> (n,) cos(h_k, h_final), pre-norm, fp32
     final: torch.Tensor  # (n, hidden) fp32, the last layer's pre-norm output
     next_ids: torch.Tensor  # (n,) the token that follows (-1: none)
+    final_top1: torch.Tensor  # (n,) the final layer's argmax (-1 until `label`)
     top1: dict[int, torch.Tensor]  # layer -> (n,) bool, exit argmax == final argmax
     kl: dict[int, torch.Tensor]  # layer -> (n,) KL(final || exit) in nats
     nll: dict[int, torch.Tensor]  # layer -> (n,) NLL(next token | exit) - NLL(next token | final); NaN: not computed
@@ -132,6 +133,7 @@ def collect(
         cosine={k: torch.empty(n) for k in layers},
         final=torch.empty(n, cfg.hidden_size),
         next_ids=torch.full((n,), -1, dtype=torch.long),
+        final_top1=torch.full((n,), -1, dtype=torch.long),
         top1={k: torch.zeros(n, dtype=torch.bool) for k in layers},
         kl={k: torch.full((n,), math.nan) for k in layers},
         nll={k: torch.full((n,), math.nan) for k in layers},
@@ -188,8 +190,9 @@ def collect(
 @torch.no_grad()
 def label(data: Collected, adapter: ModelAdapter, router: TideRouter, *, device: torch.device,
           exit_logits: ExitLogits | None = None, progress: bool = True) -> None:
-    """Fill the head-based label inputs of `data` (top-1 agreement, KL, NLL change) with the router's exit heads,
-    or with `exit_logits(layer, rows, normed, dtype)` when given (out-of-fold heads, `heads.CrossFit`).
+    """Fill the final top-1 of every kept token and the head-based label inputs of `data` (top-1 agreement, KL,
+    NLL change) with the router's exit heads, or with `exit_logits(layer, rows, normed, dtype)` when given
+    (out-of-fold heads, `heads.CrossFit`).
 
     Head-based labels cost a vocab-sized matmul per token and checkpoint: they are computed for every kept
     token only when they are the training label, else on held-out tokens for the report. The KL and the NLL
@@ -200,12 +203,16 @@ def label(data: Collected, adapter: ModelAdapter, router: TideRouter, *, device:
     dtype = next(adapter.lm_head.parameters()).dtype
     rows = torch.arange(data.is_val.numel())
     head = rows if cfg.label != "cosine" else rows[data.is_val]
+    if cfg.label == "cosine":  # the draft vocabulary ranks the final top-1 of the training tokens too
+        for part in rows[~data.is_val].split(LABEL_CHUNK_ROWS):
+            data.final_top1[part] = adapter.logits(data.final[part].to(device, dtype)).argmax(-1).cpu()
     # vocab-sized logits in row chunks, so their memory does not grow with the number of tokens
     for part in tqdm(head.split(LABEL_CHUNK_ROWS), desc="tide_hf: labelling", disable=not progress):
         with_kl = torch.ones_like(part, dtype=torch.bool) if cfg.label in KL_LABELS else data.is_val[part]
         kl_rows = with_kl.to(device)
         final_logits = adapter.logits(data.final[part].to(device, dtype))
         final_argmax = final_logits.argmax(-1)
+        data.final_top1[part] = final_argmax.cpu()
         final = FinalDistribution(final_logits[kl_rows])
         targets = data.next_ids[part].to(device)[kl_rows]
         for k in cfg.checkpoint_layers:

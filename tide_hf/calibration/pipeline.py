@@ -28,6 +28,7 @@ from .labels import Collected, collect, label
 from .samples import make_samples, pad_token_id
 from .thresholds import fit_exit_paths
 from .training import check_splits, train_routers
+from .vocab import fit_draft_vocab
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,8 @@ def warn_if_silent(cfg: TideRouterConfig) -> None:
 
 # Set by calibrate() itself from the model (passing them is an error, not an override).
 _DERIVED_FIELDS = frozenset({"hidden_size", "num_hidden_layers", "base_model_name_or_path", "base_model_revision",
-                             "base_architecture", "base_model_type", "base_fingerprint", "seq_len"})
+                             "base_architecture", "base_model_type", "base_fingerprint", "seq_len",
+                             "draft_vocab_coverage"})
 
 
 def check_calibrate_args(*, num_samples: Any, seq_len: Any, batch_size: Any, config_kwargs: dict[str, Any]) -> None:
@@ -69,9 +71,10 @@ def check_calibrate_args(*, num_samples: Any, seq_len: Any, batch_size: Any, con
 
 def fit(router: TideRouter, data: Collected, *, adapter: ModelAdapter, device: torch.device | None = None,
         progress: bool = True) -> None:
-    """Fit the exit heads, label the kept tokens with them (the model's head, `adapter`, on `device`), train the
-    routers on `device` (default: where the features are), then calibrate their exit paths for quality targets
-    (`config.exit_paths`), scoring the held-out tokens there too; the router ends where it was."""
+    """Fit the exit heads, label the kept tokens with them (the model's head, `adapter`, on `device`), rank the
+    draft vocabulary, train the routers on `device` (default: where the features are), then calibrate their exit
+    paths for quality targets (`config.exit_paths`), scoring the held-out tokens there too; the router ends where
+    it was."""
     check_splits(data, router.config)
     home = router.device
     work = torch.device(device) if device is not None else home
@@ -80,6 +83,8 @@ def fit(router: TideRouter, data: Collected, *, adapter: ModelAdapter, device: t
         crossfit = fit_exit_heads(router, data, device=work)
         exit_logits = None if crossfit is None else partial(crossfit.exit_logits, router, adapter)
         label(data, adapter, router, device=work, exit_logits=exit_logits, progress=progress)
+        vocab_size = adapter.logits(data.final[:1].to(work, next(adapter.lm_head.parameters()).dtype)).shape[-1]
+        fit_draft_vocab(router, data, vocab_size)
         train_routers(router, data, device=device, progress=progress)
         router.config.exit_paths = fit_exit_paths(router, data)
     finally:

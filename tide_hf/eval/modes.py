@@ -143,7 +143,7 @@ def speculative(model: Any, router: TideRouter, batches: list[dict], batched: di
     handle = attach(model, router, mode="speculative")
     try:
         generate(model, batches[0], 2, tide=True)  # warm-up (the policy's estimates live as long as the model)
-        layer = handle.last_stats.speculative["draft_layer"]
+        layer, vocab = (handle.last_stats.speculative[k] for k in ("draft_layer", "draft_vocab"))
         assisted_layer = assisted_layer or layer
         runs = {"stock": {"tide": False}, "speculative": {"tide": True},
                 "assisted": {"tide": False, "assistant_early_exit": assisted_layer}}
@@ -171,7 +171,8 @@ def speculative(model: Any, router: TideRouter, batches: list[dict], batched: di
     acceptance = counters["accepted"] / counters["trials"] if counters["trials"] else 0.0
     optimal_k, optimum = best_draft_length(acceptance, costs["draft_cost"], interpolated_verify(costs["verify_costs"]))
     rounds = counters["rounds"]
-    return {"draft_layer": layer, "assisted_layer": assisted_layer, "prompts": len(batches), "reps": reps,
+    return {"draft_layer": layer, "draft_vocab": vocab, "assisted_layer": assisted_layer, "prompts": len(batches),
+            "reps": reps,
             "identical_all_prompts": divergence["speculative"] == 0.0, "identical_batched": batch_identical,
             "batched_rows": int(batched["input_ids"].shape[0]),
             "speed_ratio": ratio["speculative"], "assisted_speed_ratio": ratio["assisted"],
@@ -225,10 +226,13 @@ def format_speculative(spec: dict) -> str:
         return "-" if spec.get(key) is None else format(spec[key], fmt)
 
     return "\n".join([
-        "| speculative | draft layer | speed vs stock | `assistant_early_exit` speed | acceptance per token | "
+        "| speculative | draft layer (vocabulary) | speed vs stock | `assistant_early_exit` speed | "
+        "acceptance per token | "
         "mean draft length (planned) | optimal length | optimum E | realized / optimum | "
         "divergence (ours / assisted) | identical (batched) |", "|---|---|---|---|---|---|---|---|---|---|---|",
-        f"| {spec['prompts']} prompts x {spec['reps']} reps | {spec['draft_layer']} | {spec['speed_ratio']:.3f} | "
+        f"| {spec['prompts']} prompts x {spec['reps']} reps | "
+        f"{spec['draft_layer']} ({spec.get('draft_vocab') or 'all'}) | "
+        f"{spec['speed_ratio']:.3f} | "
         f"{cell('assisted_speed_ratio', '.3f')} (layer {spec.get('assisted_layer', '-')}) | "
         f"{cell('acceptance_per_token', '.1%')} | {spec['mean_draft_length']:.2f} "
         f"({cell('mean_planned_length', '.2f')}) | {cell('optimal_draft_length', 'd')} | "

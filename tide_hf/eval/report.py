@@ -53,6 +53,12 @@ def _calibration(result: dict) -> list[str]:
         cells = [m.get(k) for k in ("positive_rate", "precision", "recall", "auc")]
         lines.append(f"| {layer} | " + " | ".join("n/a" if v is None else f"{v:.3f}" for v in cells)
                      + f" | {'n/a' if m.get('best_epoch') is None else m['best_epoch']} |")
+    if result.get("draft_vocab_coverage"):
+        coverage = result["draft_vocab_coverage"]
+        lines += ["", "Draft vocabulary (speculative drafts): held-out share of tokens whose final top-1 is among the "
+                  "n most frequent on the training samples.", "",
+                  "| n | " + " | ".join(coverage) + " |", "|---|" + "---|" * len(coverage),
+                  "| coverage | " + " | ".join(f"{share:.1%}" for share in coverage.values()) + " |"]
     return lines
 
 

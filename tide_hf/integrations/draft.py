@@ -14,8 +14,8 @@ straight line through V(1) = 1 and V(2) predicts V(5). With per-token acceptance
 (measured warm: the first sample of each timing is dropped, so first-call costs, lazy allocation and
 compilation are never charged to drafting; widths not measured yet are interpolated, and wider ones taken as
 costly as the widest measured, so the plan tries them and then knows) and plans every round's k as the
-argmax of E; `choose_draft_layer` ranks router checkpoints by the same E from calibration metrics and
-parameter counts.
+argmax of E; `draft_plan` picks the draft vocabulary size (`vocab.py`) and `choose_draft_layer` ranks router
+checkpoints by the same E from calibration metrics and parameter counts.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..modeling import ModelAdapter, TideRouter
+from .vocab import sliceable, vocab_sizes
 
 MAX_DRAFT_TOKENS = 8  # longest draft per round (the router gate and the plan usually stop earlier)
 DEFAULT_DRAFT_FRACTION = 0.5  # without calibration metrics: the checkpoint nearest this fraction of depth
@@ -81,16 +82,19 @@ def best_draft_length(acceptance: float, cost: float, verify: VerifyCost,
     return max(((k, speedup(acceptance, k, cost, verify)) for k in range(max_draft + 1)), key=lambda p: p[1])
 
 
-def draft_cost(adapter: ModelAdapter, layer: int) -> float:
-    """Cost of a forward through `layer` layers + head relative to a full one, by parameter count
-    (per-token FLOPs are proportional to it; the LM head is a sizeable share in small models)."""
+def draft_cost(adapter: ModelAdapter, layer: int, vocab: int | None = None) -> float:
+    """Cost of a forward through `layer` layers + head relative to a full one, by parameter count (per-token
+    FLOPs are proportional to it; the LM head is a sizeable share in small models); `vocab`: a head sliced to
+    that many tokens (`vocab.DraftHead`)."""
     counts = _PARAM_COUNTS.get(adapter.layers)
     if counts is None:  # walking every parameter takes milliseconds: once per model
         head = sum(p.numel() for p in adapter.lm_head.parameters())
         head += sum(p.numel() for p in adapter.pre_head.parameters()) if adapter.pre_head is not None else 0
-        counts = _PARAM_COUNTS[adapter.layers] = (sum(p.numel() for p in adapter.layers.parameters()), head)
-    layers, head = counts
-    return (layer * layers / adapter.num_layers + head) / (layers + head)
+        rows = adapter.lm_head.weight.shape[0] if sliceable(adapter) else 1
+        counts = _PARAM_COUNTS[adapter.layers] = (sum(p.numel() for p in adapter.layers.parameters()), head, rows)
+    layers, head, rows = counts
+    drafted_head = head if vocab is None else head * vocab / rows
+    return (layer * layers / adapter.num_layers + drafted_head) / (layers + head)
 
 
 def prior_acceptance(router: TideRouter, layer: int) -> float | None:
@@ -100,10 +104,24 @@ def prior_acceptance(router: TideRouter, layer: int) -> float | None:
     return (m.get("label_rates") or {}).get("top1")
 
 
+def draft_plan(router: TideRouter, adapter: ModelAdapter, layer: int) -> tuple[int | None, float | None]:
+    """(draft vocabulary size, optimum E) of drafting at `layer`: the size (None: the whole vocabulary) whose
+    cheaper draft best outweighs its lost acceptance (a draft token can only be right where the final top-1
+    is covered: acceptance x held-out coverage), by calibration metrics and parameter counts (E None without
+    metrics: the whole vocabulary)."""
+    acceptance = prior_acceptance(router, layer)
+    if acceptance is None:
+        return None, None
+    options = {None: 1.0, **vocab_sizes(router, adapter)}
+    gains = {n: best_draft_length(acceptance * share, draft_cost(adapter, layer, n), MEMORY_BOUND)[1]
+             for n, share in options.items()}
+    best = max(gains, key=lambda n: (gains[n], n is None))  # ties: the whole vocabulary
+    return best, gains[best]
+
+
 def prior_speedup(router: TideRouter, adapter: ModelAdapter, layer: int) -> float | None:
     """The optimum E of drafting at `layer` from calibration metrics and parameter counts (None without)."""
-    acceptance = prior_acceptance(router, layer)
-    return None if acceptance is None else best_draft_length(acceptance, draft_cost(adapter, layer), MEMORY_BOUND)[1]
+    return draft_plan(router, adapter, layer)[1]
 
 
 def choose_draft_layer(router: TideRouter, adapter: ModelAdapter, candidates: list[int]) -> int:
@@ -112,8 +130,9 @@ def choose_draft_layer(router: TideRouter, adapter: ModelAdapter, candidates: li
     known = {k: a for k in candidates if (a := prior_acceptance(router, k)) is not None}
     if known:
         def rank(k: int) -> tuple[float, float]:
-            cost = draft_cost(adapter, k)
-            return best_draft_length(known[k], cost, MEMORY_BOUND)[1], speedup(known[k], 1, cost, MEMORY_BOUND)
+            vocab, gain = draft_plan(router, adapter, k)
+            share = 1.0 if vocab is None else router.config.draft_vocab_coverage[str(vocab)]
+            return gain, speedup(known[k] * share, 1, draft_cost(adapter, k, vocab), MEMORY_BOUND)
         return max(known, key=rank)
     return min(candidates, key=lambda k: abs(k - DEFAULT_DRAFT_FRACTION * adapter.num_layers))
 

@@ -15,6 +15,8 @@ via `_get_candidate_generator`, replaced on the model instance for the duration 
 * the router at `draft_layer` gates every draft token: drafting stops as soon as it says "not converged",
   and a round only starts drafting when the router called the previous token converged (its score comes
   for free from the full-depth forward, which runs `draft_layer` anyway), so a shut gate costs nothing;
+* a draft's logits may cover only the router's draft vocabulary (the tokens the model emits most often,
+  `vocab.py`), when that cheaper head outweighs the drafts it makes wrong (`draft.draft_plan`);
 * a policy plans every round's draft length k as the speculative-decoding optimum (`draft.py`): the
   argmax of expected tokens per unit of time from the measured per-token acceptance and the measured
   costs of a draft forward and of verifying k + 1 tokens. While the estimates say drafting loses it takes
@@ -58,19 +60,21 @@ from .draft import (
     best_draft_length,
     choose_draft_layer,
     draft_cost,
+    draft_plan,
     interpolated_verify,
     prior_acceptance,
-    prior_speedup,
 )
 from .reuse import DraftReuse, install_reuse
 from .rows import fallback_reason, row_kwargs, stack_rows
+from .vocab import DraftHead
 
 # A rejected draft token costs one draft forward, nothing else: the gate stops a draft only where the router
 # calls the token more likely unconverged than not, never at a quality target's stricter threshold (those are
 # for exits whose tokens are emitted).
 GATE_THRESHOLD = 0.5
 PLAIN_TIMING_EVERY = 16  # drafting rounds between plain steps that keep the plain-step time current
-_ESTIMATES: weakref.WeakKeyDictionary[nn.Module, dict[int, DraftEstimates]] = weakref.WeakKeyDictionary()
+_ESTIMATES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, int | None], DraftEstimates]] = \
+    weakref.WeakKeyDictionary()
 
 
 def resolve_draft_layer(handle: TideHandle) -> int:
@@ -86,13 +90,16 @@ def resolve_draft_layer(handle: TideHandle) -> int:
     return choose_draft_layer(handle.router, handle.adapter, handle.checkpoints)
 
 
-def draft_estimates(handle: TideHandle, layer: int) -> DraftEstimates:
-    """The running estimates of drafting at `layer` of this model (made from the router's priors once)."""
-    per_layer = _ESTIMATES.setdefault(handle.model, {})
-    if layer not in per_layer:
+def draft_estimates(handle: TideHandle, layer: int, vocab: int | None) -> DraftEstimates:
+    """The running estimates of drafting at `layer` over `vocab` tokens (None: all) of this model (made from the
+    router's priors once)."""
+    per_draft = _ESTIMATES.setdefault(handle.model, {})
+    if (layer, vocab) not in per_draft:
         prior = prior_acceptance(handle.router, layer)
-        per_layer[layer] = DraftEstimates.start(draft_cost(handle.adapter, layer), prior)
-    return per_layer[layer]
+        if prior is not None and vocab is not None:
+            prior *= handle.router.config.draft_vocab_coverage[str(vocab)]
+        per_draft[layer, vocab] = DraftEstimates.start(draft_cost(handle.adapter, layer, vocab), prior)
+    return per_draft[layer, vocab]
 
 
 # -- statistics -------------------------------------------------------------------------------------------
@@ -106,7 +113,8 @@ class SpeculativeStats:
     """
 
     draft_layer: int
-    expected_speedup: float | None = None  # `prior_speedup`: the optimum E from calibration (None: no metrics)
+    expected_speedup: float | None = None  # `draft_plan`: the optimum E from calibration (None: no metrics)
+    draft_vocab: int | None = None  # drafts' logits cover this many most frequent tokens (None: all)
     rounds: int = 0  # verification forwards that checked at least one drafted token
     plain_steps: int = 0  # verification forwards without candidates (prefill, closed gate, drafting loses, ...)
     gate_skips: int = 0  # rounds not drafted because the router called the previous token unconverged
@@ -140,11 +148,11 @@ class TideCandidateGenerator(CandidateGenerator):
     """Drafts with the first `layer` layers on the shared KV cache, as many tokens as the policy plans and
     while the router at `layer` says converged."""
 
-    def __init__(self, handle: TideHandle, stats: SpeculativeStats, generation_config: GenerationConfig,
-                 logits_processor: Any, model_kwargs: dict[str, Any]) -> None:
-        self.handle, self.layer, self.stats = handle, stats.draft_layer, stats
+    def __init__(self, handle: TideHandle, stats: SpeculativeStats, draft_head: DraftHead | None,
+                 generation_config: GenerationConfig, logits_processor: Any, model_kwargs: dict[str, Any]) -> None:
+        self.handle, self.layer, self.stats, self.draft_head = handle, stats.draft_layer, stats, draft_head
         self.model = handle.model
-        self.estimates = draft_estimates(handle, self.layer)
+        self.estimates = draft_estimates(handle, self.layer, stats.draft_vocab)
         self.cache = model_kwargs["past_key_values"]  # the object stock verifies with, for the whole call
         self.kwargs = {k: v for k, v in model_kwargs.items() if k != "past_key_values"}
         self.processors = logits_processor
@@ -267,15 +275,18 @@ class TideCandidateGenerator(CandidateGenerator):
         return ids, (torch.stack(scores, dim=1) if self.do_sample else None)
 
     def _forward(self, ids: torch.LongTensor, head: bool = True) -> torch.Tensor | None:
-        """Logits of the last position of `ids`, its predecessors being in the cache of the draft layers
-        (`head=False`: the model body only, for its cache entries and the hooks; returns None)."""
+        """Logits of the last position of `ids`, its predecessors being in the cache of the draft layers, through
+        the draft head when there is one (`head=False`: the model body only, for its cache entries and the hooks;
+        returns None)."""
         kwargs = extend_model_kwargs(self.kwargs, ids.shape[1])
         inputs = self.model.prepare_inputs_for_generation(ids, next_sequence_length=1, past_key_values=self.cache,
                                                           **kwargs)
-        if not head:
+        if not head or self.draft_head is not None:
             inputs.pop("logits_to_keep", None)
-            getattr(self.model, self.model.base_model_prefix)(**inputs)
-            return None
+            body = getattr(self.model, self.model.base_model_prefix)(**inputs)
+            if not head:
+                return None
+            return self.draft_head(body.last_hidden_state[:, -1]).to(dtype=torch.float32, device=ids.device)
         if "logits_to_keep" in inputs:
             inputs["logits_to_keep"] = 1
         return self.model(**inputs).logits[:, -1].to(dtype=torch.float32, device=ids.device)
@@ -324,7 +335,8 @@ def generate(handle: TideHandle, original: Callable, model: nn.Module, args: tup
     inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     batch = inputs.shape[0] if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 else 0
     layer = resolve_draft_layer(handle)
-    stats = SpeculativeStats(layer, prior_speedup(handle.router, handle.adapter, layer))
+    vocab, expected = draft_plan(handle.router, handle.adapter, layer)
+    stats = SpeculativeStats(layer, expected, vocab)
     stats.fallback = "no 2-D input_ids" if batch == 0 else fallback_reason(model, args, kwargs, batch)
     try:
         with handle.disabled():  # the router runs only in the gate hook; verification is the stock model
@@ -332,23 +344,24 @@ def generate(handle: TideHandle, original: Callable, model: nn.Module, args: tup
                 return original(model, *args, **kwargs)
             key = "inputs" if "inputs" in kwargs or args else "input_ids"
             kwargs = {k: v for k, v in kwargs.items() if k != "inputs"} | {key: inputs}
+            head = None if vocab is None else DraftHead(handle.adapter, handle.router, vocab)  # one slice per call
             if batch == 1:
-                return _generate_row(handle, original, model, kwargs, stats, session)
-            rows = [_generate_row(handle, original, model, row_kwargs(kwargs, i, batch), stats, session)
+                return _generate_row(handle, original, model, kwargs, stats, head, session)
+            rows = [_generate_row(handle, original, model, row_kwargs(kwargs, i, batch), stats, head, session)
                     for i in range(batch)]
             return stack_rows(rows, model, kwargs)
     finally:
-        estimates = draft_estimates(handle, layer)
+        estimates = draft_estimates(handle, layer, vocab)
         stats.draft_cost, stats.verify_costs = estimates.cost, estimates.verify_costs
         session.stats.speculative = stats.as_dict()
 
 
 def _generate_row(handle: TideHandle, original: Callable, model: nn.Module, kwargs: dict, stats: SpeculativeStats,
-                  session: Session) -> Any:
+                  head: DraftHead | None, session: Session) -> Any:
     owner: list[TideCandidateGenerator] = []
 
     def factory(*, generation_config: GenerationConfig, logits_processor: Any, model_kwargs: dict, **_: Any):
-        owner.append(TideCandidateGenerator(handle, stats, generation_config, logits_processor, model_kwargs))
+        owner.append(TideCandidateGenerator(handle, stats, head, generation_config, logits_processor, model_kwargs))
         return owner[-1]
 
     with _patched(model, factory, handle, stats.draft_layer, owner):

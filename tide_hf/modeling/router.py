@@ -12,7 +12,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, PreTrainedModel
 
 from ..config import TideRouterConfig
-from ..errors import TideCompatibilityError, TideRouterFileError
+from ..errors import TideArgumentError, TideCompatibilityError, TideRouterFileError
 from .adapters import ModelAdapter, get_adapter, text_config
 from .files import atomic_save, check_config_source, check_loading_info
 from .fingerprint import model_fingerprint
@@ -51,7 +51,8 @@ class TideRouter(PreTrainedModel):
     Routers read `final_norm(h_k)` (the model's own final norm on the k-th layer's output), the same
     representation in calibration and at serving time. With `config.exit_head == "linear"` the router also holds
     one exit head (`ExitHead`, an affine hidden -> hidden map) per checkpoint: what an exited token's logits
-    are made from (`exit_state`, `exit_logits`).
+    are made from (`exit_state`, `exit_logits`). With a calibrated `config.draft_vocab_coverage` it holds the
+    draft vocabulary too: `draft_vocab`, token ids in order of how often they were the final top-1.
     """
 
     config_class = TideRouterConfig
@@ -66,7 +67,23 @@ class TideRouter(PreTrainedModel):
         self.exit_heads = nn.ModuleDict(
             {str(k): ExitHead(config.hidden_size, config.exit_head_rank) for k in config.checkpoint_layers}
             if config.exit_head == "linear" else {})
+        if config.draft_vocab_coverage:
+            self.register_buffer("draft_vocab", torch.zeros(self.draft_vocab_length(config), dtype=torch.long))
         self.post_init()
+
+    @staticmethod
+    def draft_vocab_length(config: TideRouterConfig) -> int:
+        """Tokens of the stored ranking: the largest candidate size (0 without a draft vocabulary)."""
+        return max((int(n) for n in config.draft_vocab_coverage), default=0)
+
+    def set_draft_vocab(self, ranking: torch.Tensor, coverage: dict[str, float]) -> None:
+        """Store a draft vocabulary (`ranking`: token ids, most frequent first, as long as the largest size)."""
+        self.config.draft_vocab_coverage = dict(coverage)
+        self.config.validate()
+        if len(ranking) != self.draft_vocab_length(self.config):
+            raise TideArgumentError(f"draft vocabulary of {len(ranking)} tokens, but its largest size is "
+                                    f"{self.draft_vocab_length(self.config)}")
+        self.register_buffer("draft_vocab", ranking.to(self.device, torch.long).clone())
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
@@ -235,6 +252,9 @@ class TideRouter(PreTrainedModel):
         arch = type(model).__name__
         if cfg.base_architecture and arch != cfg.base_architecture:
             problems.append(f"architecture: router {cfg.base_architecture}, model {arch}")
+        rows = getattr(getattr(adapter.lm_head, "weight", None), "shape", (None,))[0]
+        if hasattr(self, "draft_vocab") and rows is not None and int(self.draft_vocab.max()) >= rows:
+            problems.append(f"draft vocabulary: token ids up to {int(self.draft_vocab.max())}, model head {rows} rows")
         if not ignore_fingerprint and cfg.base_fingerprint and not problems:
             fp = model_fingerprint(model, adapter)
             if fp != cfg.base_fingerprint:

@@ -6,7 +6,10 @@ chunks per document so every split spans many speeches. `tide_hf.calibration.lab
 normed features and the top-1 / KL / NLL labels of every kept token; extra forward hooks record, per token and
 checkpoint k, quantities the runtime hook has at hand: the pre-norm state's log RMS, its cosine with the
 layer's input (one layer of movement) and with the previous checkpoint's state (the embedding output for the
-first checkpoint).
+first checkpoint). Labels come from the shipped router's exit heads (the logits exits really use); with a draft
+vocabulary in it, three more inputs read the exit logits over its first `--conf-vocab` tokens: the top
+probability there ("conf"), the top-1 minus top-2 logit ("margin"), and whether the top token equals the
+previous checkpoint's ("stable"; 0 at the first).
 
     PYTHONPATH=. python scripts/router_features.py --shipped my-router --out /tmp/r12x/data.safetensors
 """
@@ -75,6 +78,24 @@ def split_samples(tokenizer: Any, texts: list[str], docs: dict[str, int], chunks
 
 
 @torch.no_grad()
+def exit_confidence(features: dict[int, torch.Tensor], router: TideRouter, adapter: Any, size: int
+                    ) -> dict[str, dict[int, torch.Tensor]]:
+    """Per checkpoint: top probability, top-1 minus top-2 logit, and top-token stability of the exit logits over
+    the router's first `size` draft-vocabulary tokens."""
+    weight = adapter.lm_head.weight[router.draft_vocab[:size]].float()
+    out: dict[str, dict[int, torch.Tensor]] = {"conf": {}, "margin": {}, "stable": {}}
+    previous = None
+    for k, f in features.items():
+        logits = torch.cat([adapter.normed(router.mapped(k, part)) @ weight.T for part in f.split(4096)])
+        top = logits.topk(2, dim=-1)
+        out["conf"][k] = top.values[:, 0].sub(logits.logsumexp(-1)).exp()
+        out["margin"][k] = top.values[:, 0] - top.values[:, 1]
+        out["stable"][k] = torch.zeros(len(f)) if previous is None else (top.indices[:, 0] == previous).float()
+        previous = top.indices[:, 0]
+    return out
+
+
+@torch.no_grad()
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -84,6 +105,7 @@ def main() -> None:
     parser.add_argument("--keep", type=float, default=0.7, help="share of tokens kept")
     parser.add_argument("--shipped", required=True, help="a router folder: its calibration documents are skipped")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--conf-vocab", type=int, default=1024, help="draft-vocabulary tokens the extra inputs read")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(str(smollm2_path()))
@@ -136,7 +158,11 @@ def main() -> None:
     finally:
         for h in handles:
             h.remove()
-    label(data, adapter, TideRouter(cfg), device=torch.device("cpu"))  # the model's own head (cfg: exit_head lens)
+    router = TideRouter.from_pretrained(args.shipped)  # labels through the exits' own logits (its exit heads)
+    router.config.label = cfg.label
+    label(data, adapter, router, device=torch.device("cpu"))
+    if hasattr(router, "draft_vocab"):
+        extra.update(exit_confidence(data.features, router, adapter, args.conf_vocab))
     which = torch.cat([torch.full((int(k.sum()),), SPLITS.index(n)) for k, n in zip(keep, names)])
     doc_of = torch.cat([torch.full((int(k.sum()),), i) for i, k in enumerate(keep)])
     out = {"features": data.features, "top1": data.top1, "kl": data.kl, "nll": data.nll,

@@ -28,6 +28,7 @@ from tide_hf.modeling.targets import select
 
 TARGETS = (0.97, 0.95, 0.90)
 EXTRAS = ("log_rms", "move1", "move")
+EXIT_EXTRAS = ("conf", "margin", "stable")  # from the exit logits over the draft vocabulary (router_features.py)
 
 
 @dataclass
@@ -60,6 +61,10 @@ VARIANTS = {
     "move1": Variant(extras=("move1",)),
     "move": Variant(extras=("move",)),
     "extras": Variant(extras=EXTRAS),
+    "conf": Variant(extras=("conf",)),
+    "exit_extras": Variant(extras=EXIT_EXTRAS),
+    "exit_extras_concat": Variant(extras=EXIT_EXTRAS, concat=True),
+    "all_extras": Variant(extras=EXTRAS + EXIT_EXTRAS),
     "extras_concat": Variant(extras=EXTRAS, concat=True),
     "cascade": Variant(cascade=True),
     "extras_cascade": Variant(extras=EXTRAS, cascade=True),

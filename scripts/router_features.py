@@ -162,7 +162,8 @@ def main() -> None:
     router.config.label = cfg.label
     label(data, adapter, router, device=torch.device("cpu"))
     if hasattr(router, "draft_vocab"):
-        extra.update(exit_confidence(data.features, router, adapter, args.conf_vocab))
+        extra.update({n: {k: [t] for k, t in d.items()} for n, d in
+                      exit_confidence(data.features, router, adapter, args.conf_vocab).items()})
     which = torch.cat([torch.full((int(k.sum()),), SPLITS.index(n)) for k, n in zip(keep, names)])
     doc_of = torch.cat([torch.full((int(k.sum()),), i) for i, k in enumerate(keep)])
     out = {"features": data.features, "top1": data.top1, "kl": data.kl, "nll": data.nll,

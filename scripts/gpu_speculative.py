@@ -144,7 +144,7 @@ def main() -> None:
     (out / "gpu_speculative.json").write_text(json.dumps(result, indent=2))
     spec = result["speculative"]
     print(json.dumps({k: result[k] for k in ("device", "layer_agreement", "truncated_speed_ratio", "wall_s")}))
-    print({k: spec[k] for k in ("draft_layer", "speed_ratio", "assisted_speed_ratio", "divergence",
+    print({k: spec[k] for k in ("draft_layer", "draft_vocab", "speed_ratio", "assisted_speed_ratio", "divergence",
                                 "assisted_divergence", "acceptance_per_token", "mean_draft_length",
                                 "optimal_draft_length", "optimal_speedup", "realized_over_optimum")})
 

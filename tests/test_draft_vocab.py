@@ -94,6 +94,8 @@ def test_only_plain_linear_heads_are_sliced() -> None:
         pass
     assert not sliceable(ModelAdapter(adapter.layers, adapter.final_norm, None, Quantized(32, 256),
                                       adapter.embeddings, None))
+    offloaded = nn.Linear(32, 256, bias=False, device="meta")  # accelerate's offloaded head: loaded per forward
+    assert not sliceable(ModelAdapter(adapter.layers, adapter.final_norm, None, offloaded, adapter.embeddings, None))
 
 
 def test_draft_plan_weighs_the_cheaper_head_against_lost_acceptance() -> None:

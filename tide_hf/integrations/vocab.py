@@ -6,7 +6,7 @@ model's own logits on those n tokens (same weights, bias and soft-capping) and -
 drafts take the argmax among covered tokens and sampled drafts sample from the model's distribution
 restricted to them; stock's verification then keeps what the full model agrees with (sampling: speculative
 sampling with those draft probabilities), so the output is unchanged. Heads that are not a plain
-`nn.Linear` (quantized, or with a projection before them) are not sliced.
+`nn.Linear` (quantized, or with a projection before them) or that accelerate offloads are not sliced.
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ from ..modeling import ModelAdapter, TideRouter
 
 
 def sliceable(adapter: ModelAdapter) -> bool:
-    """Whether the model's head is a plain floating-point `nn.Linear` right after the final norm."""
+    """Whether the model's head is a plain floating-point `nn.Linear` right after the final norm, with its weight
+    in memory (an offloaded head's weight is on the meta device until accelerate's hook loads it)."""
     head = adapter.lm_head
-    return type(head) is nn.Linear and adapter.pre_head is None and head.weight.is_floating_point()
+    return (type(head) is nn.Linear and adapter.pre_head is None and head.weight.is_floating_point()
+            and head.weight.device.type != "meta")
 
 
 def vocab_sizes(router: TideRouter, adapter: ModelAdapter) -> dict[int, float]:
@@ -46,7 +48,7 @@ class DraftHead:
     def __call__(self, normed: torch.Tensor) -> torch.Tensor:
         """Vocabulary-wide logits (rows, vocab) from final-normed states (rows, hidden): the model's on the draft
         vocabulary, -inf elsewhere."""
-        logits = F.linear(normed.to(self.weight.dtype), self.weight, self.bias)
+        logits = F.linear(normed.to(self.weight.device, self.weight.dtype), self.weight, self.bias)
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         out = logits.new_full((logits.shape[0], self.vocab), float("-inf"))

@@ -119,13 +119,8 @@ def draft_plan(router: TideRouter, adapter: ModelAdapter, layer: int) -> tuple[i
     return best, gains[best]
 
 
-def prior_speedup(router: TideRouter, adapter: ModelAdapter, layer: int) -> float | None:
-    """The optimum E of drafting at `layer` from calibration metrics and parameter counts (None without)."""
-    return draft_plan(router, adapter, layer)[1]
-
-
 def choose_draft_layer(router: TideRouter, adapter: ModelAdapter, candidates: list[int]) -> int:
-    """The checkpoint with the best `prior_speedup`, ties (E = 1 where drafting loses everywhere) broken by
+    """The checkpoint with the best `draft_plan` optimum, ties (E = 1 where drafting loses everywhere) broken by
     the cheapest one-token probe; without metrics, the one nearest `DEFAULT_DRAFT_FRACTION` of depth."""
     known = {k: a for k in candidates if (a := prior_acceptance(router, k)) is not None}
     if known:

@@ -176,6 +176,8 @@ def test_draft_vocabulary_round_trips_and_is_checked(tmp_path) -> None:
     loaded = TideRouter.from_pretrained(tmp_path / "r")
     assert torch.equal(loaded.draft_vocab, router.draft_vocab)
     assert loaded.config.draft_vocab_coverage == {"256": 0.8, "512": 0.9}
+    card = (tmp_path / "r" / "README.md").read_text()
+    assert "held-out coverage of its top-1 by size: 256: 80.0%, 512: 90.0%." in card
     old = new_router(model)  # a router from before draft vocabularies: none, and drafts use the whole head
     old.save_pretrained(tmp_path / "old")
     assert not hasattr(TideRouter.from_pretrained(tmp_path / "old"), "draft_vocab")

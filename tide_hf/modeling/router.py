@@ -230,6 +230,10 @@ class TideRouter(PreTrainedModel):
             f"## Validation (held-out {cfg.validation_fraction:.0%} of samples, threshold {cfg.exit_threshold})\n\n"
             + "\n".join(rows) + "\n"
         )
+        if cfg.draft_vocab_coverage:
+            body += ("\n## Draft vocabulary\n\nSpeculative drafts may compute logits over the n tokens the model "
+                     "predicted most often in calibration; held-out coverage of its top-1 by size: "
+                     + ", ".join(f"{n}: {share:.1%}" for n, share in cfg.draft_vocab_coverage.items()) + ".\n")
         return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")
 
     def check_compatible(self, model: nn.Module, *, ignore_fingerprint: bool = False,

@@ -173,7 +173,7 @@ def train_on_main(train: Callable[..., None], router: TideRouter, data: Any, *, 
     router.config.exit_paths = report["exit_paths"]
     if report["draft_vocab_coverage"] and not state.is_main_process:  # the ranking itself comes with the tensors
         coverage = report["draft_vocab_coverage"]
-        router.set_draft_vocab(torch.zeros(max(int(n) for n in coverage), dtype=torch.long), coverage)
+        router.set_draft_vocab(torch.zeros(router.draft_vocab_length(coverage), dtype=torch.long), coverage)
     device = _comm_device(state)
     with torch.no_grad():
         for tensor in router.state_dict().values():

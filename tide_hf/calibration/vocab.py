@@ -4,9 +4,9 @@ A draft forward of speculative mode ends in the LM head, a vocab x hidden matmul
 shallow forward when the vocabulary is large next to the layers (a third of SmolLM2-135M's 16-layer draft).
 Drafts only propose tokens, each checked by the full model, so their logits may cover only the tokens the model
 is likely to emit (FR-Spec, Zhao et al. 2025). Calibration ranks tokens by how often they are the final layer's
-top-1 on the training tokens (ties: lower token id first, byte-pair merge order, which roughly follows the
-tokenizer corpus's frequency) and measures, for each candidate size n (powers of two from `DRAFT_VOCAB_MIN`,
-below the vocabulary size), the coverage: the share of held-out tokens whose final top-1 is among the first n.
+top-1 on the training tokens (ties: lower token id first) and measures, for each candidate size n (powers of
+two from `DRAFT_VOCAB_MIN`, below the vocabulary size), the coverage: the share of held-out tokens whose final
+top-1 is among the first n.
 A draft can only be right where the token is covered, so speculative mode weighs each size's cheaper draft
 against its lost acceptance and takes the best (`tide_hf.integrations.draft.draft_plan`).
 """

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..modeling import ModelAdapter, TideRouter
-from .vocab import sliceable, vocab_sizes
+from .vocab import coverage, sliceable, vocab_sizes
 
 MAX_DRAFT_TOKENS = 8  # longest draft per round (the router gate and the plan usually stop earlier)
 DEFAULT_DRAFT_FRACTION = 0.5  # without calibration metrics: the checkpoint nearest this fraction of depth
@@ -126,8 +126,7 @@ def choose_draft_layer(router: TideRouter, adapter: ModelAdapter, candidates: li
     if known:
         def rank(k: int) -> tuple[float, float]:
             vocab, gain = draft_plan(router, adapter, k)
-            share = 1.0 if vocab is None else router.config.draft_vocab_coverage[str(vocab)]
-            return gain, speedup(known[k] * share, 1, draft_cost(adapter, k, vocab), MEMORY_BOUND)
+            return gain, speedup(known[k] * coverage(router, vocab), 1, draft_cost(adapter, k, vocab), MEMORY_BOUND)
         return max(known, key=rank)
     return min(candidates, key=lambda k: abs(k - DEFAULT_DRAFT_FRACTION * adapter.num_layers))
 

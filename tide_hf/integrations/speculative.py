@@ -66,7 +66,7 @@ from .draft import (
 )
 from .reuse import DraftReuse, install_reuse
 from .rows import fallback_reason, row_kwargs, stack_rows
-from .vocab import DraftHead
+from .vocab import DraftHead, coverage
 
 # A rejected draft token costs one draft forward, nothing else: the gate stops a draft only where the router
 # calls the token more likely unconverged than not, never at a quality target's stricter threshold (those are
@@ -96,8 +96,8 @@ def draft_estimates(handle: TideHandle, layer: int, vocab: int | None) -> DraftE
     per_draft = _ESTIMATES.setdefault(handle.model, {})
     if (layer, vocab) not in per_draft:
         prior = prior_acceptance(handle.router, layer)
-        if prior is not None and vocab is not None:
-            prior *= handle.router.config.draft_vocab_coverage[str(vocab)]
+        if prior is not None:
+            prior *= coverage(handle.router, vocab)
         per_draft[layer, vocab] = DraftEstimates.start(draft_cost(handle.adapter, layer, vocab), prior)
     return per_draft[layer, vocab]
 

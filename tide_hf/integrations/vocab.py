@@ -34,6 +34,11 @@ def vocab_sizes(router: TideRouter, adapter: ModelAdapter) -> dict[int, float]:
     return {int(n): share for n, share in router.config.draft_vocab_coverage.items()}
 
 
+def coverage(router: TideRouter, vocab: int | None) -> float:
+    """Held-out share of the final top-1 inside the first `vocab` draft-vocabulary tokens (None: all, 1.0)."""
+    return 1.0 if vocab is None else router.config.draft_vocab_coverage[str(vocab)]
+
+
 class DraftHead:
     """The model's head restricted to the first `size` tokens of the router's draft vocabulary."""
 

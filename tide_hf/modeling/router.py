@@ -11,7 +11,7 @@ from huggingface_hub import CommitInfo, HfApi, ModelCard, ModelCardData
 from torch import nn
 from transformers import AutoConfig, AutoModel, PreTrainedModel
 
-from ..config import TideRouterConfig
+from ..config import TideRouterConfig, check_coverage
 from ..errors import TideArgumentError, TideCompatibilityError, TideRouterFileError
 from .adapters import ModelAdapter, get_adapter, text_config
 from .files import atomic_save, check_config_source, check_loading_info
@@ -68,21 +68,22 @@ class TideRouter(PreTrainedModel):
             {str(k): ExitHead(config.hidden_size, config.exit_head_rank) for k in config.checkpoint_layers}
             if config.exit_head == "linear" else {})
         if config.draft_vocab_coverage:
-            self.register_buffer("draft_vocab", torch.zeros(self.draft_vocab_length(config), dtype=torch.long))
+            length = self.draft_vocab_length(config.draft_vocab_coverage)
+            self.register_buffer("draft_vocab", torch.zeros(length, dtype=torch.long))
         self.post_init()
 
     @staticmethod
-    def draft_vocab_length(config: TideRouterConfig) -> int:
-        """Tokens of the stored ranking: the largest candidate size (0 without a draft vocabulary)."""
-        return max((int(n) for n in config.draft_vocab_coverage), default=0)
+    def draft_vocab_length(coverage: dict[str, float]) -> int:
+        """Tokens of the stored ranking: the largest candidate size in `coverage` (0 without a draft vocabulary)."""
+        return max((int(n) for n in coverage), default=0)
 
     def set_draft_vocab(self, ranking: torch.Tensor, coverage: dict[str, float]) -> None:
         """Store a draft vocabulary (`ranking`: token ids, most frequent first, as long as the largest size)."""
-        self.config.draft_vocab_coverage = dict(coverage)
-        self.config.validate()
-        if len(ranking) != self.draft_vocab_length(self.config):
+        check_coverage(coverage)  # checked before anything changes
+        if len(ranking) != self.draft_vocab_length(coverage):
             raise TideArgumentError(f"draft vocabulary of {len(ranking)} tokens, but its largest size is "
-                                    f"{self.draft_vocab_length(self.config)}")
+                                    f"{self.draft_vocab_length(coverage)}")
+        self.config.draft_vocab_coverage = dict(coverage)
         self.register_buffer("draft_vocab", ranking.to(self.device, torch.long).clone())
 
     def _init_weights(self, module: nn.Module) -> None:

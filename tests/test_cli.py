@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tide_hf.cli import CALIBRATED_EXIT_HEAD, EXIT_HEADS, LABEL_KINDS, ROUTER_DEFAULTS, build_parser
+from tide_hf.cli import CALIBRATED_EXIT_HEAD, CONTINUATIONS, EXIT_HEADS, LABEL_KINDS, ROUTER_DEFAULTS, build_parser
 
 
 def subparsers() -> dict[str, argparse.ArgumentParser]:
@@ -53,6 +53,9 @@ def test_router_defaults_are_the_library_defaults() -> None:
     from tide_hf.config import CALIBRATED_EXIT_HEAD as CONFIG_CALIBRATED
     from tide_hf.config import EXIT_HEADS as CONFIG_HEADS
     assert (EXIT_HEADS, CALIBRATED_EXIT_HEAD) == (CONFIG_HEADS, CONFIG_CALIBRATED)
+    from tide_hf.config import CONTINUATIONS as CONFIG_CONTINUATIONS
+
+    assert CONTINUATIONS == CONFIG_CONTINUATIONS
 
 
 def test_synthetic_choices_match_the_bench() -> None:

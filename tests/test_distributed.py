@@ -169,8 +169,10 @@ def test_a_training_error_stops_every_process(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_cli_under_accelerate_launch_matches_one_process(tmp_path, capsys) -> None:
-    """The real `tide-hf calibrate` on the embedded SmolLM2, launched as a module in 2 processes."""
-    args = ["-m", "tide_hf.cli", "calibrate", "--num-samples", "16", "--seq-len", "64", "--num-epochs", "3"]
+    """The real `tide-hf calibrate` on the embedded SmolLM2, launched as a module in 2 processes, on the model's
+    own greedy continuations (each process writes those of its own batches)."""
+    args = ["-m", "tide_hf.cli", "calibrate", "--num-samples", "16", "--seq-len", "64", "--num-epochs", "3",
+            "--continuation", "greedy", "--continuation-prompt-len", "48"]
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
     single = run([sys.executable, *args, "--output", "router"], tmp_path / "one")
@@ -183,4 +185,7 @@ def test_cli_under_accelerate_launch_matches_one_process(tmp_path, capsys) -> No
     metrics = [json.loads((tmp_path / d / "router" / "config.json").read_text())["metrics"] for d in ("one", "two")]
     difference = metric_difference(*metrics)
     assert weights <= ATOL and difference <= METRIC_ATOL
-    report(capsys, "tide-hf calibrate (SmolLM2, 16 x 64 tokens)", single, multi, weights, difference)
+    configs = [json.loads((tmp_path / d / "router" / "config.json").read_text()) for d in ("one", "two")]
+    assert all(c["continuation"] == "greedy" and "generate" in c["calibration_seconds"] for c in configs)
+    report(capsys, "tide-hf calibrate (SmolLM2, 16 x 64 tokens, greedy continuations)", single, multi, weights,
+           difference)

@@ -19,9 +19,11 @@ from .assets import DEFAULT_MODEL
 # a name missing here is read from TideRouterConfig itself (slower, still correct).
 ROUTER_DEFAULTS = {"checkpoint_interval": 4, "convergence_threshold": 0.98, "kl_threshold": 0.1, "num_epochs": 100,
                    "early_stopping_patience": 10, "max_train_tokens": 65536, "exit_threshold": 0.85, "seed": 0,
-                   "label": "top1", "min_agreement": 0.95, "confidence": 0.9, "exit_head_ridge": 0.01}
+                   "label": "top1", "min_agreement": 0.95, "confidence": 0.9, "exit_head_ridge": 0.01,
+                   "continuation_prompt_len": 64}
 LABEL_KINDS = ("cosine", "top1", "kl", "top1_kl")  # config.LABEL_KINDS, without importing transformers
 EXIT_HEADS, CALIBRATED_EXIT_HEAD = ("lens", "linear"), "linear"  # config's, without importing transformers
+CONTINUATIONS = ("greedy", "sample")  # config's, without importing transformers
 CPU = "on a 2-core CPU"
 # eval.synthetic's SHAPES and CONFIGS, without importing torch (tests/test_cli.py checks they agree)
 SYNTHETIC_SHAPES = ("llama3-8b", "tiny")
@@ -82,6 +84,13 @@ def _add_calibration_args(p: argparse.ArgumentParser) -> None:
                    help="text windows to calibrate on (SmolLM2, 2 cores: ~0.5 s per 256-token sample)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sample")
     p.add_argument("--batch-size", type=int, default=8, help="samples per forward pass")
+    p.add_argument("--continuation", default=None, choices=list(CONTINUATIONS),
+                   help="calibrate on the model's own text: keep each sample's first --continuation-prompt-len "
+                        "tokens and let the model write the rest, greedy or sampled (default: the corpus as "
+                        "written). Routers then learn the text they read inside generate(), and quality targets "
+                        "hold on it; writing costs about one generate() call per batch")
+    p.add_argument("--continuation-prompt-len", type=int, default=d.continuation_prompt_len,
+                   help="--continuation: corpus tokens each sample keeps as its prompt")
     p.add_argument("--checkpoint-interval", type=int, default=d.checkpoint_interval,
                    help="a router after every this many layers")
     p.add_argument("--convergence-threshold", type=float, default=d.convergence_threshold,

@@ -19,6 +19,8 @@ EXIT_HEADS = ("lens", "linear")
 CALIBRATED_EXIT_HEAD = "linear"  # what calibrate() makes unless told otherwise (the class default reads old files)
 MODES = ("select", "skip", "speculative")
 KV_POLICIES = ("propagate", "recompute")
+# Calibration text after each sample's prompt: the corpus itself (None) or the model's own continuation.
+CONTINUATIONS = ("greedy", "sample")
 
 
 def default_checkpoints(num_hidden_layers: int, interval: int) -> list[int]:
@@ -56,6 +58,10 @@ class TideRouterConfig(PretrainedConfig):
     tokens whose final top-1 is among the n tokens the model predicted most often on the training samples; the
     router then holds that ranking (`TideRouter.draft_vocab`), and speculative drafts may compute logits over the
     first n tokens only (see `tide_hf.calibration.vocab`). Empty: drafts use the whole vocabulary.
+    Calibration text: with `continuation` None the routers read the corpus as written; with "greedy" or "sample"
+    each sample keeps its first `continuation_prompt_len` tokens and the model writes the rest (see
+    `tide_hf.calibration.continuations`), so routers, exit heads and thresholds are fitted on the kind of text
+    they will read inside `generate()`.
     Results: `metrics`, one dict per checkpoint, and `calibration_seconds` (model body, labelling, training).
     """
 
@@ -84,6 +90,8 @@ class TideRouterConfig(PretrainedConfig):
         dataset: str | None = None,
         num_samples: int | None = None,
         seq_len: int | None = None,
+        continuation: str | None = None,
+        continuation_prompt_len: int = 64,
         learning_rate: float = 1e-3,
         num_epochs: int = 100,
         early_stopping_patience: int = 10,
@@ -130,6 +138,8 @@ class TideRouterConfig(PretrainedConfig):
         self.dataset = dataset
         self.num_samples = num_samples
         self.seq_len = seq_len
+        self.continuation = continuation
+        self.continuation_prompt_len = continuation_prompt_len
         self.learning_rate = learning_rate
         self.num_epochs = num_epochs
         self.early_stopping_patience = early_stopping_patience
@@ -152,7 +162,7 @@ class TideRouterConfig(PretrainedConfig):
         """Raise a `TideArgumentError` (a `ValueError`) or `TideArgumentTypeError` (a `TypeError`) naming the
         first inconsistent field."""
         for name in ("hidden_size", "num_hidden_layers", "checkpoint_interval", "router_bottleneck_dim",
-                     "num_epochs", "train_batch_size", "max_train_tokens"):
+                     "num_epochs", "train_batch_size", "max_train_tokens", "continuation_prompt_len"):
             check_int(name, getattr(self, name), minimum=1)
         check_int("early_stopping_patience", self.early_stopping_patience, minimum=0)
         check_int("seed", self.seed)
@@ -165,6 +175,8 @@ class TideRouterConfig(PretrainedConfig):
         check_real("validation_fraction", self.validation_fraction, low=0.0, high=1.0, low_open=True, high_open=True)
         if self.label not in LABEL_KINDS:
             raise TideArgumentError(f"label must be one of {LABEL_KINDS}, got {self.label!r}")
+        if self.continuation is not None and self.continuation not in CONTINUATIONS:
+            raise TideArgumentError(f"continuation must be None or one of {CONTINUATIONS}, got {self.continuation!r}")
         if self.exit_head not in EXIT_HEADS:
             raise TideArgumentError(f"exit_head must be one of {EXIT_HEADS}, got {self.exit_head!r}")
         check_real("exit_head_ridge", self.exit_head_ridge, low=0.0)

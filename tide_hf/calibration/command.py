@@ -35,7 +35,8 @@ def calibrate_from_args(args: argparse.Namespace) -> tuple[Any, Any, TideRouter]
         kl_threshold=args.kl_threshold, num_epochs=args.num_epochs,
         early_stopping_patience=args.early_stopping_patience, max_train_tokens=args.max_train_tokens,
         exit_threshold=args.exit_threshold, min_layers=args.min_layers, seed=args.seed,
-        min_agreement=args.min_agreement, confidence=args.confidence,
+        min_agreement=args.min_agreement, confidence=args.confidence, continuation=args.continuation,
+        continuation_prompt_len=args.continuation_prompt_len,
     )
     return model, tokenizer, router
 
@@ -81,7 +82,8 @@ def write_calibration_results(args: argparse.Namespace, router: Any, wall: float
         "seq_len": cfg.seq_len, "checkpoint_layers": cfg.checkpoint_layers, "exit_threshold": cfg.exit_threshold,
         "wall_s": wall, "peak_rss_gb": peak_gb, "bare_forward_s": bare, "seconds": secs,
         "overhead_vs_bare": (secs["label"] + secs["train"]) / bare if bare else None, "metrics": cfg.metrics,
-        "draft_vocab_coverage": cfg.draft_vocab_coverage,
+        "draft_vocab_coverage": cfg.draft_vocab_coverage, "continuation": cfg.continuation,
+        "continuation_prompt_len": cfg.continuation_prompt_len if cfg.continuation else None,
     }, indent=2))
 
 

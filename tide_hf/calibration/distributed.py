@@ -76,20 +76,27 @@ def _comm_device(state: PartialState) -> torch.device:
 
 
 # -- collection ---------------------------------------------------------------------------------------------
+def local_starts(num_samples: int, batch_size: int) -> range:
+    """This process's batches (their first sample index): a contiguous block, in process order."""
+    starts = range(0, num_samples, batch_size)
+    state = _state()
+    if state is None:
+        return starts
+    per, extra = divmod(len(starts), state.num_processes)
+    index = state.process_index
+    first = index * per + min(index, extra)
+    return starts[first : first + per + (index < extra)]
+
+
 def local_batches(keep: list[torch.Tensor], batch_size: int) -> tuple[range, slice]:
     """This process's batches (their first sample index) and its rows among the kept tokens of all samples.
 
     `keep[i]` marks the kept tokens of sample i. Batches are split in contiguous blocks, in process order,
     so concatenating every process's rows gives the single-process row order.
     """
-    starts = range(0, len(keep), batch_size)
-    state = _state()
-    if state is None:
-        return starts, slice(None)
-    per, extra = divmod(len(starts), state.num_processes)
-    index = state.process_index
-    first = index * per + min(index, extra)
-    mine = starts[first : first + per + (index < extra)]
+    mine = local_starts(len(keep), batch_size)
+    if _state() is None:
+        return mine, slice(None)
     counts = [int(k.sum()) for k in keep]
     return mine, slice(sum(counts[: mine.start]), sum(counts[: mine.stop]))
 

@@ -21,6 +21,7 @@ from ..config import CALIBRATED_EXIT_HEAD, LABEL_KINDS, TideRouterConfig, check_
 from ..errors import TideArgumentTypeError
 from ..modeling import ModelAdapter, TideRouter, get_adapter, model_fingerprint, text_config
 from ..modeling.devices import execution_device
+from .continuations import continue_samples
 from .data import DEFAULT_DATASET, load_texts
 from .distributed import is_main_process, main_process_first, train_on_main
 from .heads import fit_exit_heads
@@ -110,7 +111,8 @@ def calibrate(
     `config_kwargs` are `TideRouterConfig` fields (label, exit_head, checkpoint_interval, convergence_threshold,
     kl_threshold, router_bottleneck_dim, learning_rate, num_epochs, max_train_tokens, seed, ...); unlike the
     config class, whose default reads routers made before exit heads existed, calibration fits linear exit
-    heads unless `exit_head="lens"` is given.
+    heads unless `exit_head="lens"` is given. `continuation="greedy"` or `"sample"` calibrates on the model's own
+    continuations of each sample's first `continuation_prompt_len` tokens (the text it reads inside generate()).
     Under `accelerate launch`, call it in every process with the same arguments: the processes share the
     forward passes, the main one trains, and every process returns the same router.
     """
@@ -163,13 +165,18 @@ def model_config(model: nn.Module, seq_len: int, config_kwargs: dict[str, Any]) 
 
 def calibrate_config(model: nn.Module, cfg: TideRouterConfig, samples: list[torch.Tensor], *, batch_size: int,
                      pad_id: int, progress: bool) -> TideRouter:
-    """Collect states and labels over `samples`, train the routers on the model's head device, time each part."""
+    """Collect states and labels over `samples` (the model's continuations of them when `cfg.continuation` asks),
+    train the routers on the model's head device, time each part."""
     adapter = get_adapter(model)
     cfg.num_samples = len(samples)
     progress = progress and is_main_process()
     was_training = model.training
     model.eval()
+    writing: dict[str, float] = {}
     try:
+        if cfg.continuation is not None:
+            samples, writing["generate"] = continue_samples(model, samples, cfg, batch_size=batch_size,
+                                                            pad_id=pad_id, progress=progress)
         data = collect(model, adapter, samples, cfg, batch_size=batch_size, pad_id=pad_id, progress=progress)
     finally:
         model.train(was_training)
@@ -179,7 +186,7 @@ def calibrate_config(model: nn.Module, cfg: TideRouterConfig, samples: list[torc
     # every process gets the main process's result
     train_on_main(partial(fit, adapter=adapter, device=device), router, data, progress=progress)
     labelling = data.seconds["label"]  # the main process's; 0 in the others, which do not label
-    cfg.calibration_seconds = {**data.seconds, "train": time.perf_counter() - started - labelling}
+    cfg.calibration_seconds = {**writing, **data.seconds, "train": time.perf_counter() - started - labelling}
     if is_main_process():
         warn_if_silent(cfg)
     return router

@@ -204,22 +204,27 @@ def router_efficiency(model: Any, router: TideRouter, prompts: list[torch.Tensor
     return out
 
 
-def format_analysis(result: dict) -> str:
-    """Markdown: per-layer table, oracle table, and router efficiency when present."""
-    conv = result["convergence"]
-    lines = [f"{conv['title']}", "", "| layer | mean cosine | cos > threshold | top-1 agreement | mean KL |",
-             "|---|---|---|---|---|"]
-    for r in conv["layers"]:
-        mark = " (checkpoint)" if r["layer"] in conv["checkpoints"] else ""
-        lines.append(f"| {r['layer']}{mark} | {r['mean_cosine']:.3f} | {r['cosine_label_rate']:.1%} | "
-                     f"{r['top1_agreement']:.1%} | {r['mean_kl']:.3f} |")
-    lines += ["", f"oracle over checkpoints {conv['checkpoints']} ({conv['num_layers']} layers):", "",
-              "| top-1 agreement | mean layers | layers saved |", "|---|---|---|"]
-    lines += [f"| {o['agreement']:.1%} | {o['mean_layers']:.2f} | {o['layers_saved']:.2f} |" for o in conv["oracle"]]
+def format_analysis(result: dict, convergence: bool = True) -> str:
+    """Markdown: per-layer table and oracle table (unless `convergence` is False: they describe the model and
+    text, not the router), and router efficiency when present."""
+    lines: list[str] = []
+    if convergence:
+        conv = result["convergence"]
+        lines += [f"{conv['title']}", "", "| layer | mean cosine | cos > threshold | top-1 agreement | mean KL |",
+                  "|---|---|---|---|---|"]
+        for r in conv["layers"]:
+            mark = " (checkpoint)" if r["layer"] in conv["checkpoints"] else ""
+            lines.append(f"| {r['layer']}{mark} | {r['mean_cosine']:.3f} | {r['cosine_label_rate']:.1%} | "
+                         f"{r['top1_agreement']:.1%} | {r['mean_kl']:.3f} |")
+        lines += ["", f"oracle over checkpoints {conv['checkpoints']} ({conv['num_layers']} layers):", "",
+                  "| top-1 agreement | mean layers | layers saved |", "|---|---|---|"]
+        lines += [f"| {o['agreement']:.1%} | {o['mean_layers']:.2f} | {o['layers_saved']:.2f} |"
+                  for o in conv["oracle"]]
     eff = result.get("efficiency")
     if eff:
-        lines += ["", f"router efficiency on the model's own greedy text ({eff['tokens']} tokens):", "",
-                  "| threshold | agreement | layers saved | oracle saves | efficiency |", "|---|---|---|---|---|"]
+        lines += [""] * bool(lines) + [f"router efficiency on the model's own greedy text ({eff['tokens']} tokens):",
+                                        "", "| threshold | agreement | layers saved | oracle saves | efficiency |",
+                                        "|---|---|---|---|---|"]
         for r in eff["router"]:
             e = "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}"
             lines.append(f"| {r['threshold']} | {r['agreement']:.1%} | {r['layers_saved']:.2f} | "

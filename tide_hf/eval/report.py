@@ -45,6 +45,10 @@ def _calibration(result: dict) -> list[str]:
                   + (f"{result['bare_forward_s']:.0f} s" if result.get("bare_forward_s") else "-")
                   + f" | {secs['forward']:.0f} s | {secs['label']:.0f} s | {secs['train']:.0f} s | "
                   + (f"{result['overhead_vs_bare']:.1%}" if result.get("overhead_vs_bare") else "-") + " |", ""]
+        if "generate" in secs:
+            lines += [f"Of the wall time, {secs['generate']:.0f} s went to writing the {result['continuation']} "
+                      f"continuations after each sample's first {result['continuation_prompt_len']} tokens "
+                      "(stock generate, one call per batch).", ""]
     if result.get("note"):
         lines += [result["note"], ""]
     lines += ["| layer | positive rate | precision | recall | AUC | best epoch |", "|---|---|---|---|---|---|"]
@@ -116,12 +120,17 @@ def render(folder: Path, readme: Path) -> str:
     out: list[str] = []
     for name in sorted(p.stem for p in folder.glob("calibrate-*.json")):
         result = _load(folder, name)
-        out += [f"### Calibration, label `{result['label']}`", "", *_calibration(result), ""]
+        text = f", {result['continuation']} continuations" if result.get("continuation") else ""
+        out += [f"### Calibration, label `{result['label']}`{text}", "", *_calibration(result), ""]
     analysis = _load(folder, "analyze")
     if analysis:
         out += ["### Per-layer convergence, the oracle, router efficiency", "", _command(analysis), "",
                 format_analysis(analysis), "", *_images(folder, readme, ["convergence.png", "heatmap.png",
                                                                            "efficiency.png"]), ""]
+    for name in sorted(p.stem for p in folder.glob("analyze-*.json")):  # other routers on the same model and text
+        result = _load(folder, name)
+        out += [f"### Router efficiency, {name.removeprefix('analyze-')} routers", "", _command(result), "",
+                format_analysis(result, convergence=False), ""]
     for name, title, formatter, images in (
         ("exit-heads", "Exit heads against the model's own head", format_exit_heads, []),
         ("bench", "Overhead and select-mode quality", format_table, []),

@@ -62,7 +62,8 @@ class TideRouterConfig(PretrainedConfig):
     each sample keeps its first `continuation_prompt_len` tokens and the model writes the rest (see
     `tide_hf.calibration.continuations`), so routers, exit heads and thresholds are fitted on the kind of text
     they will read inside `generate()`.
-    Results: `metrics`, one dict per checkpoint, and `calibration_seconds` (model body, labelling, training).
+    Results: `metrics`, one dict per checkpoint, and `calibration_seconds` (writing continuations when asked,
+    model body, labelling, training).
     """
 
     model_type = "tide_router"

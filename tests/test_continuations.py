@@ -118,7 +118,7 @@ def test_calibrate_on_continuations_equals_calibrate_tokens_on_the_written_text(
     assert "continuations" not in reference.model_card().content
 
 
-def test_bad_continuation_settings_are_refused_before_any_work(model) -> None:
+def test_bad_continuation_settings_are_refused_before_any_forward_pass(model) -> None:
     with pytest.raises(TideArgumentError, match="continuation must be None or one of"):
         calibrate_tokens(model, corpus(), continuation="beam", **FAST)
     with pytest.raises(TypeError, match="continuation_prompt_len must be an int"):

@@ -87,8 +87,8 @@ def _add_calibration_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--continuation", default=None, choices=list(CONTINUATIONS),
                    help="calibrate on the model's own text: keep each sample's first --continuation-prompt-len "
                         "tokens and let the model write the rest, greedy or sampled (default: the corpus as "
-                        "written). Routers then learn the text they read inside generate(), and quality targets "
-                        "hold on it; writing costs about one generate() call per batch")
+                        "written). Routers and quality targets are then fitted on continuations of the corpus "
+                        "prompts; writing costs one generate() call per batch")
     p.add_argument("--continuation-prompt-len", type=int, default=d.continuation_prompt_len,
                    help="--continuation: corpus tokens each sample keeps as its prompt")
     p.add_argument("--checkpoint-interval", type=int, default=d.checkpoint_interval,

@@ -60,8 +60,8 @@ class TideRouterConfig(PretrainedConfig):
     first n tokens only (see `tide_hf.calibration.vocab`). Empty: drafts use the whole vocabulary.
     Calibration text: with `continuation` None the routers read the corpus as written; with "greedy" or "sample"
     each sample keeps its first `continuation_prompt_len` tokens and the model writes the rest (see
-    `tide_hf.calibration.continuations`), so routers, exit heads and thresholds are fitted on the kind of text
-    they will read inside `generate()`.
+    `tide_hf.calibration.continuations`), so routers, exit heads and thresholds are fitted on text the model
+    wrote itself, as it does inside `generate()`.
     Results: `metrics`, one dict per checkpoint, and `calibration_seconds` (writing continuations when asked,
     model body, labelling, training).
     """

@@ -4,7 +4,8 @@ and the model writes the rest with stock `generate()` (greedy, or sampled from i
 Why: inside `generate()` routers read states of text the model wrote itself, which it finds far more
 predictable than human text, so early checkpoints agree with the final layer more often there. Routers, exit
 heads and thresholds fitted on the corpus as written learn the harder distribution and keep their targets
-on it; fitted on continuations they learn the one they serve, and the quality target is guaranteed on it.
+on it; fitted on continuations, they learn and certify the target on continuations of the calibration prompts
+(served text unlike those prompts' continuations, e.g. chat answers, is not covered).
 
 A continuation is as long as the corpus text it replaces (its sample keeps its length), ends early at the
 model's end-of-sequence token (kept), and samples no longer than the prompt stay as they are. Batches are

@@ -140,7 +140,7 @@ def greedy_text(model: Any, prompts: list[torch.Tensor], new_tokens: int, pad_id
 
 
 @torch.no_grad()
-def _scored_text(model: Any, router: TideRouter, texts: list[tuple[torch.Tensor, int]], checkpoints: list[int],
+def scored_text(model: Any, router: TideRouter, texts: list[tuple[torch.Tensor, int]], checkpoints: list[int],
                  progress: bool, desc: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(top-1 match, router score) per token x checkpoint of each sequence from its position `start` on."""
     adapter = get_adapter(model)
@@ -157,7 +157,7 @@ def _scored_text(model: Any, router: TideRouter, texts: list[tuple[torch.Tensor,
     return torch.cat(matches), torch.cat(scores)
 
 
-def _exits(match: torch.Tensor, score: torch.Tensor, thresholds: torch.Tensor, checkpoints: list[int], n: int
+def exit_summary(match: torch.Tensor, score: torch.Tensor, thresholds: torch.Tensor, checkpoints: list[int], n: int
            ) -> dict[str, Any]:
     """Agreement and layers saved (the routers', the oracle's at that agreement) under per-checkpoint thresholds."""
     fires = (score >= thresholds) & (thresholds < 1.0)
@@ -181,8 +181,8 @@ def router_efficiency(model: Any, router: TideRouter, prompts: list[torch.Tensor
     cfg = router.config
     checkpoints = [k for k in cfg.checkpoint_layers if k >= cfg.min_layers]
     texts = [(seq, len(p) - 1) for seq, p in zip(greedy_text(model, prompts, new_tokens, pad_id), prompts)]
-    match, score = _scored_text(model, router, texts, checkpoints, progress, "analyze: router efficiency")
-    rows = [{"threshold": t, **_exits(match, score, torch.full((len(checkpoints),), float(t)), checkpoints, n)}
+    match, score = scored_text(model, router, texts, checkpoints, progress, "analyze: router efficiency")
+    rows = [{"threshold": t, **exit_summary(match, score, torch.full((len(checkpoints),), float(t)), checkpoints, n)}
             for t in thresholds]
     out = {"tokens": len(match), "num_layers": n, "checkpoints": checkpoints, "router": rows}
     if targets:
@@ -190,13 +190,13 @@ def router_efficiency(model: Any, router: TideRouter, prompts: list[torch.Tensor
                   for a in targets}
         vectors = {a: torch.tensor([chosen[a][k] for k in checkpoints]) for a in targets}
         out["confidence"] = cfg.confidence
-        out["targets"] = [{"target": a, "thresholds": chosen[a], **_exits(match, score, vectors[a], checkpoints, n)}
-                          for a in targets]
+        out["targets"] = [{"target": a, "thresholds": chosen[a],
+                           **exit_summary(match, score, vectors[a], checkpoints, n)} for a in targets]
         if heldout:
-            h_match, h_score = _scored_text(model, router, [(s, 0) for s in heldout], checkpoints, progress,
+            h_match, h_score = scored_text(model, router, [(s, 0) for s in heldout], checkpoints, progress,
                                             "analyze: targets on held-out text")
             out["heldout_tokens"] = len(h_match)
-            out["heldout_targets"] = [{"target": a, **_exits(h_match, h_score, vectors[a], checkpoints, n)}
+            out["heldout_targets"] = [{"target": a, **exit_summary(h_match, h_score, vectors[a], checkpoints, n)}
                                       for a in targets]
     agreements = [r["agreement"] for r in rows + out.get("targets", [])]
     curve = sorted({round(x, 4) for x in [*(1.0 - i / 20 for i in range(11)), *agreements]})

@@ -30,7 +30,8 @@ METRIC_KEYS = {"positive_rate", "predicted_rate", "precision", "recall", "auc", 
 
 
 def tide_warnings(record: list[warnings.WarningMessage]) -> list[str]:
-    return [str(w.message) for w in record if "TIDE calibration" in str(w.message)]
+    """The silent-label warnings among `record`."""
+    return [str(w.message) for w in record if "TIDE calibration: label" in str(w.message)]
 
 
 # --- calibrate() end to end on a tiny random Llama ------------------------------------------------------

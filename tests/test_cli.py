@@ -63,3 +63,48 @@ def test_synthetic_choices_match_the_bench() -> None:
     from tide_hf.eval.synthetic import CONFIGS, SHAPES
 
     assert SYNTHETIC_CONFIGS == CONFIGS and SYNTHETIC_SHAPES == tuple(SHAPES)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["bench", "--router", "r", "--reps", "0"], "argument --reps: must be >= 1, got 0"),
+    (["bench", "--router", "r", "--batch-sizes", "0"], "argument --batch-sizes: must be >= 1"),
+    (["analyze", "--agreements", "1.5"], "argument --agreements: must be a number in [0, 1], got 1.5"),
+    (["analyze", "--agreements", "nan"], "argument --agreements: must be a number in [0, 1], got nan"),
+    (["analyze", "--bins", "0"], "argument --bins: must be >= 1"),
+    (["bench", "--router", "r", "--near-identity-after", "16", "--modes", "--near-identity-scale", "nan"],
+     "argument --near-identity-scale: must be a finite number > 0"),
+    (["demo", "--stats-png", "hist"], "argument --stats-png: must end in .png"),
+    (["demo", "--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1"),
+])
+def test_bad_values_are_refused_while_parsing(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["bench", "--synthetic", "tiny", "--kernels"], "--synthetic and --kernels are separate runs"),
+    (["bench", "--router", "r", "--modes", "--baselines"], "--baselines and --modes are separate runs"),
+    (["bench", "--kernels", "--near-identity-scale", "2"], "--near-identity-scale goes with --near-identity-after"),
+    (["bench", "--router", "r", "--num-prompts", "2", "--batch-sizes", "4"],
+     "--batch-sizes 4 needs at least as many --num-prompts (got 2)"),
+])
+def test_bench_refuses_what_it_would_ignore_or_miscount(argv, message) -> None:
+    from tide_hf.cli import main
+
+    with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)")):
+        main(argv)
+
+
+def test_calibrate_refuses_unwritable_outputs_before_loading_anything(tmp_path, capsys) -> None:
+    from tide_hf.cli import main
+
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "results").mkdir()
+    for extra, message in ((["--output", str(tmp_path / "afile" / "sub")], "is not a writable folder"),
+                           (["--output", str(tmp_path / "o"), "--results", str(tmp_path / "results")],
+                            "is a folder; give a JSON file name")):
+        with pytest.raises(SystemExit) as info:
+            main(["calibrate", "--model", str(tmp_path / "no-model"), *extra])
+        err = capsys.readouterr().err
+        assert info.value.code == 1 and message in err and len(err.strip().splitlines()) == 1, err

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import make_model, new_router
 
+from tide_hf.errors import TideArgumentError, TideRouterFileError
 from tide_hf.eval import demo
 
 
@@ -52,8 +53,36 @@ def test_a_half_written_folder_is_not_reused(tmp_path: Path, monkeypatch: pytest
     (folder / "config.json").write_text("{}")  # a run killed before the weights were written
     assert not demo.is_complete(folder)
     model = make_model()
-    demo.save_atomically(new_router(model), folder)
-    assert demo.is_complete(folder) and not list(folder.parent.glob(".*partial*"))
+    *_, router, reused = demo.get_router(demo_args(), calibrate=lambda args: (model, "tok", new_router(model)),
+                                         load=lambda name, dtype: (model, "tok"))
+    assert not reused and demo.is_complete(folder) and not list(folder.parent.glob(".*tmp*"))
+
+
+def test_an_output_folder_is_checked_before_calibration(tmp_path: Path) -> None:
+    """--output holding the user's files is refused, never emptied; one holding a router made with other
+    settings is neither reused nor replaced without --recalibrate."""
+    model = make_model()
+    calls = []
+
+    def calibrate(args):
+        calls.append(args)
+        made = {name: getattr(args, name) for name in ("num_samples", "seq_len", "exit_head", "max_train_tokens")}
+        return model, "tok", new_router(model, **made)
+
+    load = lambda name, dtype: (model, "tok")  # noqa: E731
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("precious")
+    with pytest.raises(TideRouterFileError, match="not a TIDE router"):
+        demo.get_router(demo_args(output=mine), calibrate=calibrate, load=load)
+    assert not calls and (mine / "notes.txt").read_text() == "precious"
+    out = tmp_path / "out"
+    demo.get_router(demo_args(output=out), calibrate=calibrate, load=load)
+    with pytest.raises(TideArgumentError, match=r"other settings: --num-samples 7 \(router: 128\);"):
+        demo.get_router(demo_args(output=out, num_samples=7), calibrate=calibrate, load=load)
+    assert len(calls) == 1
+    *_, reused = demo.get_router(demo_args(output=out), calibrate=calibrate, load=load)
+    assert reused and len(calls) == 1
 
 
 def test_attach_options_live_in_one_place() -> None:

@@ -163,7 +163,7 @@ def test_a_training_error_stops_every_process(tmp_path) -> None:
            "--max-train-tokens", "1"]  # about one kept token: no held-out tokens, train_routers raises
     proc = launch(cmd, tmp_path)
     assert proc.returncode != 0
-    assert "held-out tokens" in proc.stderr
+    assert "calibration kept no" in proc.stderr
     assert not (tmp_path / "out" / "router").exists()
 
 

@@ -26,6 +26,34 @@ def test_instance_attribute_is_deleted_again() -> None:
     assert "forward" not in vars(layer) and layer(torch.zeros(1)).item() == 1.0
 
 
+def test_patches_of_one_attribute_may_end_in_any_order() -> None:
+    """Two owners patch one attribute (overlapping generate(tide=...) calls in two threads): whichever ends
+    first, the other's value stays while it lives, and the object ends exactly as found."""
+    for first_out in (0, 1):
+        layer = Layer()
+        owners = [Patches(), Patches()]
+        owners[0].set_attr(layer, "scale", "a")
+        owners[1].set_attr(layer, "scale", "b")
+        owners[first_out].restore()
+        assert layer.scale == ("b" if first_out == 0 else "a")
+        owners[1 - first_out].restore()
+        assert "scale" not in vars(layer)
+
+
+def test_overlapping_calls_leave_the_model_as_found() -> None:
+    """Per-call attaches that end in the order they started (what two threads' generate(tide=router) calls
+    do) remove the compiled-call patch and every hook."""
+    model = make_model()
+    router = constant_router(model, -30.0)
+    before = hooks(model)
+    first = tide_hf.runtime.attach_for_call(model, router)
+    second = tide_hf.runtime.attach_for_call(model, router)
+    first.detach()
+    assert "get_compiled_call" in vars(model)  # the second call's patch is still in place
+    second.detach()
+    assert "get_compiled_call" not in vars(model) and hooks(model) == before
+
+
 def test_accelerate_old_forward_is_the_one_replaced() -> None:
     layer = Layer()
     layer._old_forward = layer.forward  # what accelerate's add_hook_to_module leaves on the instance

@@ -204,3 +204,29 @@ def test_perplexity_path_is_ordered_by_kl_not_by_noisy_nll() -> None:
     path = fit_exit_paths(router, data)["perplexity"]["thresholds"]
     first_open = next(i for i, p in enumerate(path) if min(p) < 1.0)
     assert path[first_open][1] < 1.0 and path[first_open][0] == 1.0
+
+
+def test_paths_keep_checkpoints_below_min_layers_closed() -> None:
+    """The path is tested under the rule served: a checkpoint below the router's min_layers never exits, so it
+    stays closed on every point (else its certified exits would move to later checkpoints when served)."""
+    gen = torch.Generator().manual_seed(0)
+    scores, wrong = synthetic(2000, gen)
+    path = build_path(scores, wrong.double(), SAVED, grid=20, served=[False, True])
+    assert len(path) > 2 and all(point[0] == 1.0 for point in path)
+    assert path[-1][1] < 1.0
+    open_path = build_path(scores, wrong.double(), SAVED, grid=20)
+    assert any(point[0] < 1.0 for point in open_path)
+    from tide_hf.calibration.labels import Collected
+    from tide_hf.calibration.thresholds import fit_exit_paths
+
+    n, layers = 2000, [4, 8]
+    features = {k: torch.randn(n, 32, generator=gen) for k in layers}
+    data = Collected(features=features, cosine={k: torch.zeros(n) for k in layers}, final=torch.zeros(n, 32),
+                     next_ids=torch.zeros(n, dtype=torch.long), final_top1=torch.zeros(n, dtype=torch.long),
+                     top1={k: torch.rand(n, generator=gen) > 0.3 for k in layers},
+                     kl={k: torch.rand(n, generator=gen) for k in layers}, nll={k: torch.zeros(n) for k in layers},
+                     is_val=torch.ones(n, dtype=torch.bool), is_test=torch.arange(n) >= n // 2, labelled={}, seconds={})
+    for min_layers, shallow_opens in ((4, True), (8, False)):
+        router = new_router(make_tiny_llama(), seed=0, min_layers=min_layers)
+        for kind, fitted_path in fit_exit_paths(router, data).items():
+            assert any(p[0] < 1.0 for p in fitted_path["thresholds"]) == shallow_opens, (kind, min_layers)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from tide_hf import TideRouter, TideRouterConfig
 from tide_hf.calibration.labels import Collected
 from tide_hf.calibration.training import SATURATED_LOGIT, train_routers
+from tide_hf.errors import TideArgumentError
 
 training_mod = importlib.import_module("tide_hf.calibration.training")
 HIDDEN = 8
@@ -195,8 +196,11 @@ def test_train_routers_stops_early_after_patience(patience: int) -> None:
     assert m["val_loss"] == pytest.approx(min(full[: stop + 1]), abs=LOSS_TOL)
 
 
-def test_train_routers_needs_held_out_tokens() -> None:
+def test_train_routers_needs_held_out_and_training_tokens() -> None:
     x, y = torch.randn(50, HIDDEN), torch.rand(50) > 0.5
-    with pytest.raises(ValueError, match=r"0 held-out tokens"):
+    with pytest.raises(TideArgumentError, match=r"no held-out validation tokens .*validation_fraction"):
         train_routers(make_router(num_epochs=1), collected({4: x}, {4: y}, torch.zeros(50, dtype=torch.bool)),
+                      progress=False)
+    with pytest.raises(TideArgumentError, match=r"no training tokens .*max_train_tokens"):
+        train_routers(make_router(num_epochs=1), collected({4: x}, {4: y}, torch.ones(50, dtype=torch.bool)),
                       progress=False)

@@ -91,9 +91,18 @@ def load_model(name: str, dtype: str = "float32") -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = smollm2_path() if name == DEFAULT_MODEL else name
+    check_local(path, "model")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
     return model.eval(), tokenizer
+
+
+def check_local(name: str | os.PathLike, what: str) -> None:
+    """A name written as a path (absolute, or starting with . or ~) must be an existing folder: the Hub's "repo id
+    must be in the form ..." would not say what is wrong."""
+    text = os.fspath(name)
+    if (os.path.isabs(text) or text.startswith((".", "~"))) and not os.path.isdir(os.path.expanduser(text)):
+        raise FileNotFoundError(f"{what} folder not found: {text}")
 
 
 def default_dataset(name: str | None) -> str | None:

@@ -37,6 +37,45 @@ DEMO_SAMPLES, DEMO_SEQ_LEN, DEMO_TRAIN_TOKENS = 128, 128, 8192
 DEMO_EXIT_HEAD_RANK = 64
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (a size, a count)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def share(text: str) -> float:
+    """argparse type: a number in [0, 1] (an agreement, a threshold, a probability)."""
+    value = float(text)
+    if not 0.0 <= value <= 1.0:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (a scale)."""
+    value = float(text)
+    if not 0.0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    """argparse type: a finite number >= 0 (a perplexity increase)."""
+    value = float(text)
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def png_path(text: str) -> str:
+    """argparse type: '' (no plot) or a file name ending in .png (what is written is what is printed)."""
+    if text and not text.lower().endswith(".png"):
+        raise argparse.ArgumentTypeError(f"must end in .png (or be '' for no plot), got {text!r}")
+    return text
+
+
 class RouterDefaults:
     """`TideRouterConfig()`'s default values by attribute, without importing torch for the common ones."""
 
@@ -75,7 +114,8 @@ def _add_calibration_args(p: argparse.ArgumentParser) -> None:
                    help="--exit-head linear: ridge penalty, relative to the mean diagonal of the Gram matrix")
     p.add_argument("--exit-head-rank", type=int, default=None,
                    help="--exit-head linear: store each exit head as rank-r factors (smaller sidecar; "
-                        "default: full rank, hidden x hidden per checkpoint)")
+                        "default: full rank, hidden x hidden per checkpoint; the demo's default: "
+                        f"{DEMO_EXIT_HEAD_RANK})")
     p.add_argument("--min-agreement", type=float, default=d.min_agreement,
                    help="the router's default quality target: top-1 agreement attach() keeps without arguments")
     p.add_argument("--confidence", type=float, default=d.confidence,
@@ -129,8 +169,16 @@ def cmd_demo(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     from .eval.bench import run
 
+    sections = [f"--{name}" for name in ("synthetic", "kernels", "baselines", "modes") if getattr(args, name)]
+    if len(sections) > 1:
+        raise SystemExit(f"tide-hf bench: {' and '.join(sections)} are separate runs; give one per command")
     if args.near_identity_after is not None and not args.modes:
         raise SystemExit("tide-hf bench: --near-identity-after goes with --modes")
+    if args.near_identity_scale is not None and args.near_identity_after is None:
+        raise SystemExit("tide-hf bench: --near-identity-scale goes with --near-identity-after")
+    if not sections and max(args.batch_sizes) > args.num_prompts:
+        raise SystemExit(f"tide-hf bench: --batch-sizes {max(args.batch_sizes)} needs at least as many "
+                         f"--num-prompts (got {args.num_prompts}): a batch is made of distinct prompts")
     if not args.kernels and not args.synthetic and not args.router and args.near_identity_after is None:
         raise SystemExit("tide-hf bench: --router is required (except with --kernels, --synthetic or "
                          "--near-identity-after)")
@@ -180,37 +228,40 @@ def build_parser() -> argparse.ArgumentParser:
                    "tide_hf cache keyed by model and calibration settings, printed)")
     p.add_argument("--recalibrate", action="store_true", help="calibrate again even if a cached router exists")
     p.add_argument("--prompt", default="What should Congress do about the economy?", help="the user message")
-    p.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per answer")
-    p.add_argument("--stats-png", default=None, help="where to draw the exit histogram ('' = none; default: next "
-                   "to the router, printed)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=48, help="tokens generated per answer")
+    p.add_argument("--stats-png", default=None, type=png_path, help="where to draw the exit histogram, a .png "
+                   "file ('' = none; default: next to the router folder, printed)")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser(
         "bench", formatter_class=HelpFormatter,
         usage="tide-hf bench (--router DIR [DIR ...] | --kernels | --synthetic SHAPE) [options]",
         help="stock generate vs TIDE in one run: overhead, exit rates, quality",
         description="Stock generate vs TIDE with the given routers in one run: overhead, exit rates, perplexity "
-                    "and agreement; --modes, --baselines and --kernels add sections. --router is required, "
-                    "except with --kernels or --synthetic alone.\n\n"
+                    "and agreement. --modes, --baselines, --kernels and --synthetic each run their own section "
+                    "instead (one per command). --router is required, except with --kernels, --synthetic or "
+                    "--near-identity-after.\n\n"
                     "example: tide-hf bench --router router-smollm2 --output bench-out\n"
                     "GPU speed table, no download (~10 min on an H100): tide-hf bench --synthetic llama3-8b "
                     "--dtype bfloat16 --prompt-len 128 --new-tokens 64\n"
                     f"time {CPU}: ~5-10 min with the defaults (--modes / --baselines: add ~10-20 min each)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="Hub id or folder of the causal LM ('smollm2' = embedded)")
     p.add_argument("--dataset", default="sotu", help="text for prompts and perplexity (documents the router never saw)")
-    p.add_argument("--router", nargs="+", default=[], metavar="DIR", help="REQUIRED except with --kernels: router "
-                   "folders / Hub ids (e.g. one cosine, one top1); --modes uses the last one")
+    p.add_argument("--router", nargs="+", default=[], metavar="DIR",
+                   help="REQUIRED except with --kernels, --synthetic or --near-identity-after: router folders / Hub "
+                        "ids (e.g. one cosine, one top1); --modes uses the last one")
     p.add_argument("--modes", action="store_true", help="skip mode vs stock and vs the ideal truncated model")
-    p.add_argument("--depths", nargs="+", type=int, default=[8, 16, 24], help="--modes: forced exit depths")
-    p.add_argument("--near-identity-after", type=int, default=None, metavar="K",
+    p.add_argument("--depths", nargs="+", type=positive_int, default=[8, 16, 24], help="--modes: forced exit depths")
+    p.add_argument("--near-identity-after", type=positive_int, default=None, metavar="K",
                    help="--modes on an easy model: layers after K made near-identity (o_proj / down_proj scaled), "
                         "routers calibrated on it quickly; measures the speculative mode only (modes-easy.json)")
-    p.add_argument("--near-identity-scale", type=float, default=None,
+    p.add_argument("--near-identity-scale", type=positive_float, default=None,
                    help="--near-identity-after: the factor on the deep layers' o_proj / down_proj weights "
                         "(default: tide_hf.eval.easy.NEAR_IDENTITY_SCALE, 0.02)")
     p.add_argument("--kernels", action="store_true", help="microbenchmark the fused kernels vs the PyTorch path")
     p.add_argument("--synthetic", default=None, choices=SYNTHETIC_SHAPES, help="speed of every mode on this "
                    "architecture shape with random weights and forced exits (no router or download needed; GPU)")
-    p.add_argument("--synthetic-depth", type=int, default=16, help="--synthetic: the depth every token exits at")
+    p.add_argument("--synthetic-depth", type=positive_int, default=16,
+                   help="--synthetic: the depth every token exits at")
     p.add_argument("--compile", nargs="+", default=["eager", "static"], choices=["eager", "static"],
                    help="--synthetic: eager decoding and/or cache_implementation='static' (compiled by transformers)")
     p.add_argument("--configs", nargs="+", default=list(SYNTHETIC_CONFIGS), choices=SYNTHETIC_CONFIGS,
@@ -218,31 +269,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="--synthetic: device (default: cuda when available)")
     p.add_argument("--baselines", action="store_true", help="TIDE vs fixed depth, static layer skipping and "
                    "softmax-confidence exit: quality, layers and speed, with a Pareto plot")
-    p.add_argument("--confidence-thresholds", nargs="+", type=float, default=[0.9, 0.8, 0.6, 0.4],
+    p.add_argument("--confidence-thresholds", nargs="+", type=share, default=[0.9, 0.8, 0.6, 0.4],
                    help="--baselines: exit when the exit logits' top probability reaches this")
-    p.add_argument("--targets", nargs="+", type=float, default=[0.99, 0.97, 0.95, 0.9],
+    p.add_argument("--targets", nargs="+", type=share, default=[0.99, 0.97, 0.95, 0.9],
                    help="--baselines: TIDE at these min_agreement targets (routers with exit paths)")
-    p.add_argument("--ppl-targets", nargs="+", type=float, default=[0.05, 0.10, 0.25],
+    p.add_argument("--ppl-targets", nargs="+", type=nonnegative_float, default=[0.05, 0.10, 0.25],
                    help="--baselines: TIDE at these max_perplexity_increase targets (routers with exit paths)")
-    p.add_argument("--drop-counts", nargs="+", type=int, default=[1, 2, 3, 4, 6, 8],
+    p.add_argument("--drop-counts", nargs="+", type=positive_int, default=[1, 2, 3, 4, 6, 8],
                    help="--baselines: how many layers static skipping drops")
-    p.add_argument("--baseline-calib-samples", type=int, default=8,
+    p.add_argument("--baseline-calib-samples", type=positive_int, default=8,
                    help="--baselines: calibration-text samples static skipping chooses its layers on")
-    p.add_argument("--baseline-calib-len", type=int, default=128,
+    p.add_argument("--baseline-calib-len", type=positive_int, default=128,
                    help="--baselines: tokens per static-skipping calibration sample")
-    p.add_argument("--thresholds", nargs="+", type=float, default=[0.95, 0.85, 0.7, 0.5],
+    p.add_argument("--thresholds", nargs="+", type=share, default=[0.95, 0.85, 0.7, 0.5],
                    help="exit thresholds to measure TIDE at")
-    p.add_argument("--num-prompts", type=int, default=16, help="held-out prompts generated from")
-    p.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt")
-    p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per prompt")
-    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8], help="batch sizes of the overhead run")
-    p.add_argument("--reps", type=int, default=3, help="interleaved repetitions of the overhead run")
-    p.add_argument("--num-chunks", type=int, default=16, help="held-out chunks for perplexity")
-    p.add_argument("--chunk-len", type=int, default=256, help="tokens per perplexity chunk")
-    p.add_argument("--quality-batch-size", type=int, default=8, help="chunks per forward pass of the quality run")
+    p.add_argument("--num-prompts", type=positive_int, default=16, help="held-out prompts generated from")
+    p.add_argument("--prompt-len", type=positive_int, default=64, help="tokens per prompt")
+    p.add_argument("--new-tokens", type=positive_int, default=32, help="tokens generated per prompt")
+    p.add_argument("--batch-sizes", nargs="+", type=positive_int, default=[1, 8],
+                   help="batch sizes of the overhead run (at most --num-prompts)")
+    p.add_argument("--reps", type=positive_int, default=3, help="interleaved repetitions of the overhead run")
+    p.add_argument("--num-chunks", type=positive_int, default=16, help="held-out chunks for perplexity")
+    p.add_argument("--chunk-len", type=positive_int, default=256, help="tokens per perplexity chunk")
+    p.add_argument("--quality-batch-size", type=positive_int, default=8,
+                   help="chunks per forward pass of the quality run")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="dtype the model is loaded in")
-    p.add_argument("--output", default="bench-out", help="folder for bench.json and bench.md")
+    p.add_argument("--output", default="bench-out", help="folder for the run's JSON and Markdown (bench, modes, "
+                   "modes-easy, baselines, kernels or synthetic) and its plots")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser(
         "analyze", formatter_class=HelpFormatter,
@@ -254,23 +308,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_MODEL, help="Hub id or folder of the causal LM ('smollm2' = embedded)")
     p.add_argument("--dataset", default="sotu", help="real text: Hub dataset, local .txt/.jsonl file or folder, 'sotu'")
     p.add_argument("--router", default=None, help="also measure this router's efficiency against the oracle")
-    p.add_argument("--num-samples", type=int, default=32, help="text windows the convergence is measured on")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per sample")
-    p.add_argument("--batch-size", type=int, default=4, help="samples per forward pass")
-    p.add_argument("--checkpoint-interval", type=int, default=d.checkpoint_interval,
+    p.add_argument("--num-samples", type=positive_int, default=32, help="text windows the convergence is measured on")
+    p.add_argument("--seq-len", type=positive_int, default=256, help="tokens per sample")
+    p.add_argument("--batch-size", type=positive_int, default=4, help="samples per forward pass")
+    p.add_argument("--checkpoint-interval", type=positive_int, default=d.checkpoint_interval,
                    help="checkpoints every this many layers")
     p.add_argument("--convergence-threshold", type=float, default=d.convergence_threshold,
                    help="cosine similarity that counts as converged")
-    p.add_argument("--agreements", nargs="+", type=float, default=[1.0, 0.95, 0.9, 0.8, 0.7],
+    p.add_argument("--agreements", nargs="+", type=share, default=[1.0, 0.95, 0.9, 0.8, 0.7],
                    help="top-1 agreements the oracle is computed at")
-    p.add_argument("--bins", type=int, default=40, help="cosine bins of the heatmap")
-    p.add_argument("--targets", nargs="+", type=float, default=[0.99, 0.97, 0.95, 0.9],
+    p.add_argument("--bins", type=positive_int, default=40, help="cosine bins of the heatmap")
+    p.add_argument("--targets", nargs="+", type=share, default=[0.99, 0.97, 0.95, 0.9],
                    help="--router: min_agreement quality targets whose per-checkpoint thresholds are evaluated")
-    p.add_argument("--thresholds", nargs="+", type=float, default=[0.95, 0.9, 0.85, 0.7, 0.5, 0.3],
+    p.add_argument("--thresholds", nargs="+", type=share, default=[0.95, 0.9, 0.85, 0.7, 0.5, 0.3],
                    help="--router: global exit thresholds its efficiency is measured at")
-    p.add_argument("--num-prompts", type=int, default=16, help="held-out prompts the model continues greedily")
-    p.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt")
-    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
+    p.add_argument("--num-prompts", type=positive_int, default=16, help="held-out prompts the model continues greedily")
+    p.add_argument("--prompt-len", type=positive_int, default=64, help="tokens per prompt")
+    p.add_argument("--new-tokens", type=positive_int, default=64, help="tokens generated per prompt")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the sampling")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="dtype the model is loaded in")

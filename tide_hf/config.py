@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,20 @@ MODES = ("select", "skip", "speculative")
 KV_POLICIES = ("propagate", "recompute")
 # Calibration text after each sample's prompt: the corpus itself (None) or the model's own continuation.
 CONTINUATIONS = ("greedy", "sample")
+# Exit paths for quality targets (see `tide_hf.modeling.targets`): top-1 agreement, perplexity change.
+PATH_KINDS = ("agreement", "perplexity")
+CLOSED = 1.0  # a per-checkpoint threshold that never exits
+SEED_BOUND = 2**63  # torch and the samplers take 64-bit seeds
+# Fields stored as given: names and paths (a path is kept as its string), numbers (as plain int / float).
+TEXT_FIELDS = ("base_model_name_or_path", "base_model_revision", "base_architecture", "base_model_type",
+               "base_fingerprint", "dataset", "continuation", "label", "exit_head")
+NUMBER_FIELDS = {
+    **dict.fromkeys(("hidden_size", "num_hidden_layers", "checkpoint_interval", "router_bottleneck_dim",
+                     "exit_head_rank", "min_layers", "num_samples", "seq_len", "continuation_prompt_len", "num_epochs",
+                     "early_stopping_patience", "train_batch_size", "max_train_tokens", "path_grid", "seed"), int),
+    **dict.fromkeys(("exit_head_ridge", "convergence_threshold", "kl_threshold", "exit_threshold", "learning_rate",
+                     "validation_fraction", "threshold_fraction", "min_agreement", "confidence"), float),
+}
 
 
 def default_checkpoints(num_hidden_layers: int, interval: int) -> list[int]:
@@ -206,8 +221,10 @@ class TideRouterConfig(PretrainedConfig):
             )
         if sorted(set(self.checkpoint_layers)) != list(self.checkpoint_layers):
             raise TideArgumentError(f"checkpoint_layers must be strictly increasing, got {self.checkpoint_layers}")
-        check_real("threshold_fraction", self.threshold_fraction, low=0.0, high=1.0 - self.validation_fraction,
-                   low_open=True, high_open=True)
+        check_real("threshold_fraction", self.threshold_fraction, low=0.0, high=1.0, low_open=True, high_open=True)
+        if self.validation_fraction + self.threshold_fraction >= 1.0:
+            raise TideArgumentError(f"validation_fraction ({self.validation_fraction}) + threshold_fraction "
+                                    f"({self.threshold_fraction}) must be below 1: training gets the other samples")
         check_int("path_grid", self.path_grid, minimum=1)
         if self.min_agreement is not None:
             check_real("min_agreement", self.min_agreement, low=0.0, high=1.0, low_open=True)
@@ -215,6 +232,23 @@ class TideRouterConfig(PretrainedConfig):
         check_threshold(self.exit_threshold)
         check_min_layers(self.min_layers, self.num_hidden_layers)
         check_coverage(self.draft_vocab_coverage)
+        check_exit_paths(self.exit_paths, len(self.checkpoint_layers))
+        if abs(self.seed) >= SEED_BOUND:
+            raise TideArgumentError(f"seed must be in (-2**63, 2**63), got {self.seed}")
+        for name in ("metrics", "calibration_seconds"):
+            if not isinstance(getattr(self, name), dict):
+                raise TideArgumentTypeError(f"{name} must be a dict, got {type(getattr(self, name)).__name__}")
+        for name in TEXT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, os.PathLike):
+                setattr(self, name, os.fspath(value))
+            elif value is not None and not isinstance(value, str):
+                raise TideArgumentTypeError(f"{name} must be a string or None, got {value!r} ({type(value).__name__})")
+        # Plain Python numbers (a numpy scalar passes the checks above but cannot be written to config.json).
+        self.checkpoint_layers = [int(k) for k in self.checkpoint_layers]
+        for name, kind in NUMBER_FIELDS.items():
+            if getattr(self, name) is not None:
+                setattr(self, name, kind(getattr(self, name)))
 
     @classmethod
     def field_names(cls) -> frozenset[str]:
@@ -241,8 +275,8 @@ def check_real(name: str, value: Any, *, low: float | None = None, high: float |
     out |= low is not None and (value <= low if low_open else value < low)
     out |= high is not None and (value >= high if high_open else value > high)
     if out:
-        lo = "-inf" if low is None else f"{'(' if low_open else '['}{low}"
-        hi = "inf" if high is None else f"{high}{')' if high_open else ']'}"
+        lo = "(-inf" if low is None else f"{'(' if low_open else '['}{low}"
+        hi = "inf)" if high is None else f"{high}{')' if high_open else ']'}"
         raise TideArgumentError(f"{name} must be a finite number in {lo}, {hi}, got {value}")
 
 
@@ -255,6 +289,46 @@ def check_coverage(coverage: Any) -> None:
             raise TideArgumentError(f"draft_vocab_coverage: sizes must be positive integers written as strings, "
                                     f"got {size!r}")
         check_real(f"draft_vocab_coverage[{size!r}]", share, low=0.0, high=1.0)
+
+
+def check_exit_paths(paths: Any, num_checkpoints: int) -> None:
+    """`exit_paths`: per kind in `PATH_KINDS`, threshold vectors (one per checkpoint, in [0, 1], the first all
+    closed: "no exit" is where a test starts) and, per vector, the held-out losses `select` tests."""
+    if not isinstance(paths, dict):
+        raise TideArgumentTypeError(f"exit_paths must be a dict of kind -> path, got {type(paths).__name__}")
+    for kind, path in paths.items():
+        name = f"exit_paths[{kind!r}]"
+        if kind not in PATH_KINDS:
+            raise TideArgumentError(f"exit_paths: kinds must be among {PATH_KINDS}, got {kind!r}")
+        if not isinstance(path, dict):
+            raise TideArgumentTypeError(f"{name} must be a dict, got {type(path).__name__}")
+        missing = {"thresholds", "errors", "n", "nll_sum", "nll_sumsq", "n_next"} - set(path)
+        if missing:
+            raise TideArgumentError(f"{name} lacks {sorted(missing)}")
+        points = path["thresholds"]
+        if not isinstance(points, list) or not points:
+            raise TideArgumentError(f"{name}['thresholds'] must be a non-empty list of threshold vectors")
+        for point in points:
+            if not isinstance(point, list) or len(point) != num_checkpoints:
+                raise TideArgumentError(f"{name}: every threshold vector needs one value per checkpoint "
+                                        f"({num_checkpoints}), got {point!r}")
+            for value in point:
+                check_real(f"{name} threshold", value, low=0.0, high=1.0)
+        if any(value != CLOSED for value in points[0]):
+            raise TideArgumentError(f"{name}: the first threshold vector must close every checkpoint (all "
+                                    f"{CLOSED}), got {points[0]}")
+        check_int(f"{name}['n']", path["n"], minimum=0)
+        check_int(f"{name}['n_next']", path["n_next"], minimum=0)
+        for key in ("errors", "nll_sum", "nll_sumsq"):
+            if not isinstance(path[key], list) or len(path[key]) != len(points):
+                raise TideArgumentError(f"{name}[{key!r}] must be a list with one entry per threshold vector "
+                                        f"({len(points)})")
+        for errors in path["errors"]:
+            check_int(f"{name} errors", errors, minimum=0)
+            if errors > path["n"]:
+                raise TideArgumentError(f"{name}: {errors} errors out of n={path['n']} tokens")
+        for value in path["nll_sum"] + path["nll_sumsq"]:
+            check_real(f"{name} NLL sums", value)
 
 
 def check_threshold(value: Any) -> None:
@@ -294,8 +368,9 @@ class TideOptions:
         """The exit threshold of checkpoint `layer`."""
         return self.thresholds[layer] if self.thresholds is not None else self.exit_threshold
 
-    def validate(self, num_hidden_layers: int) -> None:
-        """Raise before any work is done when an option cannot apply to this model."""
+    def validate(self, num_hidden_layers: int, checkpoints: list[int] | None = None) -> None:
+        """Raise before any work is done when an option cannot apply to this model (and, given its router's
+        `checkpoints`, when speculative mode would have no checkpoint to draft at)."""
         check_threshold(self.exit_threshold)
         for value in (self.thresholds or {}).values():
             check_threshold(value)
@@ -309,3 +384,10 @@ class TideOptions:
             if not 1 <= self.draft_layer < num_hidden_layers:
                 raise TideArgumentError(
                     f"draft_layer must be in [1, {num_hidden_layers - 1}], got {self.draft_layer}")
+        if self.mode == "speculative" and checkpoints is not None:
+            if self.draft_layer is not None and self.draft_layer not in checkpoints:
+                raise TideArgumentError(f"draft_layer={self.draft_layer} has no router: speculative mode drafts at "
+                                        f"a router checkpoint, one of {checkpoints}")
+            if not any(k >= self.min_layers for k in checkpoints):
+                raise TideArgumentError(f"no router checkpoint at or after min_layers={self.min_layers} to draft at "
+                                        f"(checkpoints {checkpoints})")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import time
 from pathlib import Path
@@ -14,12 +15,19 @@ import torch
 from tqdm.auto import tqdm
 
 from ..assets import default_dataset, load_model
+from ..errors import TideArgumentError
 from ..modeling import TideRouter
 from ..modeling.files import check_save_target
 from .data import load_texts
 from .distributed import is_main_process, to_process_device
-from .pipeline import calibrate, check_calibrate_args
+from .pipeline import calibrate, check_calibrate_args, model_config
 from .samples import make_samples, pad_right
+
+# Calibration options of the CLI that are `TideRouterConfig` fields of the same name.
+CONFIG_OPTIONS = ("label", "exit_head", "exit_head_ridge", "exit_head_rank", "checkpoint_interval",
+                  "convergence_threshold", "kl_threshold", "num_epochs", "early_stopping_patience", "max_train_tokens",
+                  "exit_threshold", "min_layers", "seed", "min_agreement", "confidence", "continuation",
+                  "continuation_prompt_len")
 
 
 def calibrate_from_args(args: argparse.Namespace) -> tuple[Any, Any, TideRouter]:
@@ -29,16 +37,21 @@ def calibrate_from_args(args: argparse.Namespace) -> tuple[Any, Any, TideRouter]
     router = calibrate(
         model, tokenizer, default_dataset(args.dataset),
         dataset_config=args.dataset_config, split=args.split, text_field=args.text_field,
-        num_samples=args.num_samples, seq_len=args.seq_len, batch_size=args.batch_size, label=args.label,
-        exit_head=args.exit_head, exit_head_ridge=args.exit_head_ridge, exit_head_rank=args.exit_head_rank,
-        checkpoint_interval=args.checkpoint_interval, convergence_threshold=args.convergence_threshold,
-        kl_threshold=args.kl_threshold, num_epochs=args.num_epochs,
-        early_stopping_patience=args.early_stopping_patience, max_train_tokens=args.max_train_tokens,
-        exit_threshold=args.exit_threshold, min_layers=args.min_layers, seed=args.seed,
-        min_agreement=args.min_agreement, confidence=args.confidence, continuation=args.continuation,
-        continuation_prompt_len=args.continuation_prompt_len,
+        num_samples=args.num_samples, seq_len=args.seq_len, batch_size=args.batch_size,
+        **{name: getattr(args, name) for name in CONFIG_OPTIONS},
     )
     return model, tokenizer, router
+
+
+def check_writable(path: Path, what: str) -> None:
+    """`path` can be created (or replaced) as a file or folder: refused now, not after the calibration."""
+    if what == "--results" and path.is_dir():
+        raise TideArgumentError(f"{what} {path} is a folder; give a JSON file name")
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise TideArgumentError(f"{what} {path} cannot be written: {parent} is not a writable folder")
 
 
 def print_metrics(router: TideRouter) -> None:
@@ -58,8 +71,10 @@ def print_metrics(router: TideRouter) -> None:
 
 
 def bare_forward_seconds(args: argparse.Namespace) -> float:
-    """Wall time of stock forward passes (logits included) over exactly the tokens calibration will see."""
+    """Wall time of stock forward passes (logits included) over exactly the tokens calibration will see (the
+    calibration options are checked against the model first, so a bad one fails before this pass)."""
     model, tokenizer = load_model(args.model, args.dtype)
+    model_config(model, args.seq_len, {name: getattr(args, name) for name in CONFIG_OPTIONS})
     texts = load_texts(default_dataset(args.dataset), dataset_config=args.dataset_config, split=args.split,
                        text_field=args.text_field)
     samples = make_samples(tokenizer, texts, args.num_samples, args.seq_len, args.seed)
@@ -94,6 +109,9 @@ def run(args: argparse.Namespace) -> None:
     check_calibrate_args(num_samples=args.num_samples, seq_len=args.seq_len, batch_size=args.batch_size,
                          config_kwargs={})
     check_save_target(Path(args.output), overwrite)
+    check_writable(Path(args.output), "--output")
+    if args.results:
+        check_writable(Path(args.results), "--results")
     bare = bare_forward_seconds(args) if args.compare_bare_forward else None
     started = time.perf_counter()
     _, _, router = calibrate_from_args(args)

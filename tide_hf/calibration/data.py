@@ -6,9 +6,10 @@ replaced by stand-in text.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from ..errors import TideDataError
+from ..errors import TideArgumentError, TideDataError
 from ..modeling import quiet_hf
 
 DEFAULT_DATASET = "wikitext"
@@ -21,9 +22,11 @@ def _local_files(path: Path) -> tuple[str, list[str]]:
     if not files:
         raise TideDataError(f"no text files ({', '.join(_BUILDERS)}) under {path}")
     builders = {_BUILDERS.get(p.suffix) for p in files}
-    if len(builders) != 1 or None in builders:
+    if None in builders:  # a single file given by name, of a kind not read
+        raise TideDataError(f"{path}: not a text file kind tide_hf reads ({', '.join(_BUILDERS)})")
+    if len(builders) != 1:
         raise TideDataError(
-            f"{path}: mix of file kinds {sorted(p.suffix for p in files)[:5]}...; give one kind (text or jsonl)"
+            f"{path}: mix of file kinds {sorted({p.suffix for p in files})}; give one kind (text or jsonl)"
         )
     return builders.pop(), [str(p) for p in files]
 
@@ -42,8 +45,11 @@ def load_texts(
     """
     from datasets import load_dataset
 
-    name = dataset or DEFAULT_DATASET
-    config = dataset_config if dataset else (dataset_config or DEFAULT_DATASET_CONFIG)
+    if dataset is not None and not str(dataset).strip():  # e.g. an unset $DATA: never a stand-in corpus
+        raise TideArgumentError(f"dataset is an empty name ({dataset!r}); give a file, folder or Hub dataset, "
+                                "or None for the default")
+    name = DEFAULT_DATASET if dataset is None else os.fspath(dataset)
+    config = dataset_config if dataset is not None else (dataset_config or DEFAULT_DATASET_CONFIG)
     local = Path(name).expanduser()
     try:
         if local.exists():
@@ -60,7 +66,11 @@ def load_texts(
             f"could not load calibration dataset {name!r} (config={config!r}, split={split!r}): {exc}") from exc
     if text_field not in ds.column_names:
         raise TideDataError(f"dataset {name!r} has no column {text_field!r}; columns: {ds.column_names}")
-    texts = [t for t in ds[text_field] if isinstance(t, str) and t.strip()]
+    values = ds[text_field]
+    odd = [t for t in values if t is not None and not isinstance(t, str)]
+    if odd:  # not text: refused rather than dropped
+        raise TideDataError(f"dataset {name!r}: {len(odd)} {text_field!r} values are not strings (first: {odd[0]!r})")
+    texts = [t for t in values if t is not None and t.strip()]
     if not texts:
         raise TideDataError(f"dataset {name!r} has no non-empty {text_field!r} values")
     return texts

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import os
 import time
 import warnings
 from functools import partial
@@ -17,10 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import CALIBRATED_EXIT_HEAD, LABEL_KINDS, TideRouterConfig, check_int
-from ..errors import TideArgumentTypeError
+from ..config import CALIBRATED_EXIT_HEAD, CLOSED, LABEL_KINDS, TideRouterConfig, check_int
+from ..errors import TideArgumentError, TideArgumentTypeError
 from ..modeling import ModelAdapter, TideRouter, get_adapter, model_fingerprint, text_config
 from ..modeling.devices import execution_device
+from ..modeling.targets import select
 from .continuations import continue_samples
 from .data import DEFAULT_DATASET, load_texts
 from .distributed import is_main_process, main_process_first, train_on_main
@@ -49,6 +51,21 @@ def warn_if_silent(cfg: TideRouterConfig) -> None:
                f"has 0% positive tokens {scope}. On this model {hint}; recalibrate with one of those.")
     logger.warning(message)
     warnings.warn(message, stacklevel=4)
+
+
+def warn_if_closed(cfg: TideRouterConfig) -> None:
+    """Say when the router's default target opens no checkpoint: `attach(model, router)` would never exit."""
+    if not cfg.exit_paths or cfg.min_agreement is None:
+        return
+    chosen = select(cfg.exit_paths, list(cfg.checkpoint_layers), min_agreement=cfg.min_agreement,
+                    confidence=cfg.confidence)
+    if all(t == CLOSED for t in chosen.values()):
+        message = (f"TIDE calibration: at its default target (top-1 agreement >= {cfg.min_agreement} at confidence "
+                   f"{cfg.confidence}) this router lets no token exit: {cfg.exit_paths['agreement']['n']} "
+                   "threshold-split tokens certify no exit. Calibrate on more samples, or attach with a lower "
+                   "min_agreement.")
+        logger.warning(message)
+        warnings.warn(message, stacklevel=4)
 
 
 # Set by calibrate() itself from the model (passing them is an error, not an override).
@@ -120,7 +137,7 @@ def calibrate(
     cfg = model_config(model, seq_len, config_kwargs)
     with main_process_first():  # under a launcher, datasets builds its cache once
         texts = load_texts(dataset, dataset_config=dataset_config, split=split, text_field=text_field)
-    cfg.dataset = dataset or DEFAULT_DATASET
+    cfg.dataset = DEFAULT_DATASET if dataset is None else os.fspath(dataset)
     samples = make_samples(tokenizer, texts, num_samples, seq_len, cfg.seed)
     return calibrate_config(model, cfg, samples, batch_size=batch_size, pad_id=pad_token_id(tokenizer),
                             progress=progress)
@@ -132,8 +149,15 @@ def calibrate_tokens(model: nn.Module, samples: list[torch.Tensor], *, batch_siz
     than the model's context); padding uses `pad_id` and is masked out. `config.dataset` stays None unless
     given as a keyword."""
     if not isinstance(samples, (list, tuple)) or not samples or not all(
-            isinstance(s, torch.Tensor) and s.dim() == 1 and len(s) > 0 and not s.is_floating_point() for s in samples):
+            isinstance(s, torch.Tensor) and s.dim() == 1 and len(s) > 0 and not s.is_floating_point()
+            and s.dtype != torch.bool for s in samples):
         raise TideArgumentTypeError("samples must be a non-empty list of non-empty 1-D integer token tensors")
+    rows = model.get_input_embeddings().num_embeddings
+    check_int("pad_id", pad_id, minimum=0)
+    low, high = min(int(s.min()) for s in samples), max(int(s.max()) for s in samples)
+    if low < 0 or high >= rows or pad_id >= rows:
+        raise TideArgumentError(f"token ids must be in [0, {rows}) for this model's embeddings: samples hold "
+                                f"{low}..{high}, pad_id is {pad_id}")
     if "num_samples" in config_kwargs:
         raise TideArgumentTypeError("calibrate_tokens() takes num_samples from len(samples); do not pass it")
     seq_len = max(len(s) for s in samples)
@@ -159,6 +183,9 @@ def model_config(model: nn.Module, seq_len: int, config_kwargs: dict[str, Any]) 
         seq_len=seq_len,
         **{"exit_head": CALIBRATED_EXIT_HEAD, **config_kwargs},
     )
+    if cfg.min_layers > max(cfg.checkpoint_layers):
+        raise TideArgumentError(f"min_layers={cfg.min_layers} is past the last checkpoint ({max(cfg.checkpoint_layers)}"
+                                "): routers calibrated so would never let a token exit")
     torch.manual_seed(cfg.seed)
     return cfg
 
@@ -189,4 +216,5 @@ def calibrate_config(model: nn.Module, cfg: TideRouterConfig, samples: list[torc
     cfg.calibration_seconds = {**writing, **data.seconds, "train": time.perf_counter() - started - labelling}
     if is_main_process():
         warn_if_silent(cfg)
+        warn_if_closed(cfg)
     return router

@@ -18,11 +18,10 @@ from typing import Any
 
 import torch
 
-from ..config import TideRouterConfig
+from ..config import CLOSED, TideRouterConfig
 from ..modeling import TideRouter
 from .labels import Collected
 
-CLOSED = 1.0  # a checkpoint with this threshold never exits (the serving rule skips it)
 DECIMALS = 6  # thresholds are rounded before they are evaluated, so the stored values are the tested ones
 
 
@@ -39,16 +38,21 @@ def _totals(scores: torch.Tensor, loss: torch.Tensor, saved: torch.Tensor, thres
     return float(saved[first].sum()), float(loss.gather(1, first[:, None]).sum())
 
 
-def build_path(scores: torch.Tensor, loss: torch.Tensor, saved: torch.Tensor, grid: int) -> list[list[float]]:
-    """Threshold vectors from all closed to all at their lowest candidate (scores / loss: tokens x checkpoints)."""
+def build_path(scores: torch.Tensor, loss: torch.Tensor, saved: torch.Tensor, grid: int,
+               served: list[bool] | None = None) -> list[list[float]]:
+    """Threshold vectors from all closed to all at their lowest candidate (scores / loss: tokens x checkpoints).
+    Checkpoints not `served` (below the router's `min_layers`) stay closed on the whole path, so its losses are
+    counted under the rule the runtime applies."""
     n, k = scores.shape
+    served = [True] * k if served is None else served
     loss = torch.cat([loss, loss.new_zeros(n, 1)], 1)
     saved = torch.cat([saved, saved.new_zeros(1)])
     # Quadratic spacing: the first candidates exit a handful of tokens each (1/grid^2, 3/grid^2, ...), so the
     # first path points add little loss and fixed-sequence testing is not stopped by one coarse first step.
     levels = 1.0 - (torch.arange(1, grid + 1, dtype=torch.float64) / grid) ** 2
     candidates = [[CLOSED] + sorted({round(float(v), DECIMALS) for v in torch.quantile(scores[:, j].double(), levels)
-                                     if round(float(v), DECIMALS) < CLOSED}, reverse=True) for j in range(k)]
+                                     if round(float(v), DECIMALS) < CLOSED}, reverse=True) if served[j] else [CLOSED]
+                  for j in range(k)]
     position = [0] * k
     current = torch.tensor([c[0] for c in candidates], dtype=scores.dtype)
     path = [current.tolist()]
@@ -106,11 +110,13 @@ def fit_exit_paths(router: TideRouter, data: Collected) -> dict[str, Any]:
         return scores, mismatch, nll
 
     saved = torch.tensor([cfg.num_hidden_layers - k for k in layers], dtype=torch.float64)
+    served = [k >= cfg.min_layers for k in layers]
     scores_o, mismatch_o, _ = matrices(order)
     scores_t, mismatch_t, nll_t = matrices(test)
     kl_order = torch.stack([data.kl[k][order] for k in layers], 1).double()  # computed for every held-out token
     return {
-        "agreement": path_losses(build_path(scores_o, mismatch_o.double(), saved, cfg.path_grid),
+        "agreement": path_losses(build_path(scores_o, mismatch_o.double(), saved, cfg.path_grid, served),
                                  scores_t, mismatch_t, nll_t),
-        "perplexity": path_losses(build_path(scores_o, kl_order, saved, cfg.path_grid), scores_t, mismatch_t, nll_t),
+        "perplexity": path_losses(build_path(scores_o, kl_order, saved, cfg.path_grid, served),
+                                  scores_t, mismatch_t, nll_t),
     }

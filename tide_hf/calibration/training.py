@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..config import LABEL_KINDS, TideRouterConfig
+from ..errors import TideArgumentError
 from ..modeling import TideRouter
 from .labels import Collected
 
@@ -171,12 +172,12 @@ def constant_router(router: TideRouter, data: Collected, layer: int, label: torc
 def check_splits(data: Collected, cfg: TideRouterConfig) -> None:
     """Raise unless calibration kept training tokens and validation tokens (the threshold split stays unseen)."""
     train, val = ~data.is_val, data.is_val & ~data.is_test
-    if not train.any() or not val.any():
-        raise ValueError(
-            f"calibration kept {int(train.sum())} training and {int(val.sum())} held-out tokens; both must be > 0 "
-            f"(raise max_train_tokens={cfg.max_train_tokens}, num_samples or "
-            f"validation_fraction={cfg.validation_fraction})"
-        )
+    if not train.any():
+        raise TideArgumentError(f"calibration kept no training tokens (raise num_samples={cfg.num_samples} or "
+                                f"max_train_tokens={cfg.max_train_tokens})")
+    if not val.any():
+        raise TideArgumentError(f"calibration kept no held-out validation tokens (raise num_samples="
+                                f"{cfg.num_samples} or validation_fraction={cfg.validation_fraction})")
 
 
 def train_routers(router: TideRouter, data: Collected, *, device: torch.device | str | None = None,

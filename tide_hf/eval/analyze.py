@@ -246,7 +246,8 @@ def format_analysis(result: dict, convergence: bool = True) -> str:
 
 
 def run(args: Any) -> dict:
-    """The `tide-hf analyze` command: analyze.json, analyze.md and PNG plots in `args.output`."""
+    """The `tide-hf analyze` command: analyze.json, analyze.md and PNG plots in `args.output` (replacing its own
+    files of an earlier run there, the efficiency plot included when this run has no router)."""
     import json
 
     out = Path(args.output)
@@ -275,6 +276,8 @@ def run(args: Any) -> dict:
                                                  thresholds=args.thresholds, pad_id=pad_id, targets=targets,
                                                  heldout=heldout)
         files.append(plot_efficiency(result["efficiency"], out / "efficiency.png"))
+    else:  # an earlier run's plot would describe a router this analyze.json does not name
+        (out / "efficiency.png").unlink(missing_ok=True)
     (out / "analyze.json").write_text(json.dumps(result, indent=2))
     table = format_analysis(result)
     (out / "analyze.md").write_text(table + "\n")

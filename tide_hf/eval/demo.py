@@ -24,7 +24,9 @@ from transformers.generation.streamers import BaseStreamer
 from ..assets import cache_dir, load_model
 from ..calibration.command import calibrate_from_args, print_metrics
 from ..calibration.distributed import is_main_process
+from ..errors import TideArgumentError
 from ..modeling import TideRouter, get_adapter
+from ..modeling.files import check_save_target
 from ..plotting import PlottingUnavailable
 from ..runtime import attach
 
@@ -34,6 +36,11 @@ DEMO_ATTACH: dict[str, Any] = {"mode": "skip", "kv": "recompute"}
 # Options that change what the demo shows, not the router it calibrates (left out of the cache key).
 NOT_CALIBRATION = {"output", "recalibrate", "prompt", "max_new_tokens", "stats_png", "func", "command"}
 ROUTER_FILES = ("config.json", "model.safetensors")
+# Calibration options (CLI names) a reused `--output` router must have been made with.
+COMPARED = ("label", "exit_head", "exit_head_rank", "exit_head_ridge", "num_samples", "seq_len", "continuation",
+            "continuation_prompt_len", "checkpoint_interval", "convergence_threshold", "kl_threshold", "num_epochs",
+            "early_stopping_patience", "max_train_tokens", "exit_threshold", "min_layers", "min_agreement",
+            "confidence", "seed")
 
 
 def attach_options(router: TideRouter) -> dict[str, Any]:
@@ -44,7 +51,7 @@ def attach_options(router: TideRouter) -> dict[str, Any]:
 def router_folder(args: argparse.Namespace) -> Path:
     """`--output`, else a folder under the tide_hf cache keyed by the model and every calibration setting."""
     if args.output:
-        return Path(args.output)
+        return Path(os.path.abspath(args.output))  # "." and ".." name a folder too
     settings = {k: v for k, v in sorted(vars(args).items()) if k not in NOT_CALIBRATION}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:12]
     slug = "".join(c if c.isalnum() or c in "-_." else "-" for c in str(args.model))[-40:]
@@ -52,38 +59,43 @@ def router_folder(args: argparse.Namespace) -> Path:
 
 
 def is_complete(folder: Path) -> bool:
-    """A router folder written to the end (folders are renamed into place only once complete)."""
+    """A router folder written to the end (routers are moved into place only once complete)."""
     return all((folder / name).is_file() for name in ROUTER_FILES)
 
 
-def save_atomically(router: TideRouter, folder: Path) -> None:
-    """Write the router next to `folder`, then rename it into place: a killed run never leaves half a router."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = folder.with_name(f".{folder.name}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        router.save_pretrained(staging)
-        shutil.rmtree(folder, ignore_errors=True)
-        staging.rename(folder)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+def differences(router: TideRouter, args: argparse.Namespace) -> list[str]:
+    """Calibration settings given on the command line that the stored router was not calibrated with."""
+    return [f"--{name.replace('_', '-')} {getattr(args, name)} (router: {getattr(router.config, name)})"
+            for name in COMPARED if getattr(args, name, None) is not None
+            and getattr(args, name) != getattr(router.config, name)]
 
 
 def get_router(args: argparse.Namespace, *, calibrate: Callable = calibrate_from_args,
                load: Callable = load_model) -> tuple[Any, Any, TideRouter | None, bool]:
     """(model, tokenizer, router, reused): the cached router when its folder is complete, else a calibrated one
-    (saved to the folder). The router is None on the non-main processes of `accelerate launch`."""
+    (saved to the folder). The router is None on the non-main processes of `accelerate launch`. An `--output`
+    folder is checked before calibration: a folder holding anything but a TIDE router is refused, and one
+    holding a router made with other settings is neither reused nor replaced without `--recalibrate`."""
     folder = router_folder(args)
-    if is_complete(folder) and not getattr(args, "recalibrate", False):
+    recalibrate = getattr(args, "recalibrate", False)
+    if is_complete(folder) and not recalibrate:
+        router = TideRouter.from_pretrained(folder)
+        changed = differences(router, args) if args.output else []
+        if changed:
+            raise TideArgumentError(f"{folder} holds a router calibrated with other settings: {', '.join(changed)}; "
+                                    "pass --recalibrate to replace it, or choose another --output")
         print(f"tide_hf demo: reusing the router calibrated earlier in {folder} (--recalibrate to redo)")
         model, tokenizer = load(args.model, args.dtype)
-        return model, tokenizer, TideRouter.from_pretrained(folder), True
+        return model, tokenizer, router, True
+    if not args.output and folder.exists():  # the cache's own folder, left incomplete by a killed run
+        shutil.rmtree(folder)
+    check_save_target(folder, overwrite=True)  # only a router may be replaced: refused before the work
     print(f"tide_hf demo: calibrating routers on {args.num_samples} samples x {args.seq_len} tokens "
           f"(once; cached in {folder})")
     model, tokenizer, router = calibrate(args)
     if not is_main_process():  # under `accelerate launch` the main process saves and generates
         return model, tokenizer, None, False
-    save_atomically(router, folder)
+    router.save_pretrained(folder, overwrite=True)  # written next to the folder, then moved into place
     return model, tokenizer, router, False
 
 
@@ -193,7 +205,8 @@ def run(args: argparse.Namespace) -> None:
     print(f"router: {folder}")
     result = compare(model, tokenizer, router, args.prompt, args.max_new_tokens)
     print_comparison(result)
-    png = folder / "exits.png" if args.stats_png is None else (Path(args.stats_png) if args.stats_png else None)
+    default = folder.with_name(f"{folder.name}-exits.png")  # beside the router: its folder holds the router only
+    png = default if args.stats_png is None else (Path(args.stats_png) if args.stats_png else None)
     if png is not None:
         try:
             print("exit histogram:", result["stats"].plot(png))

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..calibration import held_out_texts, load_texts, pad_right
+from ..errors import TideDataError
 from ..modeling import TideRouter
 from ..runtime import PhaseStats, get_handle, last_stats
 
@@ -32,7 +33,8 @@ def evaluation_text(tokenizer: Any, dataset: str, router: TideRouter, num_prompt
     prompts = [d[:prompt_len] for d in ids if len(d) > prompt_len][:num_prompts]
     chunks = [d[prompt_len : prompt_len + chunk_len] for d in ids if len(d) >= prompt_len + chunk_len][:num_chunks]
     if len(prompts) < num_prompts or len(chunks) < num_chunks:
-        raise ValueError(f"held-out text too short: {len(prompts)} prompts / {len(chunks)} chunks available")
+        raise TideDataError(f"held-out text too short: {len(prompts)} prompts of {prompt_len} tokens / {len(chunks)} "
+                            f"chunks of {chunk_len} available, {num_prompts} / {num_chunks} asked for")
     return prompts, chunks
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from transformers import GenerationMixin, LogitsProcessorList
 
+from ..errors import TideArgumentError, TideArgumentTypeError
 from ..modeling import TideRouter
 from ..runtime import Patches, TideHandle, attach_for_call, get_handle
 from .processor import TideLogitsProcessor
@@ -63,7 +64,8 @@ def resolve_router(tide: Any) -> TideRouter:
         if os.path.isdir(name):
             return _load_router(os.path.realpath(name), _folder_version(name))
         return _load_router(name, ())
-    raise TypeError(f"tide= takes True/False, a TideRouter, a local folder or a Hub repo id; got {type(tide).__name__}")
+    raise TideArgumentTypeError(f"tide= takes True/False, a TideRouter, a local folder or a Hub repo id; "
+                                f"got {type(tide).__name__}")
 
 
 def _eos_ids(model: Any, kwargs: dict) -> torch.Tensor | None:
@@ -71,10 +73,27 @@ def _eos_ids(model: Any, kwargs: dict) -> torch.Tensor | None:
     eos = kwargs.get("eos_token_id", config.eos_token_id)
     if eos is None:
         return None
-    return torch.tensor([eos] if isinstance(eos, int) else list(eos))
+    return torch.as_tensor(eos).reshape(-1)  # an int, a list or a tensor (0-d included), as stock accepts
+
+
+def _check_decoding(handle: TideHandle, model: Any, kwargs: dict) -> None:
+    """Refuse decoding that edits the cache under `kv="recompute"`: its waiting tokens live outside the cache,
+    so beam search's reordering and assisted decoding's cropping would not reach them."""
+    if handle.options.mode != "skip" or handle.options.kv != "recompute":
+        return
+    config = kwargs.get("generation_config") or model.generation_config
+    beams = kwargs.get("num_beams", config.num_beams) or 1
+    used = [f"num_beams={beams}"] * (beams > 1) + [
+        name for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+        if kwargs.get(name, getattr(config, name, None)) is not None]
+    if used:
+        raise TideArgumentError(f"kv='recompute' cannot serve {', '.join(used)}: the tokens waiting for their "
+                                "skipped layers live outside the cache that this decoding reorders or cuts; attach "
+                                "with kv='propagate' (or mode='select') for it")
 
 
 def _run(handle: TideHandle, original: Callable, model: Any, args: tuple, kwargs: dict) -> Any:
+    _check_decoding(handle, model, kwargs)
     with handle.session(generating=True, eos=_eos_ids(model, kwargs)) as session:
         if handle.options.mode == "speculative":  # drafts + full-depth verification in stock assisted decoding
             return speculative_generate(handle, original, model, args, kwargs, session)
@@ -100,7 +119,7 @@ def install() -> None:
                 return original(self, *args, **kwargs)
         if tide is True or tide is None:
             if handle is None:
-                raise ValueError("generate(tide=True) needs a router: call tide_hf.attach(model, router) first, "
+                raise TideArgumentError("generate(tide=True) needs a router: call tide_hf.attach(model, router) first, "
                                  "or pass tide=<TideRouter | local dir | Hub repo id>")
             return _run(handle, original, self, args, kwargs)
         router = resolve_router(tide)

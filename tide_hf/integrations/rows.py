@@ -12,6 +12,8 @@ import copy
 import torch
 from torch import nn
 
+from ..errors import TideArgumentError
+
 # generate() arguments assisted decoding cannot take (or would change the output with)
 FALLBACK_KWARGS = ("assistant_model", "custom_generate", "past_key_values", "inputs_embeds", "stop_strings",
                    "negative_prompt_ids")
@@ -60,5 +62,6 @@ def stack_rows(rows: list[torch.Tensor], model: nn.Module, kwargs: dict) -> torc
         pad = eos[0] if isinstance(eos, (list, tuple)) else eos
     width = max(r.shape[1] for r in rows)
     if pad is None and any(r.shape[1] != width for r in rows):
-        raise ValueError("rows ended at different lengths but there is neither a pad nor an EOS token id to pad with")
+        raise TideArgumentError("rows ended at different lengths but there is neither a pad nor an EOS token id to "
+                                "pad with")
     return torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=pad or 0) for r in rows], dim=0)

@@ -53,6 +53,7 @@ from transformers import GenerationConfig
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..compat import CANDIDATE_GENERATOR_FACTORY, eos_token_tensor, extend_model_kwargs
+from ..errors import TideArgumentError, TideConcurrencyError
 from ..modeling import layer_output
 from ..runtime import Patches, Session, TideHandle
 from .draft import (
@@ -82,11 +83,11 @@ def resolve_draft_layer(handle: TideHandle) -> int:
     layer = handle.options.draft_layer
     if layer is not None:
         if layer not in handle.router.checkpoint_layers:
-            raise ValueError(f"draft_layer={layer} has no router: speculative mode drafts at a router checkpoint, "
-                             f"one of {handle.router.checkpoint_layers}")
+            raise TideArgumentError(f"draft_layer={layer} has no router: speculative mode drafts at a router "
+                                    f"checkpoint, one of {handle.router.checkpoint_layers}")
         return layer
     if not handle.checkpoints:
-        raise ValueError(f"no router checkpoint at or after min_layers={handle.options.min_layers} to draft at")
+        raise TideArgumentError(f"no router checkpoint at or after min_layers={handle.options.min_layers} to draft at")
     return choose_draft_layer(handle.router, handle.adapter, handle.checkpoints)
 
 
@@ -317,7 +318,7 @@ def _patched(model: nn.Module, factory: Callable[..., CandidateGenerator], handl
     """Route stock `_get_candidate_generator` to `factory` on this instance, with the gate and depth hooks;
     everything is removed afterwards, also on errors, leaving the model exactly as before."""
     if CANDIDATE_GENERATOR_FACTORY in vars(model):
-        raise RuntimeError("a speculative generate call is already running on this model (one at a time)")
+        raise TideConcurrencyError("a speculative generate call is already running on this model (one at a time)")
     layers = handle.adapter.layers
     with Patches() as patches:
         install_reuse(layers, layer, lambda: owner[-1].reuse if owner else None, patches)

@@ -8,7 +8,7 @@ compute exactly what the kernels compute, and are what runs when no kernel is av
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,11 @@ class NormSpec:
     weight: torch.Tensor | None = None
     bias: torch.Tensor | None = None
     eps: float = 0.0
+
+    def to(self, device: torch.device) -> NormSpec:
+        """This norm with its tensors on `device` (the layer a router runs next to)."""
+        return replace(self, weight=None if self.weight is None else self.weight.to(device),
+                       bias=None if self.bias is None else self.bias.to(device))
 
 
 def _rms_candidates(module: nn.Module) -> list[NormSpec]:

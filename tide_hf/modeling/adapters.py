@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import TideCompatibilityError
+
 # model_type -> (decoder layers, final norm, optional projection before the LM head)
 _PATHS: dict[str, tuple[str, str, str | None]] = {}
 _NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "norm_f")
@@ -92,7 +94,7 @@ def _probe(model: nn.Module) -> tuple[str, str]:
     ]
     if len(layer_paths) != 1:
         found = ", ".join(layer_paths) or "none"
-        raise ValueError(
+        raise TideCompatibilityError(
             f"tide_hf cannot find the decoder layers of {type(model).__name__} "
             f"(model_type={getattr(model.config, 'model_type', None)!r}): expected exactly one nn.ModuleList "
             f"of {n_layers} layers, found: {found}. Call tide_hf.register_adapter(model_type, layers=..., norm=...)."
@@ -103,7 +105,7 @@ def _probe(model: nn.Module) -> tuple[str, str]:
         candidate = f"{parent}.{name}" if parent else name
         if _get(model, candidate) is not None:
             return layers, candidate
-    raise ValueError(
+    raise TideCompatibilityError(
         f"tide_hf found the decoder layers of {type(model).__name__} at '{layers}' but no final norm next to "
         f"them (looked for {', '.join(_NORM_NAMES)} under '{parent or type(model).__name__}'). "
         "Call tide_hf.register_adapter(model_type, layers=..., norm=...)."
@@ -119,12 +121,12 @@ def get_adapter(model: nn.Module) -> ModelAdapter:
         (layers_path, norm_path), pre_head_path = _probe(model), None
     layers = _get(model, layers_path)
     if not isinstance(layers, nn.ModuleList):
-        raise ValueError(f"{type(model).__name__}: '{layers_path}' is not the list of decoder layers")
+        raise TideCompatibilityError(f"{type(model).__name__}: '{layers_path}' is not the list of decoder layers")
     # A missing final norm is legitimate (e.g. OPT-350m normalizes after each layer instead).
     norm = _get(model, norm_path) or nn.Identity()
     lm_head = model.get_output_embeddings()
     if lm_head is None:
-        raise ValueError(f"{type(model).__name__} has no output embeddings (LM head): is it a causal LM?")
+        raise TideCompatibilityError(f"{type(model).__name__} has no output embeddings (LM head): is it a causal LM?")
     return ModelAdapter(
         layers=layers,
         final_norm=norm,

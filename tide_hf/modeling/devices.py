@@ -16,6 +16,8 @@ import torch
 from accelerate.hooks import AlignDevicesHook, SequentialHook
 from torch import nn
 
+from ..errors import TideCompatibilityError
+
 
 def _align_hooks(module: nn.Module) -> list[AlignDevicesHook]:
     """accelerate's device hooks on `module` itself (also inside a `SequentialHook`)."""
@@ -58,8 +60,8 @@ def named_weights(model: nn.Module, module: nn.Module) -> Iterator[tuple[str, to
         if param.device.type == "meta":
             value = _offloaded_value(modules, f"{prefix}.{name}" if prefix else name)
             if value is None:
-                raise ValueError(f"parameter {prefix}.{name} is on the meta device and no accelerate offload hook "
-                                 "holds its value")
+                raise TideCompatibilityError(f"parameter {prefix}.{name} is on the meta device and no accelerate "
+                                             "offload hook holds its value")
             yield name, value
         else:
             yield name, param

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import tempfile
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,12 +56,13 @@ def atomic_save(path: str | os.PathLike, write: Callable[[str], None], *, overwr
     """Run `write(folder)` into a fresh folder next to `path`, then move it into place.
 
     A crash or an error while writing leaves `path` as it was (an old router stays whole); the checks of
-    `check_save_target` come first.
+    `check_save_target` come first. A symbolic link is followed: the folder it points to is replaced.
     """
-    target = Path(path).absolute()
+    target = Path(os.path.realpath(path))  # a link to a router folder: replace the folder, not the link
     check_save_target(target, overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    staging = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex}"
+    staging.mkdir()  # not mkdtemp: the folder gets the umask's permissions, as a plain save would
     backup = None
     try:
         write(str(staging))
@@ -80,6 +82,9 @@ def atomic_save(path: str | os.PathLike, write: Callable[[str], None], *, overwr
 
 def check_config_source(name: str | os.PathLike, config_cls: Any, kwargs: dict[str, Any]) -> None:
     """The router at `name` has a config.json of a TIDE router (a missing one would load defaults)."""
+    text = os.fspath(name)
+    if (os.path.isabs(text) or text.startswith((".", "~"))) and not os.path.isdir(os.path.expanduser(text)):
+        raise TideRouterFileError(f"no TIDE router folder at {text}")  # not the Hub's "repo id must be ..."
     hub = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
     config, _ = config_cls.get_config_dict(name, **hub)  # a missing repo / no network: transformers' OSError
     if not config:

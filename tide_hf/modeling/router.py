@@ -8,11 +8,13 @@ from typing import Any
 
 import torch
 from huggingface_hub import CommitInfo, HfApi, ModelCard, ModelCardData
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+from safetensors import SafetensorError
 from torch import nn
 from transformers import AutoConfig, AutoModel, PreTrainedModel
 
 from ..config import TideRouterConfig, check_coverage
-from ..errors import TideArgumentError, TideCompatibilityError, TideRouterFileError
+from ..errors import TideArgumentError, TideArgumentTypeError, TideCompatibilityError, TideRouterFileError
 from .adapters import ModelAdapter, get_adapter, text_config
 from .files import atomic_save, check_config_source, check_loading_info
 from .fingerprint import model_fingerprint
@@ -127,8 +129,9 @@ class TideRouter(PreTrainedModel):
         """Load from a local folder or Hub repo, from safetensors only (never a pickle).
 
         Checked (`TideRouterFileError` otherwise): a config.json of a TIDE router (unless `config=` is
-        given), and weights that match it exactly: every configured checkpoint's tensors, of the
-        configured shapes, and no others.
+        given), and readable weights that match it exactly: every configured checkpoint's tensors, of the
+        configured shapes, and no others; draft-vocabulary ids >= 0. Config values given as keywords are
+        checked like the file's.
         """
         if kwargs.get("use_safetensors") is False:
             raise TideRouterFileError("TideRouter loads safetensors only; use_safetensors=False is not supported")
@@ -138,9 +141,17 @@ class TideRouter(PreTrainedModel):
         want_info = kwargs.pop("output_loading_info", False)
         kwargs.setdefault("ignore_mismatched_sizes", True)  # reported below as a TideRouterFileError
         with quiet_hf():  # a router is a few MB: no "Loading weights" bar
-            model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
-                                                  **kwargs)
+            try:
+                model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
+                                                      **kwargs)
+            except SafetensorError as exc:
+                raise TideRouterFileError(f"TIDE router {pretrained_model_name_or_path}: its weights file cannot "
+                                          f"be read ({exc})") from exc
         check_loading_info(pretrained_model_name_or_path, info)
+        model.config.validate()  # fields given as keywords here are set after the config's own checks ran
+        if hasattr(model, "draft_vocab") and len(model.draft_vocab) and int(model.draft_vocab.min()) < 0:
+            raise TideRouterFileError(f"TIDE router {pretrained_model_name_or_path}: its draft vocabulary holds "
+                                      f"negative token ids (down to {int(model.draft_vocab.min())})")
         return (model, info) if want_info else model
 
     def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, overwrite: bool = False,
@@ -207,9 +218,9 @@ class TideRouter(PreTrainedModel):
         cfg = self.config
         data = ModelCardData(
             library_name="tide_hf",
-            base_model=cfg.base_model_name_or_path,
+            base_model=cfg.base_model_name_or_path if hub_id(cfg.base_model_name_or_path) else None,
             tags=["tide", "early-exit", "router", cfg.label],
-            datasets=[cfg.dataset] if cfg.dataset and "/" in cfg.dataset else None,
+            datasets=[cfg.dataset] if hub_id(cfg.dataset) and "/" in cfg.dataset else None,
         )
         rows = ["| layer | positive rate | precision | recall | AUC | predicted exit rate |",
                 "|---|---|---|---|---|---|"]
@@ -227,9 +238,13 @@ class TideRouter(PreTrainedModel):
             + (f" (the model's own {cfg.continuation} continuations of each sample's first "
                f"{cfg.continuation_prompt_len} tokens)" if cfg.continuation else "") + ".\n\n"
             "```python\nimport tide_hf\nfrom transformers import AutoModelForCausalLM\n"
-            f"model = AutoModelForCausalLM.from_pretrained({cfg.base_model_name_or_path!r})\n"
+            f"model = AutoModelForCausalLM.from_pretrained({cfg.base_model_name_or_path or '<base model>'!r})\n"
             "router = tide_hf.TideRouter.from_pretrained('<this repo>')\n"
-            f"handle = tide_hf.attach(model, router, exit_threshold={cfg.exit_threshold})\n```\n\n"
+            + (f"handle = tide_hf.attach(model, router)  # top-1 agreement >= {cfg.min_agreement} at confidence "
+               f"{cfg.confidence}; or min_agreement=, max_perplexity_increase=\n```\n\n"
+               if cfg.exit_paths and cfg.min_agreement is not None else
+               f"handle = tide_hf.attach(model, router, exit_threshold={cfg.exit_threshold})\n```\n\n")
+            +
             f"## Validation (held-out {cfg.validation_fraction:.0%} of samples, threshold {cfg.exit_threshold})\n\n"
             + "\n".join(rows) + "\n"
         )
@@ -247,6 +262,8 @@ class TideRouter(PreTrainedModel):
         architecture, layer count and hidden size must always match. `adapter`: `model`'s, when the caller
         already has it.
         """
+        if not isinstance(ignore_fingerprint, bool):
+            raise TideArgumentTypeError(f"ignore_fingerprint must be True or False, got {ignore_fingerprint!r}")
         cfg = self.config
         adapter = adapter or get_adapter(model)
         text_cfg = text_config(model)
@@ -274,6 +291,17 @@ class TideRouter(PreTrainedModel):
                 f"this TIDE router was calibrated for {cfg.base_model_name_or_path or cfg.base_architecture} and "
                 "does not fit the given model: " + "; ".join(problems)
             )
+
+
+def hub_id(name: str | None) -> bool:
+    """`name` reads as a Hub repo id, not a local path (the card's metadata must not name a local folder)."""
+    if not name or os.path.isabs(name) or os.path.exists(name):
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
 
 
 def _fmt(value: Any) -> str:

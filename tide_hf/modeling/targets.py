@@ -20,13 +20,13 @@ Both together: a point must pass both (the larger p-value), on the agreement pat
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import torch
 
-from ..errors import TideError
-
-PATH_KINDS = ("agreement", "perplexity")
+from ..config import PATH_KINDS
+from ..errors import TideArgumentTypeError, TideError
 
 
 class TideTargetError(TideError, ValueError):
@@ -60,13 +60,17 @@ def select(paths: dict[str, Any], checkpoints: list[int], *, min_agreement: floa
     certified within the target(s) by fixed-sequence testing at level 1 - `confidence`."""
     if min_agreement is None and max_perplexity_increase is None:
         raise TideTargetError("give min_agreement and/or max_perplexity_increase")
+    for name, value in (("min_agreement", min_agreement), ("max_perplexity_increase", max_perplexity_increase),
+                        ("confidence", confidence)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+            raise TideArgumentTypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
     if min_agreement is not None and not 0.0 < float(min_agreement) <= 1.0:
         raise TideTargetError(f"min_agreement must be in (0, 1], got {min_agreement}")
-    if max_perplexity_increase is not None and not float(max_perplexity_increase) >= 0.0:
-        raise TideTargetError(f"max_perplexity_increase must be >= 0, got {max_perplexity_increase}")
+    if max_perplexity_increase is not None and not 0.0 <= float(max_perplexity_increase) < math.inf:
+        raise TideTargetError(f"max_perplexity_increase must be a finite number >= 0, got {max_perplexity_increase}")
     if not 0.0 < float(confidence) < 1.0:
         raise TideTargetError(f"confidence must be in (0, 1), got {confidence}")
-    kind = "agreement" if min_agreement is not None else "perplexity"
+    kind = PATH_KINDS[0] if min_agreement is not None else PATH_KINDS[1]
     path = paths.get(kind)
     if not path:
         raise TideTargetError(f"this router has no calibrated {kind} path: recalibrate it with this tide_hf "
@@ -84,3 +88,15 @@ def select(paths: dict[str, Any], checkpoints: list[int], *, min_agreement: floa
             break
         chosen = j
     return {k: float(t) for k, t in zip(checkpoints, path["thresholds"][chosen])}
+
+
+def check_served(thresholds: dict[int, float], min_layers: int, calibrated_min_layers: int) -> None:
+    """Refuse thresholds that open a checkpoint below the `min_layers` served with: the exit path was tested
+    with exits from `calibrated_min_layers` on, and closing an open checkpoint moves its tokens to later exits
+    that the test never counted."""
+    dropped = [k for k, t in thresholds.items() if t < 1.0 and k < min_layers]
+    if dropped:
+        raise TideTargetError(
+            f"the thresholds for this target open checkpoints {dropped}, below min_layers={min_layers}: the target "
+            f"is certified for the router's min_layers={calibrated_min_layers}, and closing them changes which "
+            "tokens exit where; keep the router's min_layers, recalibrate with this one, or pass exit_threshold=")

@@ -16,18 +16,17 @@ import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..config import TideOptions
-from ..errors import TideConcurrencyError
+from ..errors import TideArgumentError, TideConcurrencyError
 from ..kernels import NormSpec, norm_router_scores, norm_spec
 from ..modeling import ModelAdapter, TideRouter, get_adapter, layer_output
 from ..modeling.devices import execution_device, onloaded
-from ..modeling.targets import select
+from ..modeling.targets import check_served, select
 from .compiled import install_compiled_call
 from .kv import KVRecompute
 from .patching import Patches
@@ -74,8 +73,7 @@ class TideHandle:
                 for modules in (router.routers, router.exit_heads):
                     if str(k) in modules:  # (a router without exit heads has an empty dict of them)
                         modules[str(k)].to(device)
-                self._norm_specs[k] = None if spec is None else replace(
-                    spec, weight=_to(spec.weight, device), bias=_to(spec.bias, device))
+                self._norm_specs[k] = None if spec is None else spec.to(device)
         self._patches = Patches()
         self._patches.hook(model.register_forward_pre_hook(self._begin, with_kwargs=True))
         self._patches.hook(model.register_forward_hook(self._end))
@@ -129,6 +127,8 @@ class TideHandle:
     def session(self, *, generating: bool, eos: torch.Tensor | None = None) -> Iterator[Session]:
         """Scope one call: fresh stats, published as `last_stats` when the call ends."""
         outer = getattr(self._local, "session", None)
+        if getattr(self._local, "auto", False):  # left by a plain forward that raised before its end hook
+            outer, self._local.auto = None, False
         session = self._new_session(generating, eos)
         self._local.session = session
         try:
@@ -288,10 +288,6 @@ class TideHandle:
             _CALL_HANDLES.get(self.model, {}).pop(id(self), None)
 
 
-def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    return None if tensor is None else tensor.to(device)
-
-
 def attach(
     model: nn.Module, router: TideRouter, *,
     min_agreement: float | None = None, max_perplexity_increase: float | None = None, confidence: float | None = None,
@@ -313,7 +309,7 @@ def attach(
     """
     with _REGISTRY_LOCK:
         if get_handle(model) is not None:
-            raise ValueError("this model already has a TIDE router attached; call handle.detach() first")
+            raise TideArgumentError("this model already has a TIDE router attached; call handle.detach() first")
         if _CALL_HANDLES.get(model):
             raise TideConcurrencyError(
                 "a generate(tide=<router>) call is running on this model (in another thread); attach after it ends")
@@ -333,7 +329,7 @@ def attach_for_call(model: nn.Module, router: TideRouter) -> TideHandle:
     """
     with _REGISTRY_LOCK:
         if get_handle(model) is not None:
-            raise ValueError("a different TIDE router is already attached to this model; use tide=True, "
+            raise TideArgumentError("a different TIDE router is already attached to this model; use tide=True, "
                              "or detach it before passing another router")
         handle = _build(model, router, owner=threading.get_ident())
         _CALL_HANDLES.setdefault(model, {})[id(handle)] = handle
@@ -351,9 +347,9 @@ def _build(model: nn.Module, router: TideRouter, *, min_agreement: float | None 
     router.check_compatible(model, ignore_fingerprint=ignore_fingerprint, adapter=adapter)
     cfg = router.config
     targeted = min_agreement is not None or max_perplexity_increase is not None
-    if exit_threshold is not None and targeted:
-        raise ValueError("give either exit_threshold (one global threshold) or a quality target "
-                         "(min_agreement / max_perplexity_increase), not both")
+    if exit_threshold is not None and (targeted or confidence is not None):
+        raise TideArgumentError("give either exit_threshold (one global threshold) or a quality target "
+                         "(min_agreement / max_perplexity_increase / confidence), not both")
     if exit_threshold is None and not targeted and cfg.exit_paths and cfg.min_agreement is not None:
         min_agreement = cfg.min_agreement  # the router's default target
     thresholds, target = None, None
@@ -363,6 +359,10 @@ def _build(model: nn.Module, router: TideRouter, *, min_agreement: float | None 
                             max_perplexity_increase=max_perplexity_increase, confidence=level)
         target = {k: v for k, v in (("min_agreement", min_agreement), ("confidence", level),
                                     ("max_perplexity_increase", max_perplexity_increase)) if v is not None}
+        check_served(thresholds, cfg.min_layers if min_layers is None else min_layers, cfg.min_layers)
+    elif confidence is not None:
+        raise TideArgumentError("confidence applies only with a quality target (min_agreement= or "
+                                "max_perplexity_increase=), and none is in effect for this router")
     options = TideOptions(
         exit_threshold=cfg.exit_threshold if exit_threshold is None else exit_threshold,
         min_layers=cfg.min_layers if min_layers is None else min_layers,
@@ -372,7 +372,7 @@ def _build(model: nn.Module, router: TideRouter, *, min_agreement: float | None 
         thresholds=thresholds,
         target=target,
     )
-    options.validate(adapter.num_layers)
+    options.validate(adapter.num_layers, router.checkpoint_layers)
     eligible = [k for k in router.checkpoint_layers if k >= options.min_layers and options.threshold(k) < 1.0]
     if options.mode == "skip" and eligible:
         LayerSkipper.check(adapter.layers, eligible[0], options.kv)

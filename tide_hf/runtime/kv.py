@@ -156,9 +156,23 @@ class Pending:
 def recompute_support(layer: nn.Module) -> str | None:
     """None when `KVRecompute` can catch `layer` up on skipped tokens, else the reason it cannot."""
     reason = propagate_support(layer)
-    if reason is None and getattr(layer.self_attn, "sliding_window", None):
+    if reason is None and sliding_window(layer.self_attn):
         reason = f"{type(layer).__name__} uses sliding-window attention; kv='recompute' supports full attention"
     return reason
+
+
+def sliding_window(attention: nn.Module) -> int | None:
+    """The attention window of this layer, None for full attention: the module's own `sliding_window`, else its
+    config's (Mistral keeps it there), unless the config's `layer_types` make this layer a full-attention one."""
+    window = getattr(attention, "sliding_window", None)
+    if window:
+        return window
+    config = getattr(attention, "config", None)
+    window = getattr(config, "sliding_window", None)
+    types, index = getattr(config, "layer_types", None), getattr(attention, "layer_idx", None)
+    if window and types is not None and index is not None and index < len(types):
+        return window if types[index] != "full_attention" else None
+    return window or None
 
 
 class KVRecompute:

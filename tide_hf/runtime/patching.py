@@ -10,6 +10,8 @@ drafting (`config.num_hidden_layers`), speculative mode (stock's candidate-gener
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +19,39 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 MISSING = object()  # what `Patches` records for an attribute the object did not hold itself
+
+
+class _Layers:
+    """The patches of one attribute of one object: the value found before the first, and the live ones (oldest
+    first). Held by the undo closures; the registry below only points at it, so a patched model stays free to
+    be garbage collected."""
+
+    def __init__(self, obj: Any, base: Any) -> None:
+        self.owner = _owner(obj)
+        self.base = base
+        self.stack: list[list[Any]] = []
+
+
+# (object id, attribute) -> its live `_Layers`; keyed by id (configs are unhashable), checked by owner.
+_LAYERS: dict[tuple[int, str], weakref.ref[_Layers]] = {}
+_LAYERS_LOCK = threading.Lock()
+
+
+def _owner(obj: Any) -> Callable[[], Any]:
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
+
+
+def _found(obj: Any, name: str) -> Any:
+    """What restoring `obj.name` must bring back: its own value, or MISSING when deleting ours does it."""
+    own = vars(obj) if hasattr(obj, "__dict__") else {}
+    if name in own:  # the object's own value (a config field, accelerate's `_old_forward`, a class's method)
+        return own[name]
+    if isinstance(obj, type) or hasattr(type(obj), name) or not hasattr(obj, name):
+        return MISSING  # inherited or absent: deleting our attribute brings it back
+    return getattr(obj, name)  # computed on access (e.g. a config's attribute_map alias): set the old value back
 
 
 def forward_attribute(module: nn.Module) -> str:
@@ -46,16 +81,36 @@ class Patches:
         return handle
 
     def set_attr(self, obj: Any, name: str, value: Any) -> None:
-        """`setattr(obj, name, value)`, undone on restore (instance or class attribute alike)."""
-        own = vars(obj) if hasattr(obj, "__dict__") else {}
-        if name in own:  # the object's own value (a config field, accelerate's `_old_forward`, a class's method)
-            saved = own[name]
-        elif isinstance(obj, type) or hasattr(type(obj), name) or not hasattr(obj, name):
-            saved = MISSING  # inherited or absent: deleting our attribute brings it back
-        else:  # computed on access (e.g. a config's attribute_map alias): set the old value back
-            saved = getattr(obj, name)
-        setattr(obj, name, value)
-        self._undo.append(lambda: delattr(obj, name) if saved is MISSING else setattr(obj, name, saved))
+        """`setattr(obj, name, value)`, undone on restore (instance or class attribute alike).
+
+        Patches of one attribute by several owners may end in any order (overlapping `generate(tide=...)`
+        calls in two threads): each undo removes its own layer, and the attribute shows the newest layer left,
+        or, once none is, the value found before the first."""
+        key = (id(obj), name)
+        with _LAYERS_LOCK:
+            layers = _LAYERS[key]() if key in _LAYERS else None
+            if layers is None or layers.owner() is not obj:
+                layers = _Layers(obj, _found(obj, name))
+                _LAYERS[key] = weakref.ref(layers, lambda ref: _LAYERS.pop(key) if _LAYERS.get(key) is ref else None)
+            entry = [value]  # a fresh list: identity marks this layer
+            layers.stack.append(entry)
+            setattr(obj, name, value)
+
+        def undo() -> None:
+            with _LAYERS_LOCK:
+                top = layers.stack[-1] is entry
+                layers.stack.remove(entry)
+                if not layers.stack:
+                    if key in _LAYERS and _LAYERS[key]() is layers:
+                        del _LAYERS[key]
+                    if layers.base is MISSING:
+                        delattr(obj, name)
+                    else:
+                        setattr(obj, name, layers.base)
+                elif top:
+                    setattr(obj, name, layers.stack[-1][0])
+
+        self._undo.append(undo)
 
     def replace_forward(self, module: nn.Module, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
         """Replace `module`'s forward on the instance by `make(original_forward)`."""

@@ -1,0 +1,278 @@
+"""Bad input is refused with an error naming the problem, before anything changes; odd but valid input (numpy
+numbers, paths, symbolic links, 0-d tensors) is served as stock transformers would serve it."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import constant_router, hooks, left_padded, make_model, mixed_router, new_router
+from transformers import MistralConfig, MistralForCausalLM
+
+import tide_hf
+from tide_hf import TideRouter, TideRouterConfig
+from tide_hf.errors import (
+    TideArgumentError,
+    TideArgumentTypeError,
+    TideCompatibilityError,
+    TideError,
+    TideRouterFileError,
+)
+from tide_hf.modeling.targets import TideTargetError
+
+CLOSED_PATH = {"thresholds": [[1.0, 1.0], [0.9, 1.0]], "errors": [0, 2], "n": 100, "nll_sum": [0.0, 0.5],
+               "nll_sumsq": [0.0, 0.5], "n_next": 90}
+
+
+def config(**fields) -> TideRouterConfig:
+    return TideRouterConfig(hidden_size=64, num_hidden_layers=9, router_bottleneck_dim=8, **fields)
+
+
+@pytest.mark.parametrize("paths,message", [
+    ("abc", "exit_paths must be a dict"),
+    ({"speed": CLOSED_PATH}, "kinds must be among"),
+    ({"agreement": {**CLOSED_PATH, "thresholds": [[1.0], [0.5]]}}, "one value per checkpoint"),
+    ({"agreement": {**CLOSED_PATH, "thresholds": [[0.9, 1.0], [0.5, 1.0]]}}, "first threshold vector must close"),
+    ({"agreement": {**CLOSED_PATH, "errors": [0]}}, r"\['errors'\] must be a list with one entry"),
+    ({"agreement": {**CLOSED_PATH, "errors": [0, 200]}}, "200 errors out of n=100"),
+    ({"agreement": {**CLOSED_PATH, "n": -5}}, r"\['n'\] must be >= 0"),
+    ({"agreement": {k: v for k, v in CLOSED_PATH.items() if k != "nll_sum"}}, r"lacks \['nll_sum'\]"),
+    ({"agreement": {**CLOSED_PATH, "thresholds": [[1.0, 1.0], [1.5, 1.0]]}}, "threshold must be a finite number"),
+])
+def test_a_hand_edited_exit_path_is_refused_at_load(tmp_path: Path, paths, message) -> None:
+    model = make_model()
+    router = new_router(model, exit_paths={"agreement": CLOSED_PATH})
+    router.save_pretrained(tmp_path / "r")
+    saved = json.loads((tmp_path / "r" / "config.json").read_text())
+    (tmp_path / "r" / "config.json").write_text(json.dumps({**saved, "exit_paths": paths}))
+    with pytest.raises(TideError, match=message):
+        TideRouter.from_pretrained(tmp_path / "r")
+
+
+def test_numpy_numbers_and_paths_are_stored_as_plain_values(tmp_path: Path) -> None:
+    """What a script computes (numpy ints and floats, a pathlib dataset) saves as JSON and reloads equal."""
+    cfg = config(seq_len=np.int64(32), learning_rate=np.float32(0.5), seed=np.int64(3),
+                 dataset=tmp_path / "texts", checkpoint_layers=[np.int64(4), np.int64(8)])
+    assert type(cfg.seq_len) is int and type(cfg.learning_rate) is float and type(cfg.seed) is int
+    assert cfg.dataset == str(tmp_path / "texts") and all(type(k) is int for k in cfg.checkpoint_layers)
+    TideRouter(cfg).save_pretrained(tmp_path / "r")
+    loaded = TideRouter.from_pretrained(tmp_path / "r").config
+    assert (loaded.seq_len, loaded.learning_rate, loaded.seed) == (32, 0.5, 3)
+    with pytest.raises(TideArgumentError, match="seed must be in"):
+        config(seed=2**70)
+    with pytest.raises(TideArgumentTypeError, match="dataset must be a string"):
+        config(dataset=3)
+
+
+def test_load_time_keywords_are_checked_like_the_file(tmp_path: Path) -> None:
+    new_router(make_model()).save_pretrained(tmp_path / "r")
+    for bad, message in ((dict(exit_threshold=math.nan), "exit_threshold"), (dict(min_layers=100), "min_layers"),
+                         (dict(label="bogus"), "label")):
+        with pytest.raises(TideArgumentError, match=message):
+            TideRouter.from_pretrained(tmp_path / "r", **bad)
+
+
+def test_unreadable_weights_and_negative_draft_ids_are_router_file_errors(tmp_path: Path) -> None:
+    model = make_model()
+    router = new_router(model)
+    router.set_draft_vocab(torch.arange(256), {"256": 1.0})
+    router.save_pretrained(tmp_path / "r")
+    weights = tmp_path / "r" / "model.safetensors"
+    data = weights.read_bytes()
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(weights)
+    tensors["draft_vocab"][3] = -7
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(TideRouterFileError, match="negative token ids"):
+        TideRouter.from_pretrained(tmp_path / "r")
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(TideRouterFileError, match="weights file cannot be read"):
+        TideRouter.from_pretrained(tmp_path / "r")
+
+
+def test_saving_through_a_link_replaces_the_linked_router_with_the_umask_permissions(tmp_path: Path) -> None:
+    model = make_model()
+    new_router(model, seed=0).save_pretrained(tmp_path / "real")
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    newer = new_router(model, seed=1)
+    old_umask = os.umask(0o022)
+    try:
+        newer.save_pretrained(tmp_path / "link", overwrite=True)
+    finally:
+        os.umask(old_umask)
+    assert (tmp_path / "link").is_symlink()
+    loaded = TideRouter.from_pretrained(tmp_path / "real")
+    torch.testing.assert_close(loaded.routers["4"].fc1.weight, newer.routers["4"].fc1.weight)
+    assert stat.S_IMODE((tmp_path / "real").stat().st_mode) == 0o755
+
+
+def test_model_card_shows_the_default_target_and_keeps_local_paths_out_of_metadata(tmp_path: Path) -> None:
+    model = make_model()
+    router = new_router(model, exit_paths={"agreement": CLOSED_PATH}, base_model_name_or_path=str(tmp_path),
+                        dataset=str(tmp_path / "texts"))
+    card = router.model_card()
+    assert card.data.base_model is None and not card.data.datasets
+    assert "tide_hf.attach(model, router)  # top-1 agreement >= 0.95" in card.text
+    assert "exit_threshold" not in card.text.split("```")[1]
+    hub = new_router(model, base_model_name_or_path="org/base", dataset="org/texts").model_card()
+    assert hub.data.base_model == "org/base" and hub.data.datasets == ["org/texts"]
+    assert "attach(model, router, exit_threshold=0.85)" in hub.text  # no exit paths: the global threshold
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(min_agreement="0.9"), TideArgumentTypeError, "min_agreement must be a number"),
+    (dict(min_agreement=True), TideArgumentTypeError, "min_agreement must be a number"),
+    (dict(confidence="x", min_agreement=0.9), TideArgumentTypeError, "confidence must be a number"),
+    (dict(max_perplexity_increase=math.inf), TideTargetError, "finite number"),
+    (dict(exit_threshold=0.5, confidence=0.9), TideArgumentError, "not both"),
+    (dict(ignore_fingerprint="no"), TideArgumentTypeError, "ignore_fingerprint must be True or False"),
+    (dict(mode="speculative", draft_layer=5), TideArgumentError, "draft_layer=5 has no router"),
+])
+def test_attach_refuses_bad_targets_before_touching_the_model(kwargs, error, message) -> None:
+    model = make_model()
+    router = new_router(model, exit_paths={"agreement": CLOSED_PATH, "perplexity": CLOSED_PATH})
+    before = hooks(model)
+    with pytest.raises(error, match=message):
+        tide_hf.attach(model, router, **kwargs)
+    assert hooks(model) == before and tide_hf.runtime.get_handle(model) is None
+
+
+def test_confidence_without_a_target_is_refused() -> None:
+    model = make_model()
+    with pytest.raises(TideArgumentError, match="confidence applies only with a quality target"):
+        tide_hf.attach(model, new_router(model), confidence=0.9)  # no exit paths: no target to apply it to
+
+
+def test_a_target_whose_thresholds_open_checkpoints_below_min_layers_is_refused() -> None:
+    model = make_model()
+    path = {**CLOSED_PATH, "thresholds": [[1.0, 1.0], [0.9, 0.8]]}
+    router = new_router(model, exit_paths={"agreement": path})
+    with pytest.raises(TideTargetError, match=r"open checkpoints \[4\], below min_layers=8"):
+        tide_hf.attach(model, router, min_agreement=0.5, min_layers=8)
+    with tide_hf.attach(model, router, min_agreement=0.5) as handle:  # the calibrated min_layers: served as tested
+        assert handle.options.thresholds == {4: 0.9, 8: 0.8}
+
+
+def test_deliberate_errors_are_tide_errors() -> None:
+    model = make_model()
+    router = new_router(model)
+    with tide_hf.attach(model, router):
+        with pytest.raises(TideArgumentError, match="already has a TIDE router"):
+            tide_hf.attach(model, router)
+    with pytest.raises(TideArgumentError, match="needs a router"):
+        model.generate(torch.tensor([[5, 6]]), max_new_tokens=1, tide=True)
+    with pytest.raises(TideArgumentTypeError, match="tide= takes"):
+        model.generate(torch.tensor([[5, 6]]), max_new_tokens=1, tide=3)
+
+
+def test_empty_dataset_name_is_refused_not_replaced() -> None:
+    model = make_model()
+    with pytest.raises(TideArgumentError, match="dataset is an empty name"):
+        tide_hf.calibrate(model, object(), "", num_samples=4, seq_len=8)
+
+
+def test_recompute_refuses_decoding_that_edits_the_cache() -> None:
+    model = make_model()
+    ids, mask = left_padded()
+    router = mixed_router(model, ids, mask)
+    with tide_hf.attach(model, router, exit_threshold=0.5, mode="skip", kv="recompute"):
+        with pytest.raises(TideArgumentError, match="kv='recompute' cannot serve num_beams=2"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=3, num_beams=2, do_sample=False)
+        with pytest.raises(TideArgumentError, match="prompt_lookup_num_tokens"):
+            model.generate(ids[:1], max_new_tokens=3, prompt_lookup_num_tokens=2, do_sample=False)
+    with tide_hf.attach(model, router, exit_threshold=0.5, mode="skip", kv="propagate"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, num_beams=2, do_sample=False)
+
+
+def test_recompute_refuses_a_window_kept_in_the_config() -> None:
+    """Mistral keeps its sliding window in the config, not on the attention module."""
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=9, num_attention_heads=4, num_key_value_heads=2,
+                                             sliding_window=4, pad_token_id=0, eos_token_id=2)).eval()
+    assert not getattr(model.model.layers[0].self_attn, "sliding_window", None)
+    with pytest.raises(NotImplementedError, match="sliding-window attention"):
+        tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, mode="skip", kv="recompute")
+
+
+def test_a_forward_that_raised_does_not_cost_the_next_call_its_stats() -> None:
+    model = make_model()
+    ids, mask = left_padded()
+    with tide_hf.attach(model, constant_router(model, -30.0)) as handle:
+        expected = None
+        for attempt in range(2):
+            if attempt:  # a plain forward that raises inside the model, before TIDE's end hook
+                boom = model.model.layers[2].register_forward_hook(lambda *_: (_ for _ in ()).throw(KeyError("boom")))
+                with pytest.raises(KeyError, match="boom"):
+                    model(input_ids=ids, attention_mask=mask)
+                boom.remove()
+            model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+            counts = (handle.last_stats.prefill.tokens, handle.last_stats.decode.tokens)
+            expected = expected or counts
+            assert counts == expected and counts[1] > 0
+
+
+def test_eos_as_a_0d_tensor_is_served_like_stock() -> None:
+    model = make_model()
+    ids, mask = left_padded()
+    stock = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, eos_token_id=torch.tensor(2))
+    with tide_hf.attach(model, constant_router(model, -30.0)):
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                              eos_token_id=torch.tensor(2))
+    assert torch.equal(stock, ours)
+
+
+def test_compatibility_errors_are_tide_errors() -> None:
+    class NoLayers(torch.nn.Module):
+        config = make_model().config
+
+    with pytest.raises(TideCompatibilityError):
+        tide_hf.attach(NoLayers(), new_router(make_model()))
+
+
+def test_calibration_warns_when_its_default_target_opens_nothing() -> None:
+    from tide_hf.calibration.pipeline import warn_if_closed
+
+    closed = {"thresholds": [[1.0, 1.0], [0.5, 0.5]], "errors": [0, 50], "n": 100, "nll_sum": [0.0, 1.0],
+              "nll_sumsq": [0.0, 1.0], "n_next": 100}
+    with pytest.warns(UserWarning, match="lets no token exit: 100 threshold-split tokens certify no exit"):
+        warn_if_closed(config(exit_paths={"agreement": closed}))
+    opened = {**closed, "errors": [0, 0], "n": 1000}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_closed(config(exit_paths={"agreement": opened}))
+
+
+def test_records_that_are_not_text_are_refused_not_dropped(tmp_path: Path) -> None:
+    from tide_hf.calibration import load_texts
+    from tide_hf.errors import TideDataError
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"text": value}) for value in (1, 2, 3)) + "\n")
+    with pytest.raises(TideDataError, match="3 'text' values are not strings"):
+        load_texts(str(data))
+
+
+def test_held_out_fractions_that_leave_no_training_samples_are_refused_naming_both() -> None:
+    with pytest.raises(TideArgumentError, match=r"validation_fraction \(0.95\) \+ threshold_fraction \(0.1\)"):
+        config(validation_fraction=0.95)
+
+
+@pytest.mark.parametrize("samples,pad_id,error,message", [
+    ([torch.tensor([5, 300])], 0, TideArgumentError, r"in \[0, 256\).*5\.\.300"),
+    ([torch.tensor([-1, 5])], 0, TideArgumentError, r"-1\.\.5"),
+    ([torch.tensor([5, 6])], 999, TideArgumentError, "pad_id is 999"),
+    ([torch.tensor([5, 6])], 2.5, TideArgumentTypeError, "pad_id must be an int"),
+    ([torch.tensor([True, False])], 0, TideArgumentTypeError, "integer token tensors"),
+])
+def test_calibrate_tokens_refuses_ids_the_model_cannot_embed(samples, pad_id, error, message) -> None:
+    with pytest.raises(error, match=message):
+        tide_hf.calibrate_tokens(make_model(), samples, pad_id=pad_id)

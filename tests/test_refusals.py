@@ -276,3 +276,16 @@ def test_held_out_fractions_that_leave_no_training_samples_are_refused_naming_bo
 def test_calibrate_tokens_refuses_ids_the_model_cannot_embed(samples, pad_id, error, message) -> None:
     with pytest.raises(error, match=message):
         tide_hf.calibrate_tokens(make_model(), samples, pad_id=pad_id)
+
+
+def test_missing_or_wrong_folders_are_named(tmp_path: Path) -> None:
+    from tide_hf.assets import load_model
+
+    with pytest.raises(FileNotFoundError, match="model folder not found"):
+        load_model(str(tmp_path / "nowhere"))
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("x")
+    with pytest.raises(TideCompatibilityError, match="cannot be loaded as a causal LM"):
+        load_model(str(tmp_path / "notes"))
+    with pytest.raises(TideRouterFileError, match="no TIDE router folder at"):
+        TideRouter.from_pretrained(tmp_path / "no-router")

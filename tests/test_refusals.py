@@ -289,3 +289,13 @@ def test_missing_or_wrong_folders_are_named(tmp_path: Path) -> None:
         load_model(str(tmp_path / "notes"))
     with pytest.raises(TideRouterFileError, match="no TIDE router folder at"):
         TideRouter.from_pretrained(tmp_path / "no-router")
+
+
+def test_copying_an_attached_model_is_refused_with_the_way_out() -> None:
+    import copy
+
+    model = make_model()
+    with tide_hf.attach(model, constant_router(model, -30.0)):
+        with pytest.raises(TideArgumentError, match="cannot be deep-copied"):
+            copy.deepcopy(model)
+    assert isinstance(copy.deepcopy(model), type(model))  # detached: copies as stock

@@ -54,9 +54,7 @@ class TideHandle:
     def __init__(self, model: nn.Module, router: TideRouter, options: TideOptions, adapter: ModelAdapter,
                  *, owner: int | None = None) -> None:
         self.model, self.router, self.options, self.adapter = model, router, options, adapter
-        # `owner`: the thread id of a per-call attach (`generate(tide=router)`), whose hooks act in that thread
-        # only; None: an `attach`, acting in every thread.
-        self.owner = owner
+        self.owner = owner  # the thread of a per-call attach (`generate(tide=router)`); None: every thread
         self.num_layers = adapter.num_layers
         self.checkpoints = [k for k in router.checkpoint_layers if k >= options.min_layers]
         self.open_checkpoints = [k for k in self.checkpoints if options.threshold(k) < 1.0]  # those that can exit
@@ -113,6 +111,10 @@ class TideHandle:
 
     def _new_session(self, generating: bool, eos: torch.Tensor | None = None) -> Session:
         return Session(self._new_stats(), generating, eos)
+
+    def __deepcopy__(self, memo: dict) -> TideHandle:  # reached through the hooks of `copy.deepcopy(model)`
+        raise TideArgumentError("an attached model cannot be deep-copied (its hooks belong to this attach): copy "
+                                "it before attach or after detach, then attach a router to the copy")
 
     # -- per-call state -------------------------------------------------------------------------
     @property

@@ -110,3 +110,19 @@ def test_the_demo_states_its_quality_target() -> None:
     both = demo.describe_target({"min_agreement": 0.97, "max_perplexity_increase": 0.05, "confidence": 0.8}, None)
     assert ">= 97%" in both and "<= +5% perplexity" in both and "80% confidence" in both
     assert "none" in demo.describe_target(None, "sotu")
+
+
+def test_differences_read_missing_options_as_their_meaning() -> None:
+    """No --continuation means the corpus and no --min-layers the first checkpoint; a router may hold fewer
+    samples than asked for (the text ran out), never more."""
+    model = make_model()
+    args = demo_args()
+    made = dict(num_samples=args.num_samples, seq_len=args.seq_len, exit_head=args.exit_head,
+                max_train_tokens=args.max_train_tokens)
+    assert demo.differences(new_router(model, **made), args) == []
+    assert demo.differences(new_router(model, **{**made, "num_samples": 48}), args) == []
+    assert demo.differences(new_router(model, **{**made, "num_samples": 999}), args) == \
+        ["--num-samples 128 (router: 999)"]
+    assert demo.differences(new_router(model, **made, continuation="greedy"), args) == \
+        ["--continuation None (router: greedy)"]
+    assert demo.differences(new_router(model, **made, min_layers=8), args) == ["--min-layers 4 (router: 8)"]

@@ -299,3 +299,56 @@ def test_copying_an_attached_model_is_refused_with_the_way_out() -> None:
         with pytest.raises(TideArgumentError, match="cannot be deep-copied"):
             copy.deepcopy(model)
     assert isinstance(copy.deepcopy(model), type(model))  # detached: copies as stock
+
+
+def test_the_working_directory_is_never_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    router = new_router(make_model())
+    for target in (".", "..", str(work)):
+        with pytest.raises(TideRouterFileError, match="working directory"):
+            router.save_pretrained(target)
+    router.save_pretrained("inside")  # a folder in it is fine
+    assert (work / "inside" / "config.json").is_file() and Path.cwd() == work
+
+
+def test_numbers_nested_in_tables_are_stored_as_plain_values(tmp_path: Path) -> None:
+    path = {**CLOSED_PATH, "thresholds": [[1.0, 1.0], [np.float32(0.5), 1.0]], "errors": [0, np.int64(2)],
+            "n": np.int64(100)}
+    cfg = config(exit_paths={"agreement": path}, metrics={"4": {"auc": np.float64(0.8)}},
+                 seed=2**64 - 1)
+    json.loads(cfg.to_json_string())  # would raise on a numpy number
+    assert type(cfg.exit_paths["agreement"]["n"]) is int and type(cfg.metrics["4"]["auc"]) is float
+
+
+def test_patch_layers_are_removed_by_identity_not_equality() -> None:
+    from tide_hf.runtime import Patches
+
+    class Box:
+        pass
+
+    box = Box()
+    first, second = Patches(), Patches()
+    first.set_attr(box, "value", torch.zeros(2))  # tensors' == is elementwise: removal must not compare them
+    second.set_attr(box, "value", torch.zeros(2))
+    first.restore()
+    assert torch.equal(box.value, torch.zeros(2)) and box.value is not None
+    second.restore()
+    assert "value" not in vars(box)
+    first.set_attr(box, "flag", 1)
+    second.set_attr(box, "flag", True)  # equal to 1, but the other owner's
+    first.restore()
+    assert box.flag is True
+    second.restore()
+    assert "flag" not in vars(box)
+
+
+def test_old_routers_whose_paths_open_checkpoints_below_their_min_layers_are_told_to_recalibrate() -> None:
+    model = make_model()
+    path = {**CLOSED_PATH, "thresholds": [[1.0, 1.0], [0.9, 0.8]]}
+    router = new_router(model, exit_paths={"agreement": path}, min_layers=8)
+    with pytest.raises(TideTargetError, match="calibrated by a tide_hf older than the fix"):
+        tide_hf.attach(model, router, min_agreement=0.5)
+    with tide_hf.attach(model, router, exit_threshold=0.9):
+        pass

@@ -234,8 +234,8 @@ class TideRouterConfig(PretrainedConfig):
         check_min_layers(self.min_layers, self.num_hidden_layers)
         check_coverage(self.draft_vocab_coverage)
         check_exit_paths(self.exit_paths, len(self.checkpoint_layers))
-        if abs(self.seed) >= SEED_BOUND:
-            raise TideArgumentError(f"seed must be in (-2**63, 2**63), got {self.seed}")
+        if not -SEED_BOUND <= self.seed < 2 * SEED_BOUND:
+            raise TideArgumentError(f"seed must be in [-2**63, 2**64), what torch.manual_seed takes, got {self.seed}")
         for name in ("metrics", "calibration_seconds"):
             if not isinstance(getattr(self, name), dict):
                 raise TideArgumentTypeError(f"{name} must be a dict, got {type(getattr(self, name)).__name__}")
@@ -250,6 +250,8 @@ class TideRouterConfig(PretrainedConfig):
         for name, kind in NUMBER_FIELDS.items():
             if getattr(self, name) is not None:
                 setattr(self, name, kind(getattr(self, name)))
+        for name in ("exit_paths", "draft_vocab_coverage", "metrics", "calibration_seconds"):
+            setattr(self, name, plain(getattr(self, name)))
 
     @classmethod
     def field_names(cls) -> frozenset[str]:
@@ -290,6 +292,21 @@ def check_coverage(coverage: Any) -> None:
             raise TideArgumentError(f"draft_vocab_coverage: sizes must be positive integers written as strings, "
                                     f"got {size!r}")
         check_real(f"draft_vocab_coverage[{size!r}]", share, low=0.0, high=1.0)
+
+
+def plain(value: Any) -> Any:
+    """`value` with every number inside (dicts, lists) a plain int / float / bool, as JSON writes them."""
+    if isinstance(value, dict):
+        return {key: plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(item) for item in value]
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
 
 
 def check_exit_paths(paths: Any, num_checkpoints: int) -> None:

@@ -47,7 +47,7 @@ def check_writable(path: Path, what: str) -> None:
     """`path` can be created (or replaced) as a file or folder: refused now, not after the calibration."""
     if what == "--results" and path.is_dir():
         raise TideArgumentError(f"{what} {path} is a folder; give a JSON file name")
-    parent = path.absolute().parent
+    parent = Path(os.path.realpath(path)).parent  # a link: the save goes next to the folder it points to
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):

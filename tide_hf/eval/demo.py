@@ -64,10 +64,18 @@ def is_complete(folder: Path) -> bool:
 
 
 def differences(router: TideRouter, args: argparse.Namespace) -> list[str]:
-    """Calibration settings given on the command line that the stored router was not calibrated with."""
-    return [f"--{name.replace('_', '-')} {getattr(args, name)} (router: {getattr(router.config, name)})"
-            for name in COMPARED if getattr(args, name, None) is not None
-            and getattr(args, name) != getattr(router.config, name)]
+    """Calibration settings of the command line that the stored router was not calibrated with. A router may
+    hold fewer samples than asked for (the text ran out), never more; no --min-layers means the first
+    checkpoint; no --continuation means the corpus as written."""
+    cfg = router.config
+    wanted = {name: getattr(args, name, None) for name in COMPARED}
+    if wanted["min_layers"] is None:
+        wanted["min_layers"] = min(cfg.checkpoint_layers)
+    changed = [name for name, value in wanted.items()
+               if (value is not None or name == "continuation") and value != getattr(cfg, name)]
+    if "num_samples" in changed and cfg.num_samples < args.num_samples:
+        changed.remove("num_samples")
+    return [f"--{name.replace('_', '-')} {wanted[name]} (router: {getattr(cfg, name)})" for name in changed]
 
 
 def get_router(args: argparse.Namespace, *, calibrate: Callable = calibrate_from_args,
@@ -87,8 +95,10 @@ def get_router(args: argparse.Namespace, *, calibrate: Callable = calibrate_from
         print(f"tide_hf demo: reusing the router calibrated earlier in {folder} (--recalibrate to redo)")
         model, tokenizer = load(args.model, args.dtype)
         return model, tokenizer, router, True
-    if not args.output and folder.exists():  # the cache's own folder, left incomplete by a killed run
+    if not args.output and folder.exists() and not is_complete(folder):  # the cache's own, left by a killed run
         shutil.rmtree(folder)
+    if not args.output:  # a histogram older versions drew into the cache folder, not a router file
+        (folder / "exits.png").unlink(missing_ok=True)
     check_save_target(folder, overwrite=True)  # only a router may be replaced: refused before the work
     print(f"tide_hf demo: calibrating routers on {args.num_samples} samples x {args.seq_len} tokens "
           f"(once; cached in {folder})")

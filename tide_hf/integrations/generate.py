@@ -84,7 +84,7 @@ def _check_decoding(handle: TideHandle, model: Any, kwargs: dict) -> None:
     config = kwargs.get("generation_config") or model.generation_config
     beams = kwargs.get("num_beams", config.num_beams) or 1
     used = [f"num_beams={beams}"] * (beams > 1) + [
-        name for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+        name for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "custom_generate")
         if kwargs.get(name, getattr(config, name, None)) is not None]
     if used:
         raise TideArgumentError(f"kv='recompute' cannot serve {', '.join(used)}: the tokens waiting for their "

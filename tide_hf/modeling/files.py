@@ -35,6 +35,10 @@ def is_router_folder(path: Path) -> bool:
 def check_save_target(path: Path, overwrite: bool) -> None:
     """Refuse (`TideRouterFileError`) to save into anything but a missing / empty folder, or, with
     `overwrite=True`, a folder that holds a TIDE router only: a model's folder is never touched."""
+    cwd, resolved = Path.cwd().resolve(), Path(os.path.realpath(path))
+    if resolved == cwd or resolved in cwd.parents:
+        raise TideRouterFileError(f"cannot save a TIDE router to {path}: it is the working directory or holds it "
+                                  "(a save replaces the folder); choose a folder inside it")
     if not path.exists():
         return
     if not path.is_dir():

@@ -95,6 +95,11 @@ def check_served(thresholds: dict[int, float], min_layers: int, calibrated_min_l
     with exits from `calibrated_min_layers` on, and closing an open checkpoint moves its tokens to later exits
     that the test never counted."""
     dropped = [k for k, t in thresholds.items() if t < 1.0 and k < min_layers]
+    if dropped and min_layers == calibrated_min_layers:
+        raise TideTargetError(
+            f"this router's exit paths open checkpoints {dropped}, below its own min_layers={min_layers}: it was "
+            "calibrated by a tide_hf older than the fix that keeps them closed, so its targets are not certified "
+            "for the exits it serves; recalibrate it, or pass exit_threshold=")
     if dropped:
         raise TideTargetError(
             f"the thresholds for this target open checkpoints {dropped}, below min_layers={min_layers}: the target "

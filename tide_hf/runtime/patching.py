@@ -99,7 +99,7 @@ class Patches:
         def undo() -> None:
             with _LAYERS_LOCK:
                 top = layers.stack[-1] is entry
-                layers.stack.remove(entry)
+                del layers.stack[next(i for i, e in enumerate(layers.stack) if e is entry)]  # identity, not ==
                 if not layers.stack:
                     if key in _LAYERS and _LAYERS[key]() is layers:
                         del _LAYERS[key]

@@ -194,3 +194,27 @@ def test_draft_vocabulary_round_trips_and_is_checked(tmp_path) -> None:
             new_router(model, draft_vocab_coverage=bad)
     with pytest.raises(ValueError, match="draft vocabulary of 100 tokens"):
         router.set_draft_vocab(torch.arange(100), {"256": 0.5})
+
+
+def test_sampled_drafts_stop_when_processors_remove_the_whole_draft_vocabulary() -> None:
+    """suppress_tokens covering every draft-vocabulary token leaves the draft no token to sample: it stops
+    drafting instead of sampling from NaN, and the output is stock's sampled output."""
+    from tide_hf.eval.easy import make_near_identity
+
+    model = make_near_identity(make_tiny_llama(vocab=VOCAB, hidden=64), 4, scale=1e-3)
+    prompt = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(1))
+    ranking = torch.arange(3, 3 + 512)
+    router = ranked_router(model, ranking, {"256": 0.99, "512": 1.0})
+    for mlp in router.routers.values():
+        mlp.fc2.weight.data.zero_()
+        mlp.fc2.bias.data.fill_(30.0)  # the gate always open: drafts are attempted at every step
+    call = {"max_new_tokens": 12, "do_sample": True, "eos_token_id": None, "suppress_tokens": ranking[:256].tolist()}
+    torch.manual_seed(0)
+    with torch.no_grad():
+        stock = model.generate(prompt, **call)
+    with tide_hf.attach(model, router, mode="speculative", draft_layer=4) as handle:
+        torch.manual_seed(0)
+        with torch.no_grad():
+            ours = model.generate(prompt, **call)
+        assert handle.last_stats.speculative["drafted"] == 0
+    assert torch.equal(ours, stock)

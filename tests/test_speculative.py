@@ -467,3 +467,36 @@ def test_smollm2_greedy_identical_to_stock(monkeypatch):
             handle.detach()
     assert totals["accepted"] > 0 and totals["drafted"] >= 4 * 10  # the drafting-every-round pass
     assert snapshot(model) == before
+
+
+def test_a_generation_config_object_is_merged_with_the_models_defaults_like_stock():
+    """A `generation_config=` that sets EOS but no pad id: stock pads finished rows with the model's default pad
+    id; so must the row-by-row re-assembly."""
+    from transformers import GenerationConfig
+
+    model = make_model("shallow")
+    router = make_router(model, "always")
+    ids, mask = prompts(3)
+    with torch.no_grad():
+        free = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
+    eos = int(free[1, ids.shape[1] + 1])  # row 1 stops after 2 new tokens
+    model.generation_config.pad_token_id = 0
+    call = {"generation_config": GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=eos)}
+    with torch.no_grad():
+        stock = model.generate(ids, attention_mask=mask, **call)
+    out, stats = speculative(model, router, ids, attention_mask=mask, **call)
+    assert torch.equal(out, stock) and stats.speculative["fallback"] is None
+
+
+def test_fallbacks_count_their_tokens_and_an_eos_tensor_pads_batches():
+    model = make_model("shallow")
+    router = make_router(model, "always")
+    ids, mask = prompts(0)
+    out, stats = speculative(model, router, ids, attention_mask=mask, max_new_tokens=6, do_sample=False, num_beams=2)
+    assert stats.speculative["fallback"] and stats.prefill.tokens == int(mask.sum())
+    assert stats.decode.tokens == 5 * ids.shape[0]
+    call = {"max_new_tokens": NEW, "do_sample": False, "eos_token_id": torch.tensor([131, 7]), "pad_token_id": None}
+    with torch.no_grad():
+        stock = model.generate(ids, attention_mask=mask, **call)
+    out, _ = speculative(model, router, ids, attention_mask=mask, **call)
+    assert torch.equal(out, stock)

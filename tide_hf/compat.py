@@ -1,7 +1,8 @@
 """Every private transformers name tide_hf relies on, in one place (pyproject bounds transformers to >=5.17,<6).
 
 Speculative mode hands its candidates to stock assisted decoding through the instance attribute stock
-looks up (`_get_candidate_generator`), extends a prompt's model kwargs to a draft with stock's own helpers,
+looks up (`_get_candidate_generator`), reads a call's settings as generate merges them
+(`_prepare_generation_config`), extends a prompt's model kwargs to a draft with stock's own helpers,
 and reads the EOS ids generate prepared. Compiled skip mode reads transformers' output-capture collector
 the way transformers' own compiled forward does. Should transformers rename any of these, this module is
 the one to change.
@@ -9,6 +10,7 @@ the one to change.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -27,6 +29,16 @@ def extend_model_kwargs(model_kwargs: dict[str, Any], length: int) -> dict[str, 
     """Stock's extension of the prompt's attention mask, positions and token types to `length` tokens."""
     kwargs = _prepare_attention_mask(dict(model_kwargs), length, False)
     return _prepare_token_type_ids(_prepare_position_ids(kwargs, length, False), length)
+
+
+def merged_generation_config(model: Any, kwargs: dict[str, Any]) -> Any:
+    """The generation config this generate call runs with: its `generation_config` (or none) merged with the
+    model's defaults and the call's keywords, by generate's own `_prepare_generation_config`."""
+    quiet = {k: v for k, v in kwargs.items() if k != "generation_config"}
+    with warnings.catch_warnings():  # generate itself warns about the same settings once
+        warnings.simplefilter("ignore")
+        config, _ = model._prepare_generation_config(kwargs.get("generation_config"), **quiet)
+    return config
 
 
 def eos_token_tensor(generation_config: Any) -> Any:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from transformers import GenerationMixin, LogitsProcessorList
 
+from ..compat import merged_generation_config
 from ..errors import TideArgumentError, TideArgumentTypeError
 from ..modeling import TideRouter
 from ..runtime import Patches, TideHandle, attach_for_call, get_handle
@@ -69,8 +70,7 @@ def resolve_router(tide: Any) -> TideRouter:
 
 
 def _eos_ids(model: Any, kwargs: dict) -> torch.Tensor | None:
-    config = kwargs.get("generation_config") or model.generation_config
-    eos = kwargs.get("eos_token_id", config.eos_token_id)
+    eos = merged_generation_config(model, kwargs).eos_token_id
     if eos is None:
         return None
     return torch.as_tensor(eos).reshape(-1)  # an int, a list or a tensor (0-d included), as stock accepts
@@ -81,8 +81,8 @@ def _check_decoding(handle: TideHandle, model: Any, kwargs: dict) -> None:
     so beam search's reordering and assisted decoding's cropping would not reach them."""
     if handle.options.mode != "skip" or handle.options.kv != "recompute":
         return
-    config = kwargs.get("generation_config") or model.generation_config
-    beams = kwargs.get("num_beams", config.num_beams) or 1
+    config = merged_generation_config(model, kwargs)
+    beams = config.num_beams or 1
     used = [f"num_beams={beams}"] * (beams > 1) + [
         name for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "custom_generate")
         if kwargs.get(name, getattr(config, name, None)) is not None]

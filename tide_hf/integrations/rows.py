@@ -7,11 +7,12 @@ cannot reproduce exactly run stock generate instead (`fallback_reason` says why)
 
 from __future__ import annotations
 
-import copy
+from typing import Any
 
 import torch
 from torch import nn
 
+from ..compat import merged_generation_config
 from ..errors import TideArgumentError
 
 # generate() arguments assisted decoding cannot take (or would change the output with)
@@ -30,10 +31,9 @@ def fallback_reason(model: nn.Module, args: tuple, kwargs: dict, batch: int) -> 
         return "custom stopping criteria (assisted decoding checks them once per round, not per token)"
     if model.device.type == "meta":  # stock moves candidates to `model.device`, its first parameter's device
         return "the model's first parameter is offloaded (on the meta device)"
-    gc = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
-    for key, value in kwargs.items():  # plain setattr: `update()` would validate and warn a second time
-        if hasattr(gc, key):
-            setattr(gc, key, value)
+    gc = merged_generation_config(model, kwargs)  # the model's defaults included, as generate sees them
+    if gc.output_attentions and gc.return_dict_in_generate:
+        return "output_attentions (assisted decoding's attention bookkeeping fails on sdpa attention)"
     if (gc.num_beams or 1) > 1 or (gc.num_return_sequences or 1) > 1:
         return "beam search or several sequences per prompt"
     if gc.use_cache is False or gc.cache_implementation is not None or gc.use_mtp:
@@ -47,6 +47,12 @@ def fallback_reason(model: nn.Module, args: tuple, kwargs: dict, batch: int) -> 
     return None
 
 
+def first_id(value: Any) -> int | None:
+    """The first token id of an int, a list or a tensor of them (None for none)."""
+    ids = None if value is None else torch.as_tensor(value).reshape(-1)
+    return None if ids is None or ids.numel() == 0 else int(ids[0])
+
+
 def row_kwargs(kwargs: dict, i: int, batch: int) -> dict:
     """Row `i` of every per-row tensor argument (left padding and mask kept, as the batch had them)."""
     return {k: v[i: i + 1] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch else v
@@ -55,11 +61,10 @@ def row_kwargs(kwargs: dict, i: int, batch: int) -> dict:
 
 def stack_rows(rows: list[torch.Tensor], model: nn.Module, kwargs: dict) -> torch.Tensor:
     """Right-pad the rows with the pad id stock batched generate uses after EOS (the EOS id without one)."""
-    gc = kwargs.get("generation_config") or model.generation_config
-    pad = kwargs.get("pad_token_id", gc.pad_token_id)
+    gc = merged_generation_config(model, kwargs)
+    pad = first_id(gc.pad_token_id)
     if pad is None:
-        eos = kwargs.get("eos_token_id", gc.eos_token_id)
-        pad = eos[0] if isinstance(eos, (list, tuple)) else eos
+        pad = first_id(gc.eos_token_id)
     width = max(r.shape[1] for r in rows)
     if pad is None and any(r.shape[1] != width for r in rows):
         raise TideArgumentError("rows ended at different lengths but there is neither a pad nor an EOS token id to "

@@ -253,6 +253,8 @@ class TideCandidateGenerator(CandidateGenerator):
                     self.stats.gate_stops += 1
                     break
                 step = self.processors(ids, logits)
+                if not bool(torch.isfinite(step).any()):  # the processors removed every draft-vocabulary token
+                    break
                 token = (torch.multinomial(step.softmax(-1), 1) if self.do_sample else step.argmax(-1, keepdim=True))
                 ids, scores = torch.cat([ids, token.to(ids.device)], dim=-1), [*scores, step]
                 if self.eos is not None and bool(torch.isin(token, self.eos.to(token.device)).any()):
@@ -342,7 +344,10 @@ def generate(handle: TideHandle, original: Callable, model: nn.Module, args: tup
     try:
         with handle.disabled():  # the router runs only in the gate hook; verification is the stock model
             if stats.fallback is not None:
-                return original(model, *args, **kwargs)
+                out = original(model, *args, **kwargs)
+                if batch:  # stock ran every layer: counted like the drafted calls
+                    _count_tokens(handle, session, {"input_ids": inputs, **kwargs}, out)
+                return out
             key = "inputs" if "inputs" in kwargs or args else "input_ids"
             kwargs = {k: v for k, v in kwargs.items() if k != "inputs"} | {key: inputs}
             head = None if vocab is None else DraftHead(handle.adapter, handle.router, vocab)  # one slice per call
@@ -378,8 +383,8 @@ def _count_tokens(handle: TideHandle, session: Session, kwargs: dict, out: Any) 
     inputs = kwargs.get("inputs", kwargs.get("input_ids"))
     mask = kwargs.get("attention_mask")
     sequences = out if isinstance(out, torch.Tensor) else out.sequences
-    prompt = int(mask.sum()) if mask is not None else inputs.shape[1]
-    new = sequences.shape[1] - inputs.shape[1]
+    prompt = int(mask.sum()) if mask is not None else inputs.numel()
+    new = sequences.shape[1] - inputs.shape[1]  # per returned sequence (several per prompt in a fallback)
     full = handle.num_layers
     session.stats.prefill.add(torch.full((prompt,), full), full)
-    session.stats.decode.add(torch.full((max(new - 1, 0),), full), full)
+    session.stats.decode.add(torch.full((max(new - 1, 0) * sequences.shape[0],), full), full)

@@ -26,17 +26,8 @@ CONTINUATIONS = ("greedy", "sample")
 PATH_KINDS = ("agreement", "perplexity")
 CLOSED = 1.0  # a per-checkpoint threshold that never exits
 SEED_BOUND = 2**63  # torch and the samplers take 64-bit seeds
-# Fields stored as strings (a path becomes its string) and as plain numbers (a numpy scalar becomes an int / float),
-# so that config.json can hold them.
 TEXT_FIELDS = ("base_model_name_or_path", "base_model_revision", "base_architecture", "base_model_type",
-               "base_fingerprint", "dataset", "continuation", "label", "exit_head")
-NUMBER_FIELDS = {
-    **dict.fromkeys(("hidden_size", "num_hidden_layers", "checkpoint_interval", "router_bottleneck_dim",
-                     "exit_head_rank", "min_layers", "num_samples", "seq_len", "continuation_prompt_len", "num_epochs",
-                     "early_stopping_patience", "train_batch_size", "max_train_tokens", "path_grid", "seed"), int),
-    **dict.fromkeys(("exit_head_ridge", "convergence_threshold", "kl_threshold", "exit_threshold", "learning_rate",
-                     "validation_fraction", "threshold_fraction", "min_agreement", "confidence"), float),
-}
+               "base_fingerprint", "dataset", "continuation", "label", "exit_head")  # str or None (a path: its str)
 
 
 def default_checkpoints(num_hidden_layers: int, interval: int) -> list[int]:
@@ -245,12 +236,7 @@ class TideRouterConfig(PretrainedConfig):
                 setattr(self, name, os.fspath(value))
             elif value is not None and not isinstance(value, str):
                 raise TideArgumentTypeError(f"{name} must be a string or None, got {value!r} ({type(value).__name__})")
-        # Plain Python numbers (a numpy scalar passes the checks above but cannot be written to config.json).
-        self.checkpoint_layers = [int(k) for k in self.checkpoint_layers]
-        for name, kind in NUMBER_FIELDS.items():
-            if getattr(self, name) is not None:
-                setattr(self, name, kind(getattr(self, name)))
-        for name in ("exit_paths", "draft_vocab_coverage", "metrics", "calibration_seconds"):
+        for name in self.field_names():  # a numpy number passes the checks above but cannot go into config.json
             setattr(self, name, plain(getattr(self, name)))
 
     @classmethod

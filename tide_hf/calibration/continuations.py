@@ -31,7 +31,7 @@ from .distributed import local_starts
 def end_ids(model: nn.Module) -> torch.Tensor:
     """The model's end-of-sequence token ids (none when its generation config names none)."""
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    return torch.tensor([] if eos is None else [eos] if isinstance(eos, int) else list(eos), dtype=torch.long)
+    return torch.as_tensor([] if eos is None else eos, dtype=torch.long).reshape(-1)  # an int, a list or a tensor
 
 
 def cut_at_end(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,12 @@ from .vocab import fit_draft_vocab
 logger = logging.getLogger(__name__)
 
 
+def loud(message: str) -> None:
+    """A calibration warning both to logging (for services) and to `warnings` (for scripts and notebooks)."""
+    logger.warning(message)
+    warnings.warn(message, stacklevel=5)  # loud <- warn_if_* <- calibrate_config <- calibrate*: the caller
+
+
 def warn_if_silent(cfg: TideRouterConfig) -> None:
     """Say loudly when the chosen label (almost) never fires, and which label kind would."""
     rates = {k: cfg.metrics[str(k)]["label_rates"] for k in cfg.checkpoint_layers}
@@ -49,8 +55,7 @@ def warn_if_silent(cfg: TideRouterConfig) -> None:
     message = (f"TIDE calibration: label {cfg.label!r} "
                f"(threshold {cfg.convergence_threshold if cfg.label == 'cosine' else cfg.kl_threshold}) "
                f"has 0% positive tokens {scope}. On this model {hint}; recalibrate with one of those.")
-    logger.warning(message)
-    warnings.warn(message, stacklevel=4)
+    loud(message)
 
 
 def warn_if_closed(cfg: TideRouterConfig) -> None:
@@ -64,8 +69,7 @@ def warn_if_closed(cfg: TideRouterConfig) -> None:
                    f"{cfg.confidence}) this router lets no token exit: {cfg.exit_paths['agreement']['n']} "
                    "threshold-split tokens certify no exit. Calibrate on more samples, or attach with a lower "
                    "min_agreement.")
-        logger.warning(message)
-        warnings.warn(message, stacklevel=4)
+        loud(message)
 
 
 # Set by calibrate() itself from the model (passing them is an error, not an override).

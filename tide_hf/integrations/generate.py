@@ -69,19 +69,18 @@ def resolve_router(tide: Any) -> TideRouter:
                                 f"got {type(tide).__name__}")
 
 
-def _eos_ids(model: Any, kwargs: dict) -> torch.Tensor | None:
-    eos = merged_generation_config(model, kwargs).eos_token_id
+def _eos_ids(config: Any) -> torch.Tensor | None:
+    eos = config.eos_token_id
     if eos is None:
         return None
     return torch.as_tensor(eos).reshape(-1)  # an int, a list or a tensor (0-d included), as stock accepts
 
 
-def _check_decoding(handle: TideHandle, model: Any, kwargs: dict) -> None:
+def _check_decoding(handle: TideHandle, config: Any, kwargs: dict) -> None:
     """Refuse decoding that edits the cache under `kv="recompute"`: its waiting tokens live outside the cache,
     so beam search's reordering and assisted decoding's cropping would not reach them."""
     if handle.options.mode != "skip" or handle.options.kv != "recompute":
         return
-    config = merged_generation_config(model, kwargs)
     beams = config.num_beams or 1
     used = [f"num_beams={beams}"] * (beams > 1) + [
         name for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "custom_generate")
@@ -93,10 +92,11 @@ def _check_decoding(handle: TideHandle, model: Any, kwargs: dict) -> None:
 
 
 def _run(handle: TideHandle, original: Callable, model: Any, args: tuple, kwargs: dict) -> Any:
-    _check_decoding(handle, model, kwargs)
-    with handle.session(generating=True, eos=_eos_ids(model, kwargs)) as session:
+    config = merged_generation_config(model, kwargs)  # once per call: the settings generate will run with
+    _check_decoding(handle, config, kwargs)
+    with handle.session(generating=True, eos=_eos_ids(config)) as session:
         if handle.options.mode == "speculative":  # drafts + full-depth verification in stock assisted decoding
-            return speculative_generate(handle, original, model, args, kwargs, session)
+            return speculative_generate(handle, original, model, args, kwargs, session, config)
         processors = LogitsProcessorList(kwargs.get("logits_processor") or [])
         processors.append(TideLogitsProcessor(handle, session))
         return original(model, *args, **{**kwargs, "logits_processor": processors})

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compat import merged_generation_config
 from ..errors import TideArgumentError
 
 # generate() arguments assisted decoding cannot take (or would change the output with)
@@ -20,8 +19,9 @@ FALLBACK_KWARGS = ("assistant_model", "custom_generate", "past_key_values", "inp
                    "negative_prompt_ids")
 
 
-def fallback_reason(model: nn.Module, args: tuple, kwargs: dict, batch: int) -> str | None:
-    """Why stock assisted decoding could not reproduce stock generate for this call (None: it can)."""
+def fallback_reason(model: nn.Module, args: tuple, kwargs: dict, batch: int, gc: Any) -> str | None:
+    """Why stock assisted decoding could not reproduce stock generate for this call (None: it can); `gc`: the
+    call's generation config as generate merges it with the model's defaults."""
     if len(args) > 1:
         return "positional arguments after the inputs"
     given = [k for k in FALLBACK_KWARGS if kwargs.get(k) is not None]
@@ -31,9 +31,8 @@ def fallback_reason(model: nn.Module, args: tuple, kwargs: dict, batch: int) -> 
         return "custom stopping criteria (assisted decoding checks them once per round, not per token)"
     if model.device.type == "meta":  # stock moves candidates to `model.device`, its first parameter's device
         return "the model's first parameter is offloaded (on the meta device)"
-    gc = merged_generation_config(model, kwargs)  # the model's defaults included, as generate sees them
     if gc.output_attentions and gc.return_dict_in_generate:
-        return "output_attentions (assisted decoding's attention bookkeeping fails on sdpa attention)"
+        return "output_attentions (stock assisted decoding fails on it with sdpa attention)"
     if (gc.num_beams or 1) > 1 or (gc.num_return_sequences or 1) > 1:
         return "beam search or several sequences per prompt"
     if gc.use_cache is False or gc.cache_implementation is not None or gc.use_mtp:
@@ -59,9 +58,8 @@ def row_kwargs(kwargs: dict, i: int, batch: int) -> dict:
             for k, v in kwargs.items()}
 
 
-def stack_rows(rows: list[torch.Tensor], model: nn.Module, kwargs: dict) -> torch.Tensor:
+def stack_rows(rows: list[torch.Tensor], gc: Any) -> torch.Tensor:
     """Right-pad the rows with the pad id stock batched generate uses after EOS (the EOS id without one)."""
-    gc = merged_generation_config(model, kwargs)
     pad = first_id(gc.pad_token_id)
     if pad is None:
         pad = first_id(gc.eos_token_id)

@@ -53,7 +53,7 @@ from transformers import GenerationConfig
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..compat import CANDIDATE_GENERATOR_FACTORY, eos_token_tensor, extend_model_kwargs
-from ..errors import TideArgumentError, TideConcurrencyError
+from ..errors import TideConcurrencyError
 from ..modeling import layer_output
 from ..runtime import Patches, Session, TideHandle
 from .draft import (
@@ -79,16 +79,10 @@ _ESTIMATES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, int | None], Dr
 
 
 def resolve_draft_layer(handle: TideHandle) -> int:
-    """`options.draft_layer`, which must be a router checkpoint, or `choose_draft_layer`."""
+    """`options.draft_layer`, or `choose_draft_layer` (attach checked that it is a router checkpoint and that one
+    is at or after `min_layers`: `TideOptions.validate`)."""
     layer = handle.options.draft_layer
-    if layer is not None:
-        if layer not in handle.router.checkpoint_layers:
-            raise TideArgumentError(f"draft_layer={layer} has no router: speculative mode drafts at a router "
-                                    f"checkpoint, one of {handle.router.checkpoint_layers}")
-        return layer
-    if not handle.checkpoints:
-        raise TideArgumentError(f"no router checkpoint at or after min_layers={handle.options.min_layers} to draft at")
-    return choose_draft_layer(handle.router, handle.adapter, handle.checkpoints)
+    return layer if layer is not None else choose_draft_layer(handle.router, handle.adapter, handle.checkpoints)
 
 
 def draft_estimates(handle: TideHandle, layer: int, vocab: int | None) -> DraftEstimates:
@@ -332,15 +326,16 @@ def _patched(model: nn.Module, factory: Callable[..., CandidateGenerator], handl
 
 # -- entry point ------------------------------------------------------------------------------------------
 def generate(handle: TideHandle, original: Callable, model: nn.Module, args: tuple, kwargs: dict,
-             session: Session) -> Any:
+             session: Session, config: GenerationConfig) -> Any:
     """Stock `generate` with router-gated self-speculation: the output equals stock generate's (greedy: token
-    for token); `session.stats.speculative` gets the counters of this call."""
+    for token); `session.stats.speculative` gets the counters of this call. `config`: the call's settings as
+    generate merges them."""
     inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
     batch = inputs.shape[0] if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 else 0
     layer = resolve_draft_layer(handle)
     vocab, expected = draft_plan(handle.router, handle.adapter, layer)
     stats = SpeculativeStats(layer, expected, vocab)
-    stats.fallback = "no 2-D input_ids" if batch == 0 else fallback_reason(model, args, kwargs, batch)
+    stats.fallback = "no 2-D input_ids" if batch == 0 else fallback_reason(model, args, kwargs, batch, config)
     try:
         with handle.disabled():  # the router runs only in the gate hook; verification is the stock model
             if stats.fallback is not None:
@@ -355,7 +350,7 @@ def generate(handle: TideHandle, original: Callable, model: nn.Module, args: tup
                 return _generate_row(handle, original, model, kwargs, stats, head, session)
             rows = [_generate_row(handle, original, model, row_kwargs(kwargs, i, batch), stats, head, session)
                     for i in range(batch)]
-            return stack_rows(rows, model, kwargs)
+            return stack_rows(rows, config)
     finally:
         estimates = draft_estimates(handle, layer, vocab)
         stats.draft_cost, stats.verify_costs = estimates.cost, estimates.verify_costs

@@ -351,7 +351,7 @@ def _build(model: nn.Module, router: TideRouter, *, min_agreement: float | None 
     targeted = min_agreement is not None or max_perplexity_increase is not None
     if exit_threshold is not None and (targeted or confidence is not None):
         raise TideArgumentError("give either exit_threshold (one global threshold) or a quality target "
-                         "(min_agreement / max_perplexity_increase / confidence), not both")
+                                "(min_agreement / max_perplexity_increase / confidence), not both")
     if exit_threshold is None and not targeted and cfg.exit_paths and cfg.min_agreement is not None:
         min_agreement = cfg.min_agreement  # the router's default target
     thresholds, target = None, None

@@ -88,6 +88,7 @@ def test_bad_values_are_refused_while_parsing(argv, message, capsys) -> None:
     (["bench", "--kernels", "--near-identity-scale", "2"], "--near-identity-scale goes with --near-identity-after"),
     (["bench", "--router", "r", "--num-prompts", "2", "--batch-sizes", "4"],
      "--batch-sizes 4 needs at least as many --num-prompts (got 2)"),
+    (["bench", "--router", "r", "--new-tokens", "1"], "--new-tokens 1: decode tokens are the ones after the first"),
 ])
 def test_bench_refuses_what_it_would_ignore_or_miscount(argv, message) -> None:
     from tide_hf.cli import main
@@ -103,8 +104,20 @@ def test_calibrate_refuses_unwritable_outputs_before_loading_anything(tmp_path, 
     (tmp_path / "results").mkdir()
     for extra, message in ((["--output", str(tmp_path / "afile" / "sub")], "is not a writable folder"),
                            (["--output", str(tmp_path / "o"), "--results", str(tmp_path / "results")],
-                            "is a folder; give a JSON file name")):
+                            "is a folder; give a file name")):
         with pytest.raises(SystemExit) as info:
             main(["calibrate", "--model", str(tmp_path / "no-model"), *extra])
         err = capsys.readouterr().err
         assert info.value.code == 1 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_calibration_warning_prints_once_as_one_line(monkeypatch, capsys) -> None:
+    """Calibration warnings went to a logger and to `warnings`: the CLI printed each twice, once with a source
+    excerpt. Now one line, in the form of the CLI's errors."""
+    import tide_hf.calibration.command as command
+    from tide_hf.calibration.pipeline import loud
+    from tide_hf.cli import main
+
+    monkeypatch.setattr(command, "run", lambda args: loud("TIDE calibration: a test warning"))
+    main(["calibrate", "--output", "unused"])
+    assert capsys.readouterr().err == "tide-hf calibrate: warning: TIDE calibration: a test warning\n"

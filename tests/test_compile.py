@@ -79,6 +79,20 @@ def test_stats_match_a_host_count(setup) -> None:
     assert dict(prefill.executed) == {NUM_LAYERS: int(mask.sum())}
 
 
+@pytest.mark.parametrize("mode", ["select", "skip"])
+def test_a_static_cache_prefill_counts_no_padding(setup, mode: str) -> None:
+    """A static cache gives the prefill a 4-D mask; padding is read from generate's own 2-D mask, so the
+    prefill's statistics are those of the dynamic cache (they counted every left-padding position)."""
+    model, ids, mask, router = setup
+    stats = {}
+    for cache in ("dynamic", "static"):
+        with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode=mode) as handle:
+            generate(model, ids, mask, 3, cache_implementation=cache)
+            stats[cache] = handle.last_stats.prefill
+    assert sum(stats["static"].executed.values()) == int(mask.sum()) < mask.numel()
+    assert dict(stats["static"].exits) == dict(stats["dynamic"].exits)
+
+
 @pytest.mark.parametrize("kind", sorted(NORM_KINDS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_custom_ops_pass_opcheck(kind: str, dtype: torch.dtype) -> None:

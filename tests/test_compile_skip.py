@@ -72,12 +72,15 @@ def test_skip_mode_compiles_into_bounded_segment_graphs(kv: str, decisions: str)
     with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="skip", kv=kv) as handle:
         eager = [generate(model, i, m, NEW_TOKENS, **static()) for i, m in ((ids, mask), (later_ids, later_mask))]
         executed = dict(handle.last_stats.decode.executed)
+        recomputed = handle.last_stats.decode.recomputed
         torch._dynamo.reset()
         counters.clear()
         first = generate(model, ids, mask, NEW_TOKENS, **static(compile_config=compiled()))
         with recompile_log() as recompiles:
             later = generate(model, later_ids, later_mask, NEW_TOKENS, **static(compile_config=compiled()))
         assert dict(handle.last_stats.decode.executed) == executed  # the compiled steps skipped what eager skipped
+        assert handle.last_stats.decode.recomputed == recomputed  # ... and made up what eager made up
+    assert (recomputed > 0) == (kv == "recompute" and decisions != "forced")
     assert torch.equal(first, eager[0]) and torch.equal(later, eager[1])
     if decisions == "forced":  # every row exits at layer 4: the later layers never ran
         assert executed == {4: ids.shape[0] * (NEW_TOKENS - 1)}
@@ -115,3 +118,43 @@ def test_compiled_skip_mode_keeps_the_static_cache_as_eager_does() -> None:
         for eager, compiled_ in zip(*caches):
             assert eager[0] == compiled_[0]
             torch.testing.assert_close(compiled_[1:], eager[1:], rtol=1e-5, atol=1e-6)
+
+
+def test_dynamic_compile_configs_get_segment_graphs_too() -> None:
+    """`CompileConfig(dynamic=True)` traced the checkpoint numbers as symbols and failed at `str(layer)` with
+    fullgraph; segment graphs now compile with automatic dynamic shapes."""
+    model = make_model()
+    ids, mask = left_padded()
+    router = mixed_router(model, ids, mask, quantiles=MIXED)
+    config = compiled()
+    config.dynamic = True
+    with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="skip"):
+        eager = generate(model, ids, mask, 8, **static())
+        torch._dynamo.reset()
+        counters.clear()
+        assert torch.equal(generate(model, ids, mask, 8, **static(compile_config=config)), eager)
+    assert not counters["graph_break"]
+
+
+def test_models_mixing_attention_kinds_keep_the_whole_step_compile() -> None:
+    """Gemma 2 alternates sliding and full attention layers, which take different masks: segments (one set of
+    layer arguments per graph) crashed on it. They fall back to the whole-step graph (graph breaks at the
+    checkpoints' flags, so fullgraph is not possible there), with the eager tokens."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from tide_hf.runtime.segments import SegmentedDecoding
+
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(Gemma2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=9,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                           sliding_window=6, pad_token_id=0)).eval()
+    assert not SegmentedDecoding.supported(model.model.layers)
+    ids, mask = left_padded()
+    router = mixed_router(model, ids, mask, quantiles=MIXED)
+    config = compiled()
+    config.fullgraph = False
+    with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="skip") as handle:
+        eager = generate(model, ids, mask, 12, **static())
+        assert len(handle.last_stats.decode.executed) > 1  # the steps skipped at different depths
+        torch._dynamo.reset()
+        assert torch.equal(generate(model, ids, mask, 12, **static(compile_config=config)), eager)

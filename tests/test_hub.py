@@ -242,3 +242,19 @@ def test_hub_server_stops_by_itself() -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1], sys.argv[2])
+
+
+@pytest.mark.parametrize("order", ["import tide_hf\nfrom transformers import AutoConfig, AutoModel",
+                                   "from transformers import AutoConfig, AutoModel\nimport tide_hf"])
+def test_auto_classes_read_a_router_after_a_bare_import(tmp_path: Path, order: str) -> None:
+    """`import tide_hf` alone (no tide_hf API touched) registers the router with the Auto classes, whichever
+    is imported first; a fresh process, since this one has registered them long ago."""
+    from helpers import make_model, new_router
+
+    new_router(make_model()).save_pretrained(tmp_path / "router")
+    script = (f"{order}\nconfig = AutoConfig.from_pretrained({str(tmp_path / 'router')!r})\n"
+              f"model = AutoModel.from_pretrained({str(tmp_path / 'router')!r})\n"
+              "print(type(config).__name__, type(model).__name__)")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["TideRouterConfig", "TideRouter"]

@@ -246,6 +246,9 @@ def test_gather_scatter_check_indices() -> None:
     strided = torch.zeros(3, 4).t()  # not contiguous: PyTorch path, same result
     kernels.scatter_rows_(strided, torch.tensor([1]), torch.ones(1, 3))
     assert strided[1].eq(1).all() and strided.sum() == 3
+    rows = torch.arange(12.0).reshape(4, 3)  # src a view of dst: the extension copied rows it had overwritten
+    with pytest.raises(RuntimeError, match="single memory location"):  # PyTorch's refusal, as without kernels
+        kernels.scatter_rows_(rows, torch.tensor([1, 2]), rows[0:2])
 
 
 def _python(code: str, **env: str) -> dict:
@@ -343,6 +346,29 @@ def test_concurrent_first_use_builds_once(fresh_state: None, monkeypatch: pytest
     for t in threads:
         t.join()
     assert calls == ["cpu"]
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_waited_for(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A build killed mid-way leaves torch's `lock`: every later process waited for it forever."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    lock = Path(_get_build_directory("tide_hf_test_lock", verbose=False)) / "lock"
+    lock.write_text("")
+    old = time.time() - kernel_build.STALE_LOCK_FACTOR * kernel_build.BUILD_SECONDS["cpu"] - 60
+    os.utime(lock, (old, old))
+    with caplog.at_level(logging.WARNING, logger="tide_hf.kernels"):
+        kernel_build._wait_for_other_build("tide_hf_test_lock", "cpu")
+    assert not lock.exists() and "did not finish" in caplog.text
+    lock.write_text("")  # a build running in another process: waited for until it removes its lock
+    remover = threading.Timer(1.0, lock.unlink)
+    remover.start()
+    started = time.perf_counter()
+    kernel_build._wait_for_other_build("tide_hf_test_lock", "cpu")
+    remover.join()
+    assert time.perf_counter() - started >= 0.9
 
 
 @pytest.mark.usefixtures("cpu_kernels")

@@ -14,7 +14,15 @@ import numpy as np
 import pytest
 import torch
 from helpers import constant_router, hooks, left_padded, make_model, mixed_router, new_router
-from transformers import MistralConfig, MistralForCausalLM
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    GenerationConfig,
+    LogitsProcessorList,
+    MistralConfig,
+    MistralForCausalLM,
+    RepetitionPenaltyLogitsProcessor,
+)
 
 import tide_hf
 from tide_hf import TideRouter, TideRouterConfig
@@ -24,6 +32,7 @@ from tide_hf.errors import (
     TideCompatibilityError,
     TideError,
     TideRouterFileError,
+    TideUnsupportedError,
 )
 from tide_hf.modeling.targets import TideTargetError
 
@@ -77,6 +86,11 @@ def test_load_time_keywords_are_checked_like_the_file(tmp_path: Path) -> None:
                          (dict(label="bogus"), "label")):
         with pytest.raises(TideArgumentError, match=message):
             TideRouter.from_pretrained(tmp_path / "r", **bad)
+    loaded = TideRouter.from_pretrained(tmp_path / "r", exit_threshold=np.float32(0.5), seed=np.int64(3),
+                                        dataset=tmp_path / "texts")  # crashed inside transformers' config repr
+    cfg = loaded.config
+    assert (cfg.exit_threshold, cfg.seed, cfg.dataset) == (0.5, 3, str(tmp_path / "texts"))
+    assert type(loaded.config.exit_threshold) is float and type(loaded.config.seed) is int
 
 
 def test_unreadable_weights_and_negative_draft_ids_are_router_file_errors(tmp_path: Path) -> None:
@@ -199,8 +213,9 @@ def test_recompute_refuses_a_window_kept_in_the_config() -> None:
                                              num_hidden_layers=9, num_attention_heads=4, num_key_value_heads=2,
                                              sliding_window=4, pad_token_id=0, eos_token_id=2)).eval()
     assert not getattr(model.model.layers[0].self_attn, "sliding_window", None)
-    with pytest.raises(NotImplementedError, match="sliding-window attention"):
+    with pytest.raises(TideUnsupportedError, match="sliding-window attention") as info:
         tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, mode="skip", kv="recompute")
+    assert isinstance(info.value, NotImplementedError)  # what it raised before it was a TideError
 
 
 def test_a_forward_that_raised_does_not_cost_the_next_call_its_stats() -> None:
@@ -353,3 +368,84 @@ def test_old_routers_whose_paths_open_checkpoints_below_their_min_layers_are_tol
         tide_hf.attach(model, router, min_agreement=0.5)
     with tide_hf.attach(model, router, exit_threshold=0.9):
         pass
+
+
+def test_misspelled_fields_are_refused_not_left_at_their_defaults(tmp_path: Path) -> None:
+    """transformers keeps unknown config keys: a hand-edited `exit_treshold` loaded with the default threshold
+    and no word. A key close to a field is now refused, naming the field; other unknown keys stay allowed."""
+    new_router(make_model()).save_pretrained(tmp_path / "r")
+    path = tmp_path / "r" / "config.json"
+    good = json.loads(path.read_text())
+    path.write_text(json.dumps({**good, "exit_treshold": 0.5}))
+    with pytest.raises(TideRouterFileError, match="'exit_treshold' is not a TIDE router field; did you mean "
+                                                  "'exit_threshold'"):
+        TideRouter.from_pretrained(tmp_path / "r")
+    path.write_text(json.dumps({**good, "my_notes": "calibrated on Tuesday"}))
+    assert TideRouter.from_pretrained(tmp_path / "r").config.my_notes == "calibrated on Tuesday"
+    with pytest.raises(TideRouterFileError, match="from_pretrained: 'min_layer' is not a TIDE router field"):
+        TideRouter.from_pretrained(tmp_path / "r", min_layer=8)
+
+
+@pytest.mark.parametrize("cache", ["static", "sliding_window"])
+def test_sliding_window_models_get_a_mask_per_layer_type_and_are_served_like_stock(cache: str) -> None:
+    """Gemma2 (and Qwen2 with a window) receive `attention_mask` as a dict of masks per layer type under these
+    caches: the hooks called `.dim()` on it and every attached call crashed."""
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(Gemma2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=9,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                           sliding_window=4, pad_token_id=0)).eval()
+    ids = torch.randint(3, 256, (2, 6), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(max_new_tokens=5, do_sample=False, cache_implementation=cache)
+    stock = model.generate(input_ids=ids, **kwargs)
+    assert torch.equal(model.generate(input_ids=ids, **kwargs, tide=constant_router(model, -30.0)), stock)
+    with tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, min_layers=4) as handle:
+        model.generate(input_ids=ids, **kwargs)
+        assert dict(handle.last_stats.prefill.exits) == {4: ids.numel()}  # every position, no padding
+
+
+def test_positional_generate_arguments_are_read_like_keywords() -> None:
+    """`generate(ids, generation_config, logits_processor)` crashed (logits_processor given twice), and a
+    positional config with beams slipped past recompute's refusal."""
+    model = make_model()
+    ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(0))
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    processors = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.5)])
+    stock = model.generate(ids, config, processors)
+    assert torch.equal(model.generate(ids, config, processors, tide=constant_router(model, -30.0)), stock)
+    beams = GenerationConfig(max_new_tokens=3, num_beams=2, do_sample=False, pad_token_id=0)
+    with tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, mode="skip", kv="recompute"):
+        with pytest.raises(TideArgumentError, match="cannot serve num_beams=2"):
+            model.generate(ids, beams)
+
+
+def test_tide_naming_the_attached_routers_folder_uses_the_attached_router(tmp_path: Path) -> None:
+    """A folder loads as a new object: it was refused as "a different router" although it is the same one."""
+    model = make_model()
+    ids, mask = left_padded()
+    new_router(model, seed=1).save_pretrained(tmp_path / "same")
+    new_router(model, seed=2).save_pretrained(tmp_path / "other")
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with tide_hf.attach(model, TideRouter.from_pretrained(tmp_path / "same"), exit_threshold=0.5) as handle:
+        attached = model.generate(**kwargs)
+        assert torch.equal(model.generate(**kwargs, tide=str(tmp_path / "same")), attached)
+        assert handle.last_stats.decode.tokens > 0
+        with pytest.raises(TideArgumentError, match="a different TIDE router is already attached"):
+            model.generate(**kwargs, tide=str(tmp_path / "other"))
+
+
+def test_a_peft_style_wrapper_is_refused_with_the_model_to_attach_to() -> None:
+    """peft's PeftModel holds the causal LM (`get_base_model()`): the error named a layer path that exists."""
+    class Wrapper(torch.nn.Module):  # what PeftModel exposes to tide_hf (peft is not a dependency)
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.base_model, self.config = inner, inner.config
+
+        def get_base_model(self) -> torch.nn.Module:
+            return self.base_model
+
+    model = make_model()
+    router = new_router(model)
+    with pytest.raises(TideCompatibilityError, match=r"attach to model.get_base_model\(\)"):
+        tide_hf.attach(Wrapper(model), router)
+    with tide_hf.attach(Wrapper(model).get_base_model(), router, exit_threshold=1.0):
+        assert tide_hf.get_handle(model) is not None

@@ -14,8 +14,10 @@ from transformers import (
     GPT2Config,
     LlamaConfig,
     MistralConfig,
+    PhiConfig,
     Qwen2Config,
     Qwen3Config,
+    SmolLM3Config,
     StaticCache,
 )
 
@@ -135,10 +137,15 @@ def test_every_layer_cache_has_the_same_length_after_every_step(cache):
     tide_hf.detach(model)
 
 
+NO_ROPE_AT_6 = [1] * 6 + [0] + [1] * (NUM_LAYERS - 7)  # SmolLM3: the layer under test runs without rotary
+
+
 @pytest.mark.parametrize("config_cls,extra", [(LlamaConfig, {}), (MistralConfig, {"sliding_window": 4}),
-                                              (Qwen3Config, {"head_dim": 16})])
+                                              (Qwen3Config, {"head_dim": 16}), (PhiConfig, {"qk_layernorm": True}),
+                                              (SmolLM3Config, {"no_rope_layers": NO_ROPE_AT_6})])
 def test_propagated_kv_equals_what_the_layer_itself_writes(config_cls, extra):
-    """kv='propagate' must write exactly the K/V the layer's own attention computes for the exit state."""
+    """kv='propagate' must write exactly the K/V the layer's own attention computes for the exit state (Phi:
+    partial rotary and a key LayerNorm; SmolLM3: a layer without rotary; both were written wrong)."""
     model = make(config_cls, **extra)
     layer = model.model.layers[6]
     hidden = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(5))
@@ -152,7 +159,8 @@ def test_propagated_kv_equals_what_the_layer_itself_writes(config_cls, extra):
     torch.testing.assert_close(ours.layers[6].values, own.layers[6].values)
 
 
-@pytest.mark.parametrize("config_cls,extra", [(LlamaConfig, {}), (Qwen2Config, {}), (GemmaConfig, {"head_dim": 16})])
+@pytest.mark.parametrize("config_cls,extra", [(LlamaConfig, {}), (Qwen2Config, {}), (GemmaConfig, {"head_dim": 16}),
+                                              (PhiConfig, {})])
 def test_fused_propagation_writes_what_propagate_writes_layer_by_layer(config_cls, extra):
     """Folding the input norms into one stacked K/V projection (Qwen2: K/V biases; Gemma: (1 + w) norms)
     changes only rounding: every skipped layer's cache gets the same K/V as `propagate_kv` writes."""
@@ -181,6 +189,8 @@ def test_fused_propagation_writes_what_propagate_writes_layer_by_layer(config_cl
 def test_fused_propagation_declines_layers_it_cannot_fold():
     qwen3 = make(Qwen3Config, head_dim=16)  # per-head K norm after the projection
     assert FusedPropagation.build(list(qwen3.model.layers)[4:], 5) is None
+    smollm3 = make(SmolLM3Config, no_rope_layers=NO_ROPE_AT_6)  # one layer without rotary among rotary ones
+    assert FusedPropagation.build(list(smollm3.model.layers)[4:], 5) is None
     llama = make()
     layers = list(llama.model.layers)[4:]
     layers[2].input_layernorm.variance_epsilon = 1e-3  # a different eps than the others
@@ -258,3 +268,30 @@ def test_recompute_generate_matches_select_outputs_and_keeps_lengths_consistent(
     assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False), expected)
     assert handle.last_stats.decode.mean_executed == 4
     handle.detach()
+
+
+@pytest.mark.parametrize("kv", ["propagate", "recompute"])
+def test_mean_computed_counts_every_layer_run_and_mean_executed_the_own_steps(kv: str) -> None:
+    """Under recompute a skipped step's deep layers run later, with a later step: `mean_executed` (what a step
+    ran for its own token) hides that work, `mean_computed` counts it. Checked against the positions each
+    layer's MLP really processed in the decode forwards."""
+    from helpers import left_padded, make_model, mixed_router
+
+    model = make_model()
+    ids, mask = left_padded()
+    router = mixed_router(model, ids, mask, quantiles=(0.5, 0.4))
+    one = ids[:1, -int(mask[0].sum()):]  # one row: every decode position is a kept token
+    runs, positions = [], []
+    model.register_forward_pre_hook(lambda *_: runs.append(len(runs)))
+    for layer in model.model.layers:
+        layer.mlp.register_forward_hook(lambda _m, args, _o: positions.append((len(runs), args[0].shape[:-1].numel())))
+    with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="skip", kv=kv) as handle:
+        model.generate(input_ids=one, attention_mask=torch.ones_like(one), max_new_tokens=16, min_new_tokens=16,
+                       do_sample=False, pad_token_id=0)
+        decode = handle.last_stats.decode
+    computed = sum(n for forward, n in positions if forward > 1)  # forward 1 is the prefill
+    assert decode.tokens == 15 and len(decode.executed) > 1  # steps of several depths
+    assert decode.mean_computed * decode.tokens == pytest.approx(computed)
+    own = sum(k * c for k, c in decode.executed.items())
+    assert decode.mean_executed * decode.tokens == pytest.approx(own)
+    assert (decode.recomputed > 0) == (kv == "recompute") and computed == own + decode.recomputed

@@ -4,7 +4,9 @@ The public API, re-exported lazily from the rooms that hold it (PEP 562), so `im
 neither torch nor transformers and `tide-hf --help` answers at once. `import tide_hf` also teaches stock
 `generate()` the `tide=` keyword (`tide_hf.integrations.uninstall()` takes it back): at once when transformers'
 generation module is already loaded, else as soon as it is (a post-import hook that wraps
-`GenerationMixin.generate` in a trampoline; its first call installs the real keyword).
+`GenerationMixin.generate` in a trampoline; its first call installs the real keyword). The same hook registers
+the router with `AutoConfig` / `AutoModel` once transformers' auto modules load, so `AutoModel.from_pretrained`
+reads a router folder after a bare `import tide_hf`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ _API = {  # public name -> the room that holds it
     "TideOptions": "config", "TideRouterConfig": "config",
     "TideCompatibilityError": "errors", "TideDataError": "errors", "TideError": "errors",
     "TideArgumentError": "errors", "TideArgumentTypeError": "errors", "TideConcurrencyError": "errors",
-    "TideRouterFileError": "errors",
+    "TideRouterFileError": "errors", "TideUnsupportedError": "errors",
     "TideLogitsProcessor": "integrations",
     "ModelAdapter": "modeling", "TideRouter": "modeling", "get_adapter": "modeling",
     "model_fingerprint": "modeling", "register_adapter": "modeling",
@@ -35,6 +37,8 @@ _API = {  # public name -> the room that holds it
     "get_handle": "runtime", "last_stats": "runtime",
 }
 GENERATION_MODULE = "transformers.generation.utils"
+AUTO_CONFIG_MODULE = "transformers.models.auto.configuration_auto"
+AUTO_MODEL_MODULE = "transformers.models.auto.modeling_auto"
 TRAMPOLINE_FLAG = "__tide_trampoline__"  # set on the placeholder wrapper until the real keyword is installed
 
 
@@ -71,32 +75,62 @@ def _trampoline(mixin: type) -> None:
     mixin.generate = generate
 
 
-class _GenerationHook(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Post-import hook: once transformers' generation module has run, put the trampoline on GenerationMixin.
+def _register_config(module: Any) -> None:
+    from .config import TideRouterConfig
+
+    module.AutoConfig.register(TideRouterConfig.model_type, TideRouterConfig, exist_ok=True)
+
+
+def _register_model(_module: Any) -> None:
+    importlib.import_module(".modeling.router", __name__)  # registers AutoConfig and AutoModel when it runs
+
+
+_AFTER_IMPORT = {GENERATION_MODULE: lambda module: _trampoline(module.GenerationMixin),
+                 AUTO_CONFIG_MODULE: _register_config, AUTO_MODEL_MODULE: _register_model}
+
+
+class _PostImportHook(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Post-import hook: once one of `_AFTER_IMPORT`'s transformers modules has run, call its function (the
+    generation module: put the trampoline on GenerationMixin; the auto modules: register the router).
 
     Installing the real keyword here would import tide_hf's rooms while transformers is half imported."""
 
+    def __init__(self, pending: set[str]) -> None:
+        self.pending, self.inner = pending, {}
+
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != GENERATION_MODULE:
+        if fullname not in self.pending:
             return None
-        sys.meta_path.remove(self)
+        self.pending.discard(fullname)
+        if not self.pending:
+            sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is not None and spec.loader is not None:
-            self.inner = spec.loader
+            self.inner[fullname] = spec.loader
             spec.loader = self
         return spec
 
     def create_module(self, spec: Any) -> Any:
-        return self.inner.create_module(spec)
+        return self.inner[spec.name].create_module(spec)
 
     def exec_module(self, module: Any) -> None:
-        self.inner.exec_module(module)
-        _trampoline(module.GenerationMixin)
+        self.inner.pop(module.__name__).exec_module(module)
+        _AFTER_IMPORT[module.__name__](module)
 
 
-if GENERATION_MODULE in sys.modules:
-    _install_keyword()
-elif not any(isinstance(f, _GenerationHook) for f in sys.meta_path):
-    sys.meta_path.insert(0, _GenerationHook())
+def _hook_transformers() -> None:
+    """What `_AFTER_IMPORT` does for the modules transformers has loaded already, and the hook for the rest."""
+    if GENERATION_MODULE in sys.modules:
+        _install_keyword()
+    if AUTO_MODEL_MODULE in sys.modules:
+        _register_model(sys.modules[AUTO_MODEL_MODULE])
+    elif AUTO_CONFIG_MODULE in sys.modules:
+        _register_config(sys.modules[AUTO_CONFIG_MODULE])
+    waiting = {name for name in _AFTER_IMPORT if name not in sys.modules}
+    if waiting and not any(isinstance(f, _PostImportHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PostImportHook(waiting))
+
+
+_hook_transformers()
 
 __all__ = sorted([*_API, "__version__"])

@@ -11,6 +11,7 @@ import os
 import shlex
 import sys
 import textwrap
+import warnings
 from typing import Any
 
 from .assets import DEFAULT_MODEL
@@ -176,6 +177,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
         raise SystemExit("tide-hf bench: --near-identity-after goes with --modes")
     if args.near_identity_scale is not None and args.near_identity_after is None:
         raise SystemExit("tide-hf bench: --near-identity-scale goes with --near-identity-after")
+    if args.new_tokens < 2 and not args.kernels:
+        raise SystemExit(f"tide-hf bench: --new-tokens {args.new_tokens}: decode tokens are the ones after the first "
+                         "(the prefill's), so it needs at least 2")
     if not sections and max(args.batch_sizes) > args.num_prompts:
         raise SystemExit(f"tide-hf bench: --batch-sizes {max(args.batch_sizes)} needs at least as many "
                          f"--num-prompts (got {args.num_prompts}): a batch is made of distinct prompts")
@@ -343,13 +347,17 @@ def main(argv: list[str] | None = None) -> None:
     from .calibration.distributed import finish  # torch: only once the arguments are known to be good
 
     args.command = shlex.join(["tide-hf", *(sys.argv[1:] if argv is None else argv)])  # recorded in result JSON
+    name = args.func.__name__.removeprefix("cmd_")
     try:
-        args.func(args)
+        with warnings.catch_warnings():  # a warning prints as one line, like an error, not as a source excerpt
+            warnings.showwarning = lambda message, *_, **__: print(f"tide-hf {name}: warning: {message}",
+                                                                   file=sys.stderr)
+            args.func(args)
     except (TideError, OSError) as err:
         if os.environ.get("TIDE_HF_TRACEBACK") == "1":
             raise
         message = " ".join(str(err).split()) or type(err).__name__
-        print(f"tide-hf {args.func.__name__.removeprefix('cmd_')}: error: {message}", file=sys.stderr)
+        print(f"tide-hf {name}: error: {message}", file=sys.stderr)
         raise SystemExit(1) from None
     finish()  # under `accelerate launch`: every process waits for the others before it exits
 

@@ -31,5 +31,9 @@ class TideRouterFileError(TideError, ValueError):
     """A router folder is incomplete or inconsistent, or a save would overwrite something that is not a router."""
 
 
+class TideUnsupportedError(TideError, NotImplementedError):
+    """The model cannot run the asked mode (the message names the layer or feature it lacks and what works)."""
+
+
 class TideConcurrencyError(TideError, RuntimeError):
     """Two calls would fight over the same model's hooks."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import time
 from pathlib import Path
@@ -15,9 +14,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..assets import default_dataset, load_model
-from ..errors import TideArgumentError
 from ..modeling import TideRouter
-from ..modeling.files import check_save_target
+from ..modeling.files import check_save_target, check_writable
 from .data import load_texts
 from .distributed import is_main_process, to_process_device
 from .pipeline import calibrate, check_calibrate_args, model_config
@@ -41,17 +39,6 @@ def calibrate_from_args(args: argparse.Namespace) -> tuple[Any, Any, TideRouter]
         **{name: getattr(args, name) for name in CONFIG_OPTIONS},
     )
     return model, tokenizer, router
-
-
-def check_writable(path: Path, what: str) -> None:
-    """`path` can be created (or replaced) as a file or folder: refused now, not after the calibration."""
-    if what == "--results" and path.is_dir():
-        raise TideArgumentError(f"{what} {path} is a folder; give a JSON file name")
-    parent = Path(os.path.realpath(path)).parent  # a link: the save goes next to the folder it points to
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise TideArgumentError(f"{what} {path} cannot be written: {parent} is not a writable folder")
 
 
 def print_metrics(router: TideRouter) -> None:
@@ -109,9 +96,9 @@ def run(args: argparse.Namespace) -> None:
     check_calibrate_args(num_samples=args.num_samples, seq_len=args.seq_len, batch_size=args.batch_size,
                          config_kwargs={})
     check_save_target(Path(args.output), overwrite)
-    check_writable(Path(args.output), "--output")
+    check_writable(Path(args.output), "--output", folder=True)
     if args.results:
-        check_writable(Path(args.results), "--results")
+        check_writable(Path(args.results), "--results", folder=False)
     bare = bare_forward_seconds(args) if args.compare_bare_forward else None
     started = time.perf_counter()
     _, _, router = calibrate_from_args(args)

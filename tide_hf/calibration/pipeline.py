@@ -8,7 +8,6 @@ collected, `heads.py` for the exit heads the labels are made with, and `training
 from __future__ import annotations
 
 import difflib
-import logging
 import os
 import time
 import warnings
@@ -33,12 +32,10 @@ from .thresholds import fit_exit_paths
 from .training import check_splits, train_routers
 from .vocab import fit_draft_vocab
 
-logger = logging.getLogger(__name__)
-
 
 def loud(message: str) -> None:
-    """A calibration warning both to logging (for services) and to `warnings` (for scripts and notebooks)."""
-    logger.warning(message)
+    """A calibration warning, printed once, through `warnings` (a service routes it to its logs with
+    `logging.captureWarnings(True)`)."""
     warnings.warn(message, stacklevel=5)  # loud <- warn_if_* <- calibrate_config <- calibrate*: the caller
 
 

@@ -28,6 +28,7 @@ from ..calibration.labels import LABEL_CHUNK_ROWS, FinalDistribution
 from ..config import default_checkpoints
 from ..errors import TideDataError
 from ..modeling import ModelAdapter, TideRouter, get_adapter, layer_output
+from ..modeling.files import check_writable
 from ..modeling.targets import select
 from .plots import convergence as plot_convergence
 from .plots import efficiency as plot_efficiency
@@ -252,7 +253,7 @@ def run(args: Any) -> dict:
     import json
 
     out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
+    check_writable(out, "--output", folder=True)
     model, tokenizer = load_model(args.model, args.dtype)
     pad_id = pad_token_id(tokenizer)
     texts = load_texts(default_dataset(args.dataset))
@@ -266,6 +267,7 @@ def run(args: Any) -> dict:
         model, tokenizer, texts, num_samples=args.num_samples, seq_len=args.seq_len, batch_size=args.batch_size,
         checkpoint_interval=args.checkpoint_interval, convergence_threshold=args.convergence_threshold,
         agreements=args.agreements, bins=args.bins, seed=args.seed)
+    out.mkdir(parents=True, exist_ok=True)
     files = [plot_convergence(result["convergence"], out / "convergence.png"),
              plot_heatmap(result["convergence"], out / "heatmap.png")]
     if router is not None:

@@ -1,8 +1,10 @@
 """`tide-hf bench`: stock generate and TIDE side by side, in one process, on the same prompts.
 
-Speed is a ratio against stock transformers measured in the same run, interleaved repetition by
-repetition; quality is reported beside it (greedy continuation match against stock, perplexity on text
-the routers were never calibrated on).
+Speed is a ratio against stock transformers measured in the same run: the overhead run interleaves stock
+and TIDE repetition by repetition; the quality rows time stock once, before every threshold's run on the
+same prompts (their speed ratio is a by-product of generating the continuations they compare). Quality is
+reported beside speed (greedy continuation match against stock, perplexity on text the routers were never
+calibrated on).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from tqdm.auto import tqdm
 from ..assets import default_dataset, load_model
 from ..calibration import pad_token_id
 from ..modeling import TideRouter
+from ..modeling.files import check_writable
 from ..runtime import attach
-from .measure import evaluation_text, generate, left_pad, match_rate, perplexity
+from .measure import check_exit_depths, evaluation_text, generate, left_pad, match_rate, perplexity
 
 
 def overhead(model: Any, router: TideRouter, prompts: list[torch.Tensor], pad_id: int, batch_sizes: list[int],
@@ -44,7 +47,8 @@ def overhead(model: Any, router: TideRouter, prompts: list[torch.Tensor], pad_id
 
 def quality(model: Any, routers: list[TideRouter], thresholds: list[float], prompts: list[torch.Tensor],
             chunks: list[torch.Tensor], pad_id: int, batch_size: int, new_tokens: int) -> dict:
-    """Exit rate, mean layers, greedy match and perplexity change per label kind and threshold."""
+    """Exit rate, mean layers, greedy match and perplexity change per label kind and threshold; the speed
+    ratio divides stock's time, taken once before the first threshold, by each threshold's (not interleaved)."""
     batches = [left_pad(prompts[i : i + batch_size], pad_id) for i in range(0, len(prompts), batch_size)]
     stock_runs = [generate(model, b, new_tokens) for b in batches]
     stock_tokens = torch.cat([t for t, _ in stock_runs])
@@ -101,7 +105,7 @@ def run(args: Any) -> dict:
     vs the PyTorch path.
     """
     out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
+    check_writable(out, "--output", folder=True)  # made when the first file is written (a refusal leaves none)
     if args.synthetic:
         from .synthetic import format_synthetic, run_synthetic
 
@@ -110,10 +114,12 @@ def run(args: Any) -> dict:
         from .kernels import format_kernels, kernel_rows
 
         return write_result(out, "kernels", {"rows": kernel_rows(args.dtype)}, format_kernels)
+    routers = [TideRouter.from_pretrained(r) for r in args.router]  # a bad folder or depth fails before the model
+    if args.modes and routers and args.near_identity_after is None:
+        check_exit_depths(args.depths, routers[-1].config.checkpoint_layers, "--depths")
     model, tokenizer = load_model(args.model, args.dtype)
     if args.near_identity_after is not None:
         return _easy_modes(model, tokenizer, args, out)
-    routers = [TideRouter.from_pretrained(r) for r in args.router]
     pad_id = pad_token_id(tokenizer)
     prompts, chunks = evaluation_text(tokenizer, default_dataset(args.dataset), routers[0], args.num_prompts,
                                       args.prompt_len, args.num_chunks, args.chunk_len)
@@ -126,6 +132,7 @@ def run(args: Any) -> dict:
 
         result.update(run_baselines(model, tokenizer, routers[-1], default_dataset(args.dataset), prompts, chunks,
                                     pad_id, args))
+        out.mkdir(parents=True, exist_ok=True)
         print("Pareto plot:", pareto(result, out / "pareto.png"))
         return write_result(out, "baselines", result, format_baselines)
     if args.modes:
@@ -163,6 +170,7 @@ def _easy_modes(model: Any, tokenizer: Any, args: Any, out: Path) -> dict:
 
 
 def write_result(out: Path, name: str, result: dict, formatter: Any) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(result, indent=2))
     table = formatter(result)
     (out / f"{name}.md").write_text(table + "\n")

@@ -10,9 +10,18 @@ from typing import Any
 import torch
 
 from ..calibration import held_out_texts, load_texts, pad_right
-from ..errors import TideDataError
+from ..errors import TideArgumentError, TideDataError
 from ..modeling import TideRouter
 from ..runtime import PhaseStats, get_handle, last_stats
+
+
+def check_exit_depths(depths: list[int], checkpoints: list[int], flag: str) -> None:
+    """Forced exits happen at checkpoints only: a depth between them would be measured at the next one, under
+    a name that says otherwise."""
+    wrong = [d for d in depths if d not in checkpoints]
+    if wrong:
+        raise TideArgumentError(f"{flag} {' '.join(map(str, wrong))}: tokens exit only at a checkpoint, here "
+                                f"after {', '.join(map(str, checkpoints))} layers")
 
 
 def left_pad(rows: list[torch.Tensor], pad_id: int) -> dict[str, torch.Tensor]:
@@ -48,12 +57,16 @@ def generate(model: Any, batch: dict, new_tokens: int, **kwargs: Any) -> tuple[t
 
 @torch.no_grad()
 def perplexity(model: Any, chunks: list[torch.Tensor], batch_size: int) -> tuple[float, PhaseStats | None]:
-    """Teacher-forced perplexity and, with TIDE attached, the exits of all positions (prefill exits)."""
+    """Teacher-forced perplexity and, with TIDE attached, the exits of the positions it scores (prefill exits).
+
+    Each chunk's last token is a target only: it is not fed (its prediction would not be scored, and its exit
+    would count in the statistics); a causal model's other logits do not change.
+    """
     nll, count, exits = 0.0, 0, None
     for i in range(0, len(chunks), batch_size):
         ids, mask = pad_right(chunks[i : i + batch_size], 0)
-        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-        target, keep = ids[:, 1:], mask[:, 1:].bool()
+        target, keep = ids[:, 1:], mask[:, 1:].bool()  # right padding: mask[:, 1:] is each row's scored prefix
+        logits = model(input_ids=ids[:, :-1], attention_mask=mask[:, 1:]).logits.float()
         losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")
         nll, count = nll + float(losses[keep].sum()), count + int(keep.sum())
         stats = last_stats(model) if get_handle(model) is not None else None

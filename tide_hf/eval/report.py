@@ -8,6 +8,7 @@ checks that the committed README equals what the committed JSON generates.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -95,7 +96,8 @@ def format_exit_heads(result: dict) -> str:
 
 
 def _images(folder: Path, readme: Path, names: list[str]) -> list[str]:
-    rel = folder.resolve().relative_to(readme.resolve().parent)
+    """Markdown images of `folder`'s plots, linked relative to the README (`..` where the README is elsewhere)."""
+    rel = Path(os.path.relpath(folder.resolve(), readme.resolve().parent))
     return [f"![{n}]({(rel / n).as_posix()})" for n in names if (folder / n).exists()]
 
 

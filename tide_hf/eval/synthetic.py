@@ -26,10 +26,12 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..config import TideRouterConfig
+from ..config import TideRouterConfig, default_checkpoints
+from ..errors import TideArgumentError
 from ..modeling import TideRouter
 from ..modeling.fingerprint import model_fingerprint
 from ..runtime import attach
+from .measure import check_exit_depths
 from .modes import truncated
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -153,15 +155,34 @@ def measure(model: Any, configs: dict[str, Callable[[], AbstractContextManager]]
             for name, context in configs.items():
                 with context():
                     one(name)
-    stock = statistics.median(times["stock"])
-    return [{"config": name, "batch_size": batch_size, "compiled": compiled,
-             "ms_per_token": 1e3 * statistics.median(t), "vs_stock": stock / statistics.median(t),
-             "ms_spread": 1e3 * (max(t) - min(t))} for name, t in times.items()]
+    median = {name: statistics.median(t) for name, t in times.items()}
+    noisy = [name for name, m in median.items() if m <= 0]
+    if noisy:  # the two calls' difference drowned in timing noise: no ratio is computed from it
+        tqdm.write(f"warning: {', '.join(noisy)} (bs{batch_size}): decode time <= 0 ms per token, below the timing "
+                   "noise; raise --new-tokens or --reps")
+    return [{"config": name, "batch_size": batch_size, "compiled": compiled, "ms_per_token": 1e3 * m,
+             "vs_stock": median["stock"] / m if m > 0 and median["stock"] > 0 else None,
+             "ms_spread": 1e3 * (max(times[name]) - min(times[name]))} for name, m in median.items()]
+
+
+def check_device(device: str) -> str:
+    """`device` names a device torch can allocate on here: refused before a model is built on it."""
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as err:  # an unknown name / no such device / torch built without CUDA
+        raise TideArgumentError(f"--device {device!r} cannot be used here: {' '.join(str(err).split())}") from None
+    return device
 
 
 def run_synthetic(args: Any) -> dict:
     """The `--synthetic` bench: every configuration, eager and/or compiled static, at each batch size."""
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = check_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    check_exit_depths([args.synthetic_depth], default_checkpoints(SHAPES[args.synthetic]["num_hidden_layers"],
+                                                                  TideRouterConfig().checkpoint_interval),
+                      "--synthetic-depth")
+    if args.new_tokens < 2:  # a decode token's time is a difference of two calls (module docstring)
+        raise TideArgumentError(f"--new-tokens {args.new_tokens}: --synthetic times decode tokens after the first, "
+                                "so it needs at least 2")
     dtype = getattr(torch, args.dtype)
     model = build_model(args.synthetic, device, dtype)
     every = configurations(model, args.synthetic_depth)
@@ -184,7 +205,7 @@ def with_ideal_ratios(rows: list[dict], depth: int) -> list[dict]:
     ideal = {(r["batch_size"], r["compiled"]): r["ms_per_token"] for r in rows if r["config"].startswith("truncated")}
     for r in rows:
         key = (r["batch_size"], r["compiled"])
-        if f"exit at {depth}" in r["config"] and key in ideal:
+        if f"exit at {depth}" in r["config"] and key in ideal and min(ideal[key], r["ms_per_token"]) > 0:
             r["vs_ideal"] = ideal[key] / r["ms_per_token"]
     return rows
 
@@ -196,6 +217,7 @@ def format_synthetic(result: dict) -> str:
     for r in result["rows"]:
         ideal = f"{r['vs_ideal']:.2f}" if "vs_ideal" in r else ""
         path = "compiled static" if r["compiled"] else "eager"
-        lines.append(f"| {r['config']} | {r['batch_size']} | {path} | {r['ms_per_token']:.2f} | "
-                     f"{r['vs_stock']:.3f} | {ideal} |")
+        ms, vs_stock = ((f"{r['ms_per_token']:.2f}", "" if r["vs_stock"] is None else f"{r['vs_stock']:.3f}")
+                        if r["ms_per_token"] > 0 else ("below noise", ""))
+        lines.append(f"| {r['config']} | {r['batch_size']} | {path} | {ms} | {vs_stock} | {ideal} |")
     return "\n".join(lines)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import os
 from collections.abc import Callable
 from typing import Any
@@ -91,15 +92,45 @@ def _check_decoding(handle: TideHandle, config: Any, kwargs: dict) -> None:
                                 "with kv='propagate' (or mode='select') for it")
 
 
+def as_keywords(original: Callable, model: Any, args: tuple, kwargs: dict) -> dict:
+    """`generate`'s positional arguments (inputs, generation_config, logits_processor, ...) as keywords, so the
+    settings read below are the call's wherever it put them."""
+    if not args:
+        return kwargs
+    signature = inspect.signature(original)
+    named: dict[str, Any] = {}
+    for name, value in signature.bind_partial(model, *args, **kwargs).arguments.items():  # stock's TypeError if
+        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:            # they do not fit
+            named.update(value)
+        elif name != "self":
+            named[name] = value
+    return named
+
+
 def _run(handle: TideHandle, original: Callable, model: Any, args: tuple, kwargs: dict) -> Any:
+    kwargs, args = as_keywords(original, model, args, kwargs), ()
     config = merged_generation_config(model, kwargs)  # once per call: the settings generate will run with
     _check_decoding(handle, config, kwargs)
     with handle.session(generating=True, eos=_eos_ids(config)) as session:
+        mask = kwargs.get("attention_mask")
+        session.prompt_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
         if handle.options.mode == "speculative":  # drafts + full-depth verification in stock assisted decoding
             return speculative_generate(handle, original, model, args, kwargs, session, config)
         processors = LogitsProcessorList(kwargs.get("logits_processor") or [])
         processors.append(TideLogitsProcessor(handle, session))
         return original(model, *args, **{**kwargs, "logits_processor": processors})
+
+
+def same_router(a: TideRouter, b: TideRouter) -> bool:
+    """`a` and `b` are one router: the same object, or equal configs and weights (the attached router, and
+    `tide=` naming the folder it was loaded from)."""
+    if a is b:
+        return True
+    volatile = ("_name_or_path", "transformers_version")
+    configs = [{k: v for k, v in r.config.to_dict().items() if k not in volatile} for r in (a, b)]
+    ours, theirs = a.state_dict(), b.state_dict()
+    return configs[0] == configs[1] and ours.keys() == theirs.keys() and all(
+        ours[k].shape == theirs[k].shape and torch.equal(ours[k].cpu(), theirs[k].cpu()) for k in ours)
 
 
 def install() -> None:
@@ -123,7 +154,7 @@ def install() -> None:
                                  "or pass tide=<TideRouter | local dir | Hub repo id>")
             return _run(handle, original, self, args, kwargs)
         router = resolve_router(tide)
-        if handle is not None and handle.router is router:
+        if handle is not None and same_router(handle.router, router):
             return _run(handle, original, self, args, kwargs)
         handle = attach_for_call(self, router)  # this thread only; refused if another router is attached
         try:

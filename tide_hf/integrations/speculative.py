@@ -53,7 +53,7 @@ from transformers import GenerationConfig
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..compat import CANDIDATE_GENERATOR_FACTORY, eos_token_tensor, extend_model_kwargs
-from ..errors import TideConcurrencyError
+from ..errors import TideConcurrencyError, TideUnsupportedError
 from ..modeling import layer_output
 from ..runtime import Patches, Session, TideHandle
 from .draft import (
@@ -183,7 +183,7 @@ class TideCandidateGenerator(CandidateGenerator):
 
     def depth_guard(self, _module: nn.Module, _args: tuple) -> None:
         if self.drafting:
-            raise NotImplementedError(
+            raise TideUnsupportedError(
                 f"{type(self.model).__name__} ignores config.num_hidden_layers, so it cannot draft with its first "
                 "layers; mode='speculative' needs a model that runs `layers[: config.num_hidden_layers]` "
                 "(the Llama family does)")

@@ -35,6 +35,8 @@ EXTENSIONS = {  # flavour -> (torch extension name, sources in KERNEL_DIR)
     "cuda": ("tide_hf_cuda", ("tide_cuda.cpp", "tide_cuda_kernels.cu")),
 }
 BUILD_SECONDS = {"cpu": 45, "cuda": 120}  # a first build's rough time on a 2-core machine
+STALE_LOCK_FACTOR = 10  # torch's build lock older than this many first builds: left by a build that was killed
+LOCK_POLL_SECONDS = 0.5  # how often a process waiting for another's build looks at the lock
 OPT_FLAGS = ["/O2"] if os.name == "nt" else ["-O3"]
 
 _build_lock = threading.Lock()
@@ -80,10 +82,32 @@ def _already_built(name: str, sources: tuple[str, ...]) -> bool:
         return False
 
 
+def _wait_for_other_build(name: str, flavour: str) -> None:
+    """Wait while another process builds (torch's build lock exists), but not for a lock a killed build left:
+    torch would wait for that one forever. A lock older than STALE_LOCK_FACTOR first builds is removed."""
+    import time
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except OSError:  # no lock (any more): nobody is building
+            return
+        if age > STALE_LOCK_FACTOR * BUILD_SECONDS[flavour]:
+            logger.warning("tide_hf: removing %s, left %.0f s ago by a %s kernel build that did not finish", lock,
+                           age, flavour)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(LOCK_POLL_SECONDS)
+
+
 def _build(flavour: str) -> ModuleType:
     from torch.utils.cpp_extension import load
 
     name, sources = EXTENSIONS[flavour]
+    _wait_for_other_build(name, flavour)
     if not _already_built(name, sources):  # one line, so a first build (~45 s on 2 cores) does not look like a hang
         print(f"tide_hf: compiling the {flavour.upper()} kernels (first use, ~{BUILD_SECONDS[flavour]} s)...",
               file=sys.stderr, flush=True)

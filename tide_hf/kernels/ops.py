@@ -58,9 +58,10 @@ def _(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op(f"{LIBRARY}::scatter_rows_", mutates_args=("dst",))
 def scatter_rows_op(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
-    """dst[index] = src in place: the extension when built for this device (dst contiguous), else `index_copy_`."""
+    """dst[index] = src in place: the extension when built for this device (dst contiguous, `src` not in `dst`'s
+    memory: the extension would copy rows it already overwrote), else `index_copy_` (which refuses overlap)."""
     ext = extension(flavour_of(dst.device))
-    if ext is None or not dst.is_contiguous():
+    if ext is None or not dst.is_contiguous() or src.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr():
         dst.index_copy_(0, index, src)
         return
     check_rows(index, dst.shape[0])

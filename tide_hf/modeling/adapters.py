@@ -114,6 +114,9 @@ def _probe(model: nn.Module) -> tuple[str, str]:
 
 def get_adapter(model: nn.Module) -> ModelAdapter:
     """Return the `ModelAdapter` of a causal LM (registered family first, probing otherwise)."""
+    if callable(getattr(model, "get_base_model", None)) and model.get_base_model() is not model:  # peft's wrapper
+        raise TideCompatibilityError(f"{type(model).__name__} wraps the causal LM: attach to model.get_base_model() "
+                                     "(the adapters stay active; generate through either model)")
     model_type = getattr(model.config, "model_type", None)
     if model_type in _PATHS:
         layers_path, norm_path, pre_head_path = _PATHS[model_type]

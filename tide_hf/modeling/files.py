@@ -3,6 +3,8 @@ makes so that a router never comes back partly random or without its config."""
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import json
 import os
 import re
@@ -13,12 +15,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import TideRouterFileError
+from transformers import PretrainedConfig
+
+from ..errors import TideArgumentError, TideRouterFileError
 
 ROUTER_MODEL_TYPE = "tide_router"
 # What `TideRouter.save_pretrained` writes (sharded weights included), plus the Hub's .gitattributes.
 ROUTER_FILES = re.compile(r"config\.json|README\.md|\.gitattributes|model\.safetensors(\.index\.json)?"
                           r"|model-\d+-of-\d+\.safetensors")
+FIELD_NAME_CUTOFF = 0.85  # difflib similarity above which an unknown key is taken for a misspelled field
 HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
 
 
@@ -84,6 +89,19 @@ def atomic_save(path: str | os.PathLike, write: Callable[[str], None], *, overwr
             shutil.rmtree(backup, ignore_errors=True)
 
 
+def check_writable(path: Path, what: str, *, folder: bool) -> None:
+    """`path` can be created (or replaced) as a folder (`folder=True`) or a file: refused before the work
+    whose results go there, not after it."""
+    if path.exists() and path.is_dir() != folder:
+        found, wanted = ("a folder", "file") if path.is_dir() else ("a file", "folder")
+        raise TideArgumentError(f"{what} {path} is {found}; give a {wanted} name")
+    parent = Path(os.path.realpath(path)).parent  # a link: the save goes next to the folder it points to
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise TideArgumentError(f"{what} {path} cannot be written: {parent} is not a writable folder")
+
+
 def check_config_source(name: str | os.PathLike, config_cls: Any, kwargs: dict[str, Any]) -> None:
     """The router at `name` has a config.json of a TIDE router (a missing one would load defaults)."""
     text = os.fspath(name)
@@ -97,6 +115,24 @@ def check_config_source(name: str | os.PathLike, config_cls: Any, kwargs: dict[s
     if config.get("model_type") != ROUTER_MODEL_TYPE:
         raise TideRouterFileError(f"{name} is not a TIDE router: its config.json has model_type "
                                   f"{config.get('model_type')!r}, not {ROUTER_MODEL_TYPE!r}")
+    check_field_names(config, config_cls, f"TIDE router {name}: config.json")
+    check_field_names(kwargs, config_cls, "TideRouter.from_pretrained")
+
+
+def config_fields(config_cls: Any) -> set[str]:
+    """The fields a router config takes (its constructor's parameters)."""
+    return set(inspect.signature(config_cls.__init__).parameters) - {"self", "kwargs"}
+
+
+def check_field_names(values: dict[str, Any], config_cls: Any, where: str) -> None:
+    """No key is a misspelling of a router field (transformers keeps unknown keys, so the field would silently
+    keep its default); keys unlike every field are left alone (transformers' own, or the user's)."""
+    fields = config_fields(config_cls)
+    for key in values:
+        if key not in fields and not hasattr(PretrainedConfig, key):
+            close = difflib.get_close_matches(key, sorted(fields), n=1, cutoff=FIELD_NAME_CUTOFF)
+            if close:
+                raise TideRouterFileError(f"{where}: {key!r} is not a TIDE router field; did you mean {close[0]!r}?")
 
 
 def check_loading_info(name: str | os.PathLike, info: dict[str, Any]) -> None:

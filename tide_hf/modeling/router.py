@@ -13,10 +13,10 @@ from safetensors import SafetensorError
 from torch import nn
 from transformers import AutoConfig, AutoModel, PreTrainedModel
 
-from ..config import TideRouterConfig, check_coverage
+from ..config import TideRouterConfig, check_coverage, plain
 from ..errors import TideArgumentError, TideArgumentTypeError, TideCompatibilityError, TideRouterFileError
 from .adapters import ModelAdapter, get_adapter, text_config
-from .files import atomic_save, check_config_source, check_loading_info
+from .files import atomic_save, check_config_source, check_loading_info, config_fields
 from .fingerprint import model_fingerprint
 from .quiet import quiet_hf
 
@@ -138,6 +138,9 @@ class TideRouter(PreTrainedModel):
         kwargs["use_safetensors"] = True
         if kwargs.get("config") is None and not args:
             check_config_source(pretrained_model_name_or_path, cls.config_class, kwargs)
+        fields = config_fields(cls.config_class)  # set on the config as given: numpy numbers and paths made plain
+        kwargs = {k: (os.fspath(v) if isinstance(v, os.PathLike) else plain(v)) if k in fields else v
+                  for k, v in kwargs.items()}
         want_info = kwargs.pop("output_loading_info", False)
         kwargs.setdefault("ignore_mismatched_sizes", True)  # reported below as a TideRouterFileError
         with quiet_hf():  # a router is a few MB: no "Loading weights" bar

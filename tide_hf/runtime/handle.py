@@ -31,7 +31,7 @@ from .compiled import install_compiled_call
 from .kv import KVRecompute
 from .patching import Patches
 from .segments import SegmentedDecoding
-from .session import Session, Step
+from .session import Session, Step, new_step
 from .skip import LayerSkipper
 from .stats import ExitStats
 
@@ -181,12 +181,7 @@ class TideHandle:
         if tokens is None:  # neither ids nor embeddings: the model itself will refuse this forward
             self._local.step = None
             return
-        batch, width = tokens.shape[:2]
-        mask = kwargs.get("attention_mask")
-        valid = mask[:, -width:].bool() if mask is not None and mask.dim() == 2 else torch.ones(
-            batch, width, dtype=torch.bool, device=tokens.device)
-        exit_layer = torch.full((batch, width), self.num_layers, dtype=torch.long, device=tokens.device)
-        self._local.step = Step(valid, exit_layer, mask2d=mask if mask is not None and mask.dim() == 2 else None)
+        self._local.step = new_step(session, tokens, kwargs.get("attention_mask"), self.num_layers)
 
     def _end(self, _module: nn.Module, _args: tuple, _output: Any) -> None:
         step, self._local.step = getattr(self._local, "step", None), None
@@ -268,14 +263,14 @@ class TideHandle:
         for step in session.pending:
             executed = self.num_layers - step.skipped
             if not session.generating or not session.started_decode:
-                session.stats.prefill.add(step.exit_layer, executed, step.valid)
+                session.stats.prefill.add(step.exit_layer, executed, step.valid, step.recomputed)
                 continue
             live = torch.ones(step.exit_layer.shape[0], dtype=torch.bool, device=step.exit_layer.device)
             if last_tokens is not None and session.eos is not None:
                 ended = torch.isin(last_tokens, session.eos.to(last_tokens.device))
                 session.finished = ended if session.finished is None else session.finished | ended
                 live = ~session.finished
-            session.stats.decode.add(step.exit_layer[:, -1], executed, live & step.valid[:, -1])
+            session.stats.decode.add(step.exit_layer[:, -1], executed, live & step.valid[:, -1], step.recomputed)
         session.pending.clear()
 
     def detach(self) -> None:

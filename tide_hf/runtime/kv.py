@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import norm_spec
+from .session import Step
 
 
 def propagate_support(layer: nn.Module) -> str | None:
@@ -37,6 +38,25 @@ def propagate_support(layer: nn.Module) -> str | None:
     return None
 
 
+def key_norm(attn: nn.Module) -> nn.Module | None:
+    """The per-head norm the attention applies to its keys, if any (Qwen3 / Gemma3 `k_norm`, Phi's
+    `k_layernorm` under `qk_layernorm`)."""
+    if getattr(attn, "k_norm", None) is not None:
+        return attn.k_norm
+    return attn.k_layernorm if getattr(attn, "qk_layernorm", False) else None
+
+
+def rotate_keys(attn: nn.Module, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embeddings on `key` (B, heads, T, d) as the attention applies them: not at all on a no-rotary
+    layer (SmolLM3's `use_rope=0`), on the first `cos.shape[-1]` dims only under partial rotary (Phi)."""
+    if not getattr(attn, "use_rope", True):
+        return key
+    rotary, rot = sys.modules[type(attn).__module__].apply_rotary_pos_emb, cos.shape[-1]
+    if rot < key.shape[-1]:
+        return torch.cat([rotary(key[..., :rot], key[..., :rot], cos, sin)[1], key[..., rot:]], dim=-1)
+    return rotary(key, key, cos, sin)[1]
+
+
 def propagate_kv(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> None:
     """Append to the cache the K/V `layer` would produce for input `hidden` (B, T, H)."""
     cache = kwargs.get("past_key_values")
@@ -46,12 +66,11 @@ def propagate_kv(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any])
     x = layer.input_layernorm(hidden)
     shape = (*x.shape[:-1], -1, attn.head_dim)
     key = attn.k_proj(x).view(shape)
-    if getattr(attn, "k_norm", None) is not None:  # Qwen3 / Gemma3 normalise each head (over head_dim)
-        key = attn.k_norm(key)
+    norm = key_norm(attn)
+    if norm is not None:  # normalises each head (over head_dim)
+        key = norm(key)
     key, value = key.transpose(1, 2), attn.v_proj(x).view(shape).transpose(1, 2)
-    cos, sin = kwargs["position_embeddings"]
-    _, key = sys.modules[type(attn).__module__].apply_rotary_pos_emb(key, key, cos, sin)
-    cache.update(key, value, attn.layer_idx)
+    cache.update(rotate_keys(attn, key, *kwargs["position_embeddings"]), value, attn.layer_idx)
 
 
 class FusedPropagation:
@@ -61,7 +80,7 @@ class FusedPropagation:
     those are stacked: a skipped step then runs one normalisation, one matmul and one rotary pass for all
     skipped layers instead of a norm, two projections and a rotary pass each, which is most of
     propagate's per-layer cost at decode. Used where every layer has the same norm formula and eps, no
-    K norm, and its weights on one device; elsewhere `propagate_kv` runs layer by layer.
+    K norm, rotary on every layer, and its weights on one device; elsewhere `propagate_kv` runs layer by layer.
     """
 
     @classmethod
@@ -73,7 +92,7 @@ class FusedPropagation:
         specs = [norm_spec(layer.input_layernorm) for layer in layers]
         params = [p for a in attns for p in (a.k_proj.weight, a.v_proj.weight)]
         if (any(s is None or s.kind == "none" for s in specs) or len({(s.kind, s.eps) for s in specs}) != 1
-                or any(getattr(a, "k_norm", None) is not None for a in attns)
+                or any(key_norm(a) is not None or not getattr(a, "use_rope", True) for a in attns)
                 or len({p.device for p in params}) != 1 or params[0].is_meta
                 or len({(a.k_proj.out_features, a.v_proj.out_features, a.head_dim) for a in attns}) != 1):
             return None
@@ -119,7 +138,7 @@ class FusedPropagation:
         keys = out[..., : self.k_out].reshape(batch, length, -1, d).transpose(1, 2)  # heads of all layers
         values = out[..., self.k_out :].reshape(batch, length, -1, d).transpose(1, 2)
         cos, sin = kwargs["position_embeddings"]
-        _, keys = sys.modules[type(layers[0].self_attn).__module__].apply_rotary_pos_emb(keys, keys, cos, sin)
+        keys = rotate_keys(layers[0].self_attn, keys, cos, sin)  # every layer rotates alike (`build`)
         heads = keys.shape[1] // len(layers)
         for i, layer in enumerate(layers):
             part = slice(i * heads, (i + 1) * heads)
@@ -151,6 +170,11 @@ class Pending:
     depth: int
     cos: torch.Tensor  # rotary embeddings of these positions, (B, T, d)
     sin: torch.Tensor
+
+    @property
+    def positions(self) -> int:
+        """Rows x tokens of the block: the positions one layer's catch-up runs."""
+        return self.hidden.shape[0] * self.hidden.shape[1]
 
 
 def recompute_support(layer: nn.Module) -> str | None:
@@ -220,12 +244,15 @@ class KVRecompute:
         return states[:, start:]
 
     def run(self, number: int, layer: nn.Module, original: Callable, hidden: torch.Tensor,
-            kwargs: dict[str, Any], mask2d: torch.Tensor | None) -> Any:
-        """Run layer `number` on [pending tokens at depth number-1, step tokens]; return the step's part."""
-        extended = self.extend(number, layer, hidden, kwargs, mask2d)
+            kwargs: dict[str, Any], step: Step | None) -> Any:
+        """Run layer `number` on [pending tokens at depth number-1, step tokens]; return the step's part. The
+        pending positions run are added to `step.recomputed` (work the step's own depth does not show)."""
+        extended = self.extend(number, layer, hidden, kwargs, None if step is None else step.mask2d)
         if extended is None:
             return original(hidden, **kwargs)
         due, block, ext = extended
+        if step is not None:
+            step.recomputed += sum(p.positions for p in due)
         out = original(block, **ext)
         mine = self.advance(due, out[0] if isinstance(out, tuple) else out, number)
         return (mine, *out[1:]) if isinstance(out, tuple) else mine

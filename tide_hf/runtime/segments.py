@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..compat import traceable_output_capture
-from .kv import KVRecompute, initialize_cache_layers, propagate_kv
+from .kv import KVRecompute, initialize_cache_layers, propagate_kv, sliding_window
 from .patching import Patches, forward_attribute
 from .session import Step
 from .skip import LayerSkipper
@@ -62,9 +62,11 @@ class SegmentedDecoding:
 
     @staticmethod
     def supported(layers: nn.ModuleList) -> bool:
-        """Segments call the layers' own forwards; a dispatched model (accelerate's device hooks around each
-        layer) keeps the whole-step compile."""
-        return all(forward_attribute(layer) == "forward" for layer in layers)
+        """Segments call the layers' own forwards with the first layer's arguments; a dispatched model
+        (accelerate's device hooks around each layer) and one mixing attention kinds (Gemma 2 / 3: sliding
+        and full layers take different masks and rotary embeddings) keep the whole-step compile."""
+        windows = {sliding_window(layer.self_attn) if hasattr(layer, "self_attn") else None for layer in layers}
+        return len(windows) == 1 and all(forward_attribute(layer) == "forward" for layer in layers)
 
     def __init__(self, model: nn.Module, layers: nn.ModuleList, checkpoints: list[int], kv: str,
                  threshold: Callable[[int], float],
@@ -96,7 +98,9 @@ class SegmentedDecoding:
         """What `get_compiled_call(config)` returns while attached: `step`, with graphs compiled per `config`
         (a `transformers.CompileConfig`; a new config compiles new graphs)."""
         if self._config != config:
-            options = config.to_dict()
+            # dynamic=True would trace the segments' checkpoint numbers as symbols (and fail on `str(layer)`);
+            # automatic dynamic shapes (None) mark a size dynamic once it changes, the catch-up's explicitly
+            options = {**config.to_dict(), "dynamic": None if config.dynamic else config.dynamic}
             # plain steps and catch-up steps (kv="recompute": pending tokens ahead, dynamic length) per segment
             self._graphs = {(s.first, catch_up): torch.compile(
                 own_code(self._segment_fn(s), f"tide_{'catch_up' if catch_up else 'segment'}_{s.first}_{s.last}"),
@@ -192,6 +196,7 @@ class SegmentedDecoding:
             states, out, step.exit_layer, step.exit_state, done = self._graphs[segment.first, extended is not None](
                 block, step.exit_layer, step.exit_state, step.valid, call_kwargs)
         if extended is not None:
+            step.recomputed += sum(p.positions for p in due) * (segment.last - segment.first + 1)
             recompute.advance(due, states, segment.last)
         if done is None or not bool(done):  # skip mode's one host read per checkpoint reached
             return out

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from ..errors import TideUnsupportedError
 from .kv import FusedPropagation, KVRecompute, propagate_kv, propagate_support, recompute_support
 from .patching import Patches
 from .session import Step
@@ -29,7 +30,7 @@ class LayerSkipper:
         for number in range(first_checkpoint + 1, len(layers) + 1):
             reason = support(layers[number - 1])
             if reason is not None:
-                raise NotImplementedError(f"mode='skip' with kv={kv!r} on layer {number}: {reason}")
+                raise TideUnsupportedError(f"mode='skip' with kv={kv!r} on layer {number}: {reason}")
 
     def __init__(self, layers: nn.ModuleList, first_checkpoint: int, kv: str, current_step: Callable[[], Step | None],
                  recompute_state: Callable[[Any], KVRecompute | None], patches: Patches) -> None:
@@ -55,7 +56,7 @@ class LayerSkipper:
             recompute = self.recompute_state(kwargs.get("past_key_values"))
             if step is None or step.skip_after is None or number <= step.skip_after:
                 if recompute is not None and len(args) == 1:
-                    out = recompute.run(number, layer, original, args[0], kwargs, step.mask2d if step else None)
+                    out = recompute.run(number, layer, original, args[0], kwargs, step)
                 else:
                     out = original(*args, **kwargs)
                 self._returns_tuple[number] = isinstance(out, tuple)

@@ -20,10 +20,14 @@ class PhaseStats:
     num_layers: int
     _exits: torch.Tensor | None = field(default=None, repr=False)  # (num_layers + 1,) tokens per exit layer
     _executed: torch.Tensor | None = field(default=None, repr=False)  # (num_layers + 1,) tokens per layers run
+    recomputed: int = 0  # kv="recompute": layer runs of parked positions (rows x tokens) made up in this phase
 
-    def add(self, exit_layers: torch.Tensor, executed: int, keep: torch.Tensor | None = None) -> None:
+    def add(self, exit_layers: torch.Tensor, executed: int, keep: torch.Tensor | None = None,
+            recomputed: int = 0) -> None:
         """Count the per-token exit layers `exit_layers` where `keep` (default: all), each token having run
-        `executed` layers. Device-side only: no host sync."""
+        `executed` layers, and `recomputed` layer runs made up for earlier tokens. Device-side only: no host
+        sync."""
+        self.recomputed += recomputed
         layers = exit_layers.reshape(-1)
         weights = torch.ones_like(layers) if keep is None else keep.reshape(-1).to(layers.device, torch.long)
         if self._exits is None:
@@ -34,6 +38,7 @@ class PhaseStats:
 
     def merge(self, other: PhaseStats) -> None:
         """Add the counts of `other` (same model) to these."""
+        self.recomputed += other.recomputed
         if other._exits is None:
             return
         if self._exits is None:
@@ -68,13 +73,23 @@ class PhaseStats:
 
     @property
     def mean_executed(self) -> float:
-        """Mean number of layers really computed per token (below `num_layers` only in skip mode)."""
+        """Mean number of layers the forward of a token's own step ran (below `num_layers` only in skip mode;
+        what sets a decode step's time). Under kv="recompute" the layers a token skipped run later, with a
+        later step: those are counted in `recomputed` and `mean_computed`, not here."""
         total = sum(self.executed.values())
         return sum(k * c for k, c in self.executed.items()) / total if total else float(self.num_layers)
 
+    @property
+    def mean_computed(self) -> float:
+        """Mean layer runs per token, its own step's and the catch-up runs of this phase (kv="recompute");
+        equal to `mean_executed` in every other mode."""
+        total = sum(self.executed.values())
+        own = sum(k * c for k, c in self.executed.items())
+        return (own + self.recomputed) / total if total else float(self.num_layers)
+
     def as_dict(self) -> dict:
         return {"tokens": self.tokens, "exit_rate": self.exit_rate, "mean_layers": self.mean_layers,
-                "mean_executed": self.mean_executed,
+                "mean_executed": self.mean_executed, "mean_computed": self.mean_computed,
                 "exits": {int(k): int(v) for k, v in sorted(self.exits.items())}}
 
 
@@ -108,8 +123,9 @@ class ExitStats:
             per_layer = ", ".join(f"L{k}: {phase.exits.get(k, 0)}" for k in self.checkpoints)
             lines.append(
                 f"{name:7s} {phase.tokens:6d} tokens  exit rate {phase.exit_rate:6.1%}  "
-                f"mean layers {phase.mean_layers:5.2f}/{self.num_layers}  executed {phase.mean_executed:5.2f}  "
-                f"exits [{per_layer}]"
+                f"mean layers {phase.mean_layers:5.2f}/{self.num_layers}  executed {phase.mean_executed:5.2f}"
+                + (f" (+{phase.mean_computed - phase.mean_executed:.2f} caught up)" if phase.recomputed else "")
+                + f"  exits [{per_layer}]"
             )
         return "\n".join(lines)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +48,11 @@ class Variant:
     weight_decay: float = 0.0
     kl_threshold: float | None = None  # None: the collection's (the config default)
     train_share: float = 1.0  # share of the train split's tokens used (how much more data would help)
+    dropout: float = 0.0  # on the MLP's input and hidden layer while training
+    focal: float = 0.0  # focal-loss exponent (0: plain BCE): weight on the tokens the head gets wrong
+    linear: bool = False  # a logistic regression on the state instead of the MLP
+    prev_state: bool = False  # also read the previous checkpoint's normed state (zeros at the first)
+    seeds: int = 1  # an ensemble: the mean logit of heads trained with seeds seed .. seed + seeds - 1
     notes: dict = field(default_factory=dict)
 
 
@@ -77,6 +82,12 @@ VARIANTS = {
     "top1_kl1": Variant(label="top1_kl", kl_threshold=1.0),
     "top1_kl3": Variant(label="top1_kl", kl_threshold=3.0),
     "half_data": Variant(train_share=0.5),
+    "focal2": Variant(focal=2.0),
+    "dropout02": Variant(dropout=0.2),
+    "dropout05_b512": Variant(dropout=0.5, bottleneck=512),
+    "linear": Variant(linear=True),
+    "prev_state": Variant(prev_state=True),
+    "ensemble5": Variant(seeds=5),
 }
 
 
@@ -85,14 +96,14 @@ class Head(torch.nn.Module):
 
     def __init__(self, hidden: int, n_extra: int, v: Variant) -> None:
         super().__init__()
-        self.concat = v.concat
-        self.fc1 = torch.nn.Linear(hidden + (n_extra if v.concat else 0), v.bottleneck)
+        self.concat, self.linear, self.drop = v.concat, v.linear, torch.nn.Dropout(v.dropout)
+        self.fc1 = torch.nn.Linear(hidden + (n_extra if v.concat else 0), 1 if v.linear else v.bottleneck)
         self.fc2 = torch.nn.Linear(v.bottleneck, 1)
         self.lin = torch.nn.Linear(n_extra, 1, bias=False) if n_extra and not v.concat else None
 
     def forward(self, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-        inp = torch.cat([x, e], 1) if self.concat else x
-        out = self.fc2(torch.relu(self.fc1(inp))).squeeze(-1)
+        inp = self.drop(torch.cat([x, e], 1) if self.concat else x)
+        out = (self.fc1(inp) if self.linear else self.fc2(self.drop(torch.relu(self.fc1(inp))))).squeeze(-1)
         return out + self.lin(e).squeeze(-1) if self.lin is not None else out
 
 
@@ -103,7 +114,8 @@ def labels_of(data: dict, kind: str, k: int, kl_threshold: float | None = None) 
 
 def train_head(x: torch.Tensor, e: torch.Tensor, y: torch.Tensor, tr: torch.Tensor, va: torch.Tensor,
                v: Variant) -> Head:
-    """Adam on (class-balanced) BCE, the best val-loss epoch kept, early stopping: the repo trainer's recipe."""
+    """Adam on (class-balanced) BCE, the best val-loss epoch kept, early stopping: the repo trainer's recipe
+    (a focal exponent weights each token's loss by (1 - p_true) ** focal)."""
     gen = torch.Generator().manual_seed(v.seed)
     torch.manual_seed(v.seed)
     head = Head(x.shape[1], e.shape[1], v)
@@ -112,15 +124,22 @@ def train_head(x: torch.Tensor, e: torch.Tensor, y: torch.Tensor, tr: torch.Tens
     pos = max(float(yt.sum()), 1.0)
     pw = torch.tensor((len(yt) - pos) / pos if v.balanced else 1.0)
     xt, et, xv, ev = x[tr], e[tr], x[va], e[va]
+    def loss_of(logit: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = F.binary_cross_entropy_with_logits(logit, target, pos_weight=pw, reduction="none")
+        p_true = torch.where(target > 0, torch.sigmoid(logit), 1 - torch.sigmoid(logit))
+        return (loss * (1 - p_true) ** v.focal).mean()
+
     best, best_loss, best_epoch = None, math.inf, 0
     for epoch in range(100):
+        head.train()
         for idx in torch.randperm(len(yt), generator=gen).split(1024):
-            loss = F.binary_cross_entropy_with_logits(head(xt[idx], et[idx]), yt[idx], pos_weight=pw)
+            loss = loss_of(head(xt[idx], et[idx]), yt[idx])
             opt.zero_grad()
             loss.backward()
             opt.step()
+        head.eval()
         with torch.no_grad():
-            vl = float(F.binary_cross_entropy_with_logits(head(xv, ev), yv, pos_weight=pw))
+            vl = float(loss_of(head(xv, ev), yv))
         if vl < best_loss:
             best_loss, best_epoch, best = vl, epoch, {n: p.clone() for n, p in head.state_dict().items()}
         if epoch - best_epoch >= v.patience:
@@ -139,14 +158,20 @@ def fit_variant(data: dict, v: Variant) -> torch.Tensor:
         tr = tr & (torch.rand(len(split), generator=torch.Generator().manual_seed(v.seed)) < v.train_share)
     logits = []
     prev = torch.zeros(len(split))
-    for k in layers:
+    for i, k in enumerate(layers):
         cols = [data["extra"][n][k] for n in v.extras] + ([prev] if v.cascade else [])
         e = torch.stack(cols, 1) if cols else torch.zeros(len(split), 0)
         mean, std = e[tr].mean(0), e[tr].std(0).clamp(min=1e-6)
         e = (e - mean) / std
-        with torch.enable_grad():
-            head = train_head(data["features"][k], e, labels_of(data, v.label, k, v.kl_threshold), tr, va, v)
-        prev = head(data["features"][k], e)
+        x = data["features"][k]
+        if v.prev_state:
+            x = torch.cat([x, data["features"][layers[i - 1]] if i else torch.zeros_like(x)], 1)
+        heads = []
+        for seed in range(v.seed, v.seed + v.seeds):
+            with torch.enable_grad():
+                heads.append(train_head(x, e, labels_of(data, v.label, k, v.kl_threshold), tr, va,
+                                        replace(v, seed=seed)))
+        prev = torch.stack([head(x, e) for head in heads]).mean(0)
         logits.append(prev)
     return torch.stack(logits, 1)
 

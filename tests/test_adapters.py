@@ -263,3 +263,22 @@ def test_probe_error_names_missing_norm(registry: dict) -> None:
 def test_missing_lm_head_is_named(registry: dict) -> None:
     with pytest.raises(ValueError, match=r"TinyLM has no output embeddings"):
         get_adapter(TinyLM(norm_name="ln_f", head=False))
+
+
+def test_gemma3_multimodal_logits_are_the_models_own_without_the_text_cap() -> None:
+    """Gemma 3's multimodal wrapper keeps `final_logit_softcapping` in its text config and does not apply it:
+    the adapter capped its logits anyway (labels, exit heads and drafts off the model's)."""
+    torch.manual_seed(0)
+    text = tf.Gemma3TextConfig(**DECODER, head_dim=12, final_logit_softcapping=SOFTCAP)
+    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                   image_size=32, patch_size=8)
+    model = tf.Gemma3ForConditionalGeneration(tf.Gemma3Config(text_config=text, vision_config=vision,
+                                                              mm_tokens_per_image=16)).eval()
+    with torch.no_grad():  # logits far beyond the cap, as in `build`
+        model.get_output_embeddings().weight.mul_(20.0)
+    adapter = get_adapter(model)
+    ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    hidden, logits = last_layer_output_and_logits(model, adapter.layers[-1], ids)
+    assert not adapter.logit_softcap and logits.abs().max() > SOFTCAP  # the model really leaves them uncapped
+    with torch.no_grad():
+        torch.testing.assert_close(adapter.logits(hidden), logits, atol=1e-5, rtol=1e-5)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import make_model, new_router
 
+from tide_hf.assets import default_dataset
 from tide_hf.errors import TideArgumentError, TideRouterFileError
 from tide_hf.eval import demo
 
@@ -67,7 +68,7 @@ def test_an_output_folder_is_checked_before_calibration(tmp_path: Path) -> None:
     def calibrate(args):
         calls.append(args)
         made = {name: getattr(args, name) for name in ("num_samples", "seq_len", "exit_head", "max_train_tokens")}
-        return model, "tok", new_router(model, **made)
+        return model, "tok", new_router(model, **made, dataset=default_dataset(args.dataset))
 
     load = lambda name, dtype: (model, "tok")  # noqa: E731
     mine = tmp_path / "mine"
@@ -117,9 +118,12 @@ def test_differences_read_missing_options_as_their_meaning() -> None:
     samples than asked for (the text ran out), never more."""
     model = make_model()
     args = demo_args()
+    text = default_dataset(args.dataset)  # what calibration records: the corpus's folder
     made = dict(num_samples=args.num_samples, seq_len=args.seq_len, exit_head=args.exit_head,
-                max_train_tokens=args.max_train_tokens)
+                max_train_tokens=args.max_train_tokens, dataset=text)
     assert demo.differences(new_router(model, **made), args) == []
+    assert demo.differences(new_router(model, **{**made, "dataset": "/my/texts"}), args) == \
+        [f"--dataset {text} (router: /my/texts)"]  # a router of other text was reused
     assert demo.differences(new_router(model, **{**made, "num_samples": 48}), args) == []
     assert demo.differences(new_router(model, **{**made, "num_samples": 999}), args) == \
         ["--num-samples 128 (router: 999)"]

@@ -351,7 +351,8 @@ def test_concurrent_first_use_builds_once(fresh_state: None, monkeypatch: pytest
 def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_waited_for(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A build killed mid-way leaves torch's `lock`: every later process waited for it forever."""
+    """A build killed mid-way leaves torch's `lock`: every later process waited for it forever. A build that
+    still writes files is alive, however old its lock."""
     from torch.utils.cpp_extension import _get_build_directory
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
@@ -361,14 +362,17 @@ def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_waited_for(
     os.utime(lock, (old, old))
     with caplog.at_level(logging.WARNING, logger="tide_hf.kernels"):
         kernel_build._wait_for_other_build("tide_hf_test_lock", "cpu")
-    assert not lock.exists() and "did not finish" in caplog.text
-    lock.write_text("")  # a build running in another process: waited for until it removes its lock
+    assert not lock.exists() and "has done nothing for" in caplog.text
+    caplog.clear()
+    lock.write_text("")  # a build running in another process (old lock, fresh output): waited for until it is done
+    os.utime(lock, (old, old))
+    (lock.parent / "tide.o").write_text("")
     remover = threading.Timer(1.0, lock.unlink)
     remover.start()
     started = time.perf_counter()
     kernel_build._wait_for_other_build("tide_hf_test_lock", "cpu")
     remover.join()
-    assert time.perf_counter() - started >= 0.9
+    assert time.perf_counter() - started >= 0.9 and not caplog.text
 
 
 @pytest.mark.usefixtures("cpu_kernels")

@@ -32,9 +32,9 @@ from tide_hf.errors import (
     TideCompatibilityError,
     TideError,
     TideRouterFileError,
+    TideTargetError,
     TideUnsupportedError,
 )
-from tide_hf.modeling.targets import TideTargetError
 
 CLOSED_PATH = {"thresholds": [[1.0, 1.0], [0.9, 1.0]], "errors": [0, 2], "n": 100, "nll_sum": [0.0, 0.5],
                "nll_sumsq": [0.0, 0.5], "n_next": 90}
@@ -384,6 +384,8 @@ def test_misspelled_fields_are_refused_not_left_at_their_defaults(tmp_path: Path
     assert TideRouter.from_pretrained(tmp_path / "r").config.my_notes == "calibrated on Tuesday"
     with pytest.raises(TideRouterFileError, match="from_pretrained: 'min_layer' is not a TIDE router field"):
         TideRouter.from_pretrained(tmp_path / "r", min_layer=8)
+    with pytest.raises(TideRouterFileError, match="TideRouterConfig: 'exit_treshold' is not a TIDE router field"):
+        TideRouter(config(exit_treshold=0.5))  # was built and saved, then refused at load
 
 
 @pytest.mark.parametrize("cache", ["static", "sliding_window"])
@@ -449,3 +451,26 @@ def test_a_peft_style_wrapper_is_refused_with_the_model_to_attach_to() -> None:
         tide_hf.attach(Wrapper(model), router)
     with tide_hf.attach(Wrapper(model).get_base_model(), router, exit_threshold=1.0):
         assert tide_hf.get_handle(model) is not None
+
+
+def test_positional_arguments_pass_through_another_librarys_generate_wrapper() -> None:
+    """Under a `(self, *args, **kwargs)` wrapper of generate (another library's patch without functools.wraps)
+    the positional arguments were bound to its `*args` and sent on as a keyword `args=`."""
+    from transformers import GenerationMixin
+
+    model = make_model()
+    ids, mask = left_padded()
+    config = GenerationConfig(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    stock = model.generate(ids, config, attention_mask=mask)
+    tide_hf.integrations.uninstall()
+    plain = GenerationMixin.generate
+    GenerationMixin.generate = lambda self, *args, **kwargs: plain(self, *args, **kwargs)
+    tide_hf.integrations.install()
+    try:
+        with tide_hf.attach(model, constant_router(model, -30.0), exit_threshold=0.5) as handle:
+            assert torch.equal(model.generate(ids, config, attention_mask=mask), stock)
+            assert handle.last_stats.prefill.tokens == int(mask.sum())
+    finally:
+        tide_hf.integrations.uninstall()
+        GenerationMixin.generate = plain
+        tide_hf.integrations.install()

@@ -13,7 +13,8 @@ from helpers import ByteTokenizer, make_tiny_llama, new_router
 
 import tide_hf
 from tide_hf.calibration.thresholds import build_path, exit_index, path_losses
-from tide_hf.modeling.targets import TideTargetError, binomial_pvalue, normal_pvalue, select
+from tide_hf.errors import TideTargetError
+from tide_hf.modeling.targets import binomial_pvalue, normal_pvalue, select
 
 SAVED = torch.tensor([6.0, 2.0], dtype=torch.float64)  # layers saved by an exit at each of two checkpoints
 ERROR_SCALE = torch.tensor([0.9, 0.1])  # wrong-exit probability per unit of (1 - score), per checkpoint

@@ -29,7 +29,7 @@ _API = {  # public name -> the room that holds it
     "TideOptions": "config", "TideRouterConfig": "config",
     "TideCompatibilityError": "errors", "TideDataError": "errors", "TideError": "errors",
     "TideArgumentError": "errors", "TideArgumentTypeError": "errors", "TideConcurrencyError": "errors",
-    "TideRouterFileError": "errors", "TideUnsupportedError": "errors",
+    "TideRouterFileError": "errors", "TideTargetError": "errors", "TideUnsupportedError": "errors",
     "TideLogitsProcessor": "integrations",
     "ModelAdapter": "modeling", "TideRouter": "modeling", "get_adapter": "modeling",
     "model_fingerprint": "modeling", "register_adapter": "modeling",
@@ -115,7 +115,14 @@ class _PostImportHook(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module: Any) -> None:
         self.inner.pop(module.__name__).exec_module(module)
-        _AFTER_IMPORT[module.__name__](module)
+        try:
+            _AFTER_IMPORT[module.__name__](module)
+        except Exception as err:  # noqa: BLE001 - never fail transformers' own import because of tide_hf
+            import warnings
+
+            warnings.warn(f"tide_hf: its hook on {module.__name__} failed ({type(err).__name__}: {err}); "
+                          "transformers is unaffected, the generate(tide=) keyword or the Auto classes' knowledge "
+                          "of routers may be missing", stacklevel=2)
 
 
 def _hook_transformers() -> None:

@@ -89,14 +89,19 @@ class RouterDefaults:
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Defaults shown after every option's help; each line of a description is wrapped on its own."""
+    """Defaults shown after every option's help (a None default is said in words by the help itself); each
+    line of a description is wrapped on its own."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         return "\n".join(textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent)
                          for line in text.splitlines())
 
 
-def _add_calibration_args(p: argparse.ArgumentParser) -> None:
+def _add_calibration_args(p: argparse.ArgumentParser, rank_default: str) -> None:
+    """The calibration options shared by calibrate and demo (`rank_default`: what no --exit-head-rank means)."""
     d = RouterDefaults()  # the library's defaults, so the CLI cannot drift from them
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="Hub id or folder of a causal LM ('smollm2' = embedded default)")
@@ -114,9 +119,7 @@ def _add_calibration_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exit-head-ridge", type=float, default=d.exit_head_ridge,
                    help="--exit-head linear: ridge penalty, relative to the mean diagonal of the Gram matrix")
     p.add_argument("--exit-head-rank", type=int, default=None,
-                   help="--exit-head linear: store each exit head as rank-r factors (smaller sidecar; "
-                        "default: full rank, hidden x hidden per checkpoint; the demo's default: "
-                        f"{DEMO_EXIT_HEAD_RANK})")
+                   help=f"--exit-head linear: store each exit head as rank-r factors (default: {rank_default})")
     p.add_argument("--min-agreement", type=float, default=d.min_agreement,
                    help="the router's default quality target: top-1 agreement attach() keeps without arguments")
     p.add_argument("--confidence", type=float, default=d.confidence,
@@ -208,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Calibrate routers for a model on real text and save them (safetensors + model card).\n\n"
                     "example: tide-hf calibrate --num-samples 512 --output router-smollm2\n"
                     f"time: ~0.5 s per 256-token sample on SmolLM2-135M {CPU} (the default 2000: ~19 min)")
-    _add_calibration_args(p)
+    _add_calibration_args(p, "full rank, hidden x hidden per checkpoint")
     p.add_argument("--output", required=True, help="folder to save the router in (new or empty; never a model's)")
     p.add_argument("--overwrite", action="store_true", help="replace the TIDE router already in --output "
                    "(a folder holding anything else is always refused)")
@@ -226,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "text, tokens/s, layers executed per token, agreement with stock.\n\n"
                     "example: tide-hf demo --prompt 'What should Congress do about taxes?'\n"
                     f"time {CPU}: ~2-3 min the first time (calibration), ~1 min once the router is cached")
-    _add_calibration_args(p)
+    _add_calibration_args(p, f"{DEMO_EXIT_HEAD_RANK}: a small sidecar, and heads few tokens can fit")
     p.set_defaults(num_samples=DEMO_SAMPLES, seq_len=DEMO_SEQ_LEN, max_train_tokens=DEMO_TRAIN_TOKENS)
     p.add_argument("--output", default=None, help="folder to save the router in (default: a folder under the "
                    "tide_hf cache keyed by model and calibration settings, printed)")
@@ -264,8 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", action="store_true", help="microbenchmark the fused kernels vs the PyTorch path")
     p.add_argument("--synthetic", default=None, choices=SYNTHETIC_SHAPES, help="speed of every mode on this "
                    "architecture shape with random weights and forced exits (no router or download needed; GPU)")
-    p.add_argument("--synthetic-depth", type=positive_int, default=16,
-                   help="--synthetic: the depth every token exits at")
+    p.add_argument("--synthetic-depth", type=positive_int, default=None,
+                   help="--synthetic: the depth every token exits at, a checkpoint (default: half the shape's "
+                        "layers: 16 for llama3-8b, 4 for tiny)")
     p.add_argument("--compile", nargs="+", default=["eager", "static"], choices=["eager", "static"],
                    help="--synthetic: eager decoding and/or cache_implementation='static' (compiled by transformers)")
     p.add_argument("--configs", nargs="+", default=list(SYNTHETIC_CONFIGS), choices=SYNTHETIC_CONFIGS,

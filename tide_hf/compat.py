@@ -4,8 +4,8 @@ Speculative mode hands its candidates to stock assisted decoding through the ins
 looks up (`_get_candidate_generator`), reads a call's settings as generate merges them
 (`_prepare_generation_config`), extends a prompt's model kwargs to a draft with stock's own helpers,
 and reads the EOS ids generate prepared. Compiled skip mode reads transformers' output-capture collector
-the way transformers' own compiled forward does. Should transformers rename any of these, this module is
-the one to change.
+the way transformers' own compiled forward does. Calibration records the Hub revision a model was loaded
+from (`config._commit_hash`). Should transformers rename any of these, this module is the one to change.
 """
 
 from __future__ import annotations
@@ -23,6 +23,11 @@ from transformers.generation.candidate_generator import (
 from transformers.utils.output_capturing import _active_collector
 
 CANDIDATE_GENERATOR_FACTORY = "_get_candidate_generator"  # GenerationMixin method that builds the drafter
+
+
+def model_revision(config: Any) -> str | None:
+    """The Hub commit a model's config was loaded from (None for a local or in-memory model)."""
+    return getattr(config, "_commit_hash", None)
 
 
 def extend_model_kwargs(model_kwargs: dict[str, Any], length: int) -> dict[str, Any]:

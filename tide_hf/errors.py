@@ -31,6 +31,11 @@ class TideRouterFileError(TideError, ValueError):
     """A router folder is incomplete or inconsistent, or a save would overwrite something that is not a router."""
 
 
+class TideTargetError(TideError, ValueError):
+    """A quality target cannot be met or used with this router (out of range, no calibrated path, or
+    certified with checkpoints open that the attach would not serve)."""
+
+
 class TideUnsupportedError(TideError, NotImplementedError):
     """The model cannot run the asked mode (the message names the layer or feature it lacks and what works)."""
 

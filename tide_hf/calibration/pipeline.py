@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..compat import model_revision
 from ..config import CALIBRATED_EXIT_HEAD, CLOSED, LABEL_KINDS, TideRouterConfig, check_int
 from ..errors import TideArgumentError, TideArgumentTypeError
 from ..modeling import ModelAdapter, TideRouter, get_adapter, model_fingerprint, text_config
@@ -177,7 +178,7 @@ def model_config(model: nn.Module, seq_len: int, config_kwargs: dict[str, Any]) 
         hidden_size=text_cfg.hidden_size,
         num_hidden_layers=adapter.num_layers,
         base_model_name_or_path=getattr(model.config, "name_or_path", None) or None,
-        base_model_revision=getattr(model.config, "_commit_hash", None),
+        base_model_revision=model_revision(model.config),
         base_architecture=type(model).__name__,
         base_model_type=model.config.model_type,
         base_fingerprint=model_fingerprint(model, adapter),

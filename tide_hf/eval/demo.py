@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers.generation.streamers import BaseStreamer
 
-from ..assets import cache_dir, load_model
+from ..assets import cache_dir, default_dataset, load_model
 from ..calibration.command import calibrate_from_args, print_metrics
 from ..calibration.distributed import is_main_process
 from ..errors import TideArgumentError
@@ -64,11 +64,13 @@ def is_complete(folder: Path) -> bool:
 
 
 def differences(router: TideRouter, args: argparse.Namespace) -> list[str]:
-    """Calibration settings of the command line that the stored router was not calibrated with. A router may
-    hold fewer samples than asked for (the text ran out), never more; no --min-layers means the first
-    checkpoint; no --continuation means the corpus as written."""
+    """Calibration settings of the command line that the stored router was not calibrated with (its text
+    included). A router may hold fewer samples than asked for (the text ran out, or held-out documents took
+    them), never more; no --min-layers means the first checkpoint; no --continuation means the corpus as
+    written."""
     cfg = router.config
     wanted = {name: getattr(args, name, None) for name in COMPARED}
+    wanted["dataset"] = default_dataset(getattr(args, "dataset", None))  # as calibration records it
     if wanted["min_layers"] is None:
         wanted["min_layers"] = min(cfg.checkpoint_layers)
     changed = [name for name, value in wanted.items()
@@ -162,8 +164,7 @@ def compare(model: Any, tokenizer: Any, router: TideRouter, prompt: str, new_tok
         "stock": {"text": tokenizer.decode(stock, skip_special_tokens=True), "tokens": len(stock),
                   "tok_s": len(stock) / stock_s, "layers": float(num_layers)},
         "tide": {"text": tokenizer.decode(tide, skip_special_tokens=True), "tokens": len(tide),
-                 "tok_s": len(tide) / tide_s, "layers": decode.mean_executed, "computed": decode.mean_computed,
-                 "exit_rate": decode.exit_rate},
+                 "tok_s": len(tide) / tide_s, "layers": decode.mean_executed, "exit_rate": decode.exit_rate},
         "num_layers": num_layers, "same_tokens": sum(same) / max(len(stock), 1),
         "first_difference": next((i for i, s in enumerate(same) if not s), None), "top1": top1, "stats": stats,
         "target": target, "calibration_text": router.config.dataset,
@@ -193,9 +194,9 @@ def print_comparison(result: dict[str, Any]) -> None:
         ("", "stock", f"TIDE ({mode})"),
         ("tokens/s", f"{s['tok_s']:.1f}", f"{t['tok_s']:.1f} ({t['tok_s'] / s['tok_s'] - 1:+.0%})"),
         ("layers per decode step", f"{s['layers']:.2f}/{n}",
-         f"{t['layers']:.2f}/{n} ({t['exit_rate']:.0%} of tokens exited early)"),
-        ("layer runs per token, catch-up included", f"{s['layers']:.2f}/{n}",
-         f"{t['computed']:.2f}/{n} (skipped layers of waiting tokens run with a later step)"),
+         f"{t['layers']:.2f}/{n} ({t['exit_rate']:.0%} of tokens exited early"
+         + ("; their skipped layers run later, batched into a later step)" if DEMO_ATTACH["kv"] == "recompute"
+            else ")")),
         ("generated tokens equal to stock's", "100%",
          f"{result['same_tokens']:.0%}" + ("" if first is None else f" (first difference at token {first + 1})")),
         ("top-1 agreement, stock's prefix", "100%", f"{result['top1']:.0%}"),

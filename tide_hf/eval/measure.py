@@ -65,6 +65,8 @@ def perplexity(model: Any, chunks: list[torch.Tensor], batch_size: int) -> tuple
     nll, count, exits = 0.0, 0, None
     for i in range(0, len(chunks), batch_size):
         ids, mask = pad_right(chunks[i : i + batch_size], 0)
+        if ids.shape[1] < 2:  # one-token chunks: nothing to predict
+            continue
         target, keep = ids[:, 1:], mask[:, 1:].bool()  # right padding: mask[:, 1:] is each row's scored prefix
         logits = model(input_ids=ids[:, :-1], attention_mask=mask[:, 1:]).logits.float()
         losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")

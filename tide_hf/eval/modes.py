@@ -108,14 +108,13 @@ def mixed_exits(model: Any, router: TideRouter, batches: list[dict], chunks: lis
         for thr in tqdm(thresholds, desc=f"mixed exits ({kv})", leave=False):
             handle = attach(model, router, exit_threshold=thr, mode="skip", kv=kv)
             try:
-                tokens, seconds, executed, computed, decode_tok = [], 0.0, 0.0, 0.0, 0
+                tokens, seconds, executed, decode_tok = [], 0.0, 0.0, 0
                 for b in batches:
                     t, s = generate(model, b, new_tokens, tide=True)
                     tokens.append(t)
                     seconds += s
                     d = handle.last_stats.decode
                     executed, decode_tok = executed + d.mean_executed * d.tokens, decode_tok + d.tokens
-                    computed += d.mean_computed * d.tokens
                 ppl, _ = perplexity(model, chunks, batch_size)
             finally:
                 handle.detach()
@@ -123,7 +122,6 @@ def mixed_exits(model: Any, router: TideRouter, batches: list[dict], chunks: lis
             ideal_step = (fit["a_ms"] + fit["b_ms_per_layer"] * depth) / 1e3
             exact, prefix = match_rate(torch.cat(tokens), stock_tokens)
             rows.append({"kv": kv, "threshold": thr, "mean_executed_layers": depth,
-                         "mean_computed_layers": computed / decode_tok,
                          "speedup_vs_stock": stock_s / seconds,
                          "realized_over_ideal": ideal_step * steps / seconds,
                          "greedy_exact_match": exact, "greedy_prefix_match": prefix,
@@ -210,13 +208,10 @@ def format_modes(result: dict) -> str:
     for r in result["forced"]["rows"]:
         lines.append(f"| {r['depth']} | {r['kv']} | {r['stock_step_ms']:.1f} | {r['ideal_step_ms']:.1f} | "
                      f"{r['skip_step_ms']:.1f} | {r['speedup_vs_stock']:.2f} | {r['realized_over_ideal']:.2f} |")
-    computed = all("mean_computed_layers" in r for r in result["mixed"]["rows"])  # older results lack it
-    lines += ["", "| kv | threshold | mean executed layers | " + ("with catch-up | " if computed else "")
-              + "speedup vs stock | realized / ideal | greedy exact | greedy prefix | ppl change |",
-              "|---|---|---|" + ("---|" if computed else "") + "---|---|---|---|---|"]
+    lines += ["", "| kv | threshold | mean executed layers | speedup vs stock | realized / ideal | greedy exact | "
+              "greedy prefix | ppl change |", "|---|---|---|---|---|---|---|---|"]
     for r in result["mixed"]["rows"]:
-        catch_up = f"{r['mean_computed_layers']:.2f} | " if computed else ""
-        lines.append(f"| {r['kv']} | {r['threshold']} | {r['mean_executed_layers']:.2f} | {catch_up}"
+        lines.append(f"| {r['kv']} | {r['threshold']} | {r['mean_executed_layers']:.2f} | "
                      f"{r['speedup_vs_stock']:.2f} | "
                      f"{r['realized_over_ideal']:.2f} | {r['greedy_exact_match']:.1%} | "
                      f"{r['greedy_prefix_match']:.1%} | "

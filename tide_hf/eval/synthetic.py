@@ -177,7 +177,9 @@ def check_device(device: str) -> str:
 def run_synthetic(args: Any) -> dict:
     """The `--synthetic` bench: every configuration, eager and/or compiled static, at each batch size."""
     device = check_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    check_exit_depths([args.synthetic_depth], default_checkpoints(SHAPES[args.synthetic]["num_hidden_layers"],
+    depth = args.synthetic_depth  # default: half the layers, a checkpoint in both shapes (32 and 8 layers)
+    depth = SHAPES[args.synthetic]["num_hidden_layers"] // 2 if depth is None else depth
+    check_exit_depths([depth], default_checkpoints(SHAPES[args.synthetic]["num_hidden_layers"],
                                                                   TideRouterConfig().checkpoint_interval),
                       "--synthetic-depth")
     if args.new_tokens < 2:  # a decode token's time is a difference of two calls (module docstring)
@@ -185,7 +187,7 @@ def run_synthetic(args: Any) -> dict:
                                 "so it needs at least 2")
     dtype = getattr(torch, args.dtype)
     model = build_model(args.synthetic, device, dtype)
-    every = configurations(model, args.synthetic_depth)
+    every = configurations(model, depth)
     configs = dict(every[key] for key in dict.fromkeys(["stock", *args.configs]))  # stock: the reference
     rows = []
     with _recompile_limit(), torch.inference_mode():
@@ -193,9 +195,9 @@ def run_synthetic(args: Any) -> dict:
             for bs in args.batch_sizes:
                 rows += measure(model, configs, bs, args.prompt_len, args.new_tokens, args.reps, compiled)
     name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
-    rows = with_ideal_ratios(rows, args.synthetic_depth)
+    rows = with_ideal_ratios(rows, depth)
     return {"shape": args.synthetic, "config": SHAPES[args.synthetic], "device": name, "dtype": args.dtype,
-            "torch": torch.__version__, "depth": args.synthetic_depth, "prompt_len": args.prompt_len,
+            "torch": torch.__version__, "depth": depth, "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens, "reps": args.reps, "rows": rows}
 
 

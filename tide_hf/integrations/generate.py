@@ -17,6 +17,7 @@ import functools
 import hashlib
 import inspect
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,7 @@ from .processor import TideLogitsProcessor
 from .speculative import generate as speculative_generate
 
 _ROUTER_CACHE_SIZE = 8
+_SAME_ROUTER: dict[tuple[int, int], bool] = {}  # (id(attached), id(named)) -> one router? (`same_router`)
 _INSTALLED = Patches()  # the wrapped `GenerationMixin.generate`, while installed
 TRAMPOLINE_FLAG = "__tide_trampoline__"  # `import tide_hf`'s placeholder wrapper (see tide_hf/__init__.py)
 
@@ -92,23 +94,30 @@ def _check_decoding(handle: TideHandle, config: Any, kwargs: dict) -> None:
                                 "with kv='propagate' (or mode='select') for it")
 
 
-def as_keywords(original: Callable, model: Any, args: tuple, kwargs: dict) -> dict:
+def as_keywords(original: Callable, model: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """`generate`'s positional arguments (inputs, generation_config, logits_processor, ...) as keywords, so the
-    settings read below are the call's wherever it put them."""
+    settings read below are the call's wherever it put them. Left as they are when the signature does not name
+    them (another library's `(self, *args, **kwargs)` wrapper around generate) or they do not fit it."""
     if not args:
-        return kwargs
+        return args, kwargs
     signature = inspect.signature(original)
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in signature.parameters.values()):
+        return args, kwargs
+    try:
+        bound = signature.bind_partial(model, *args, **kwargs).arguments
+    except TypeError:  # generate itself will say what is wrong
+        return args, kwargs
     named: dict[str, Any] = {}
-    for name, value in signature.bind_partial(model, *args, **kwargs).arguments.items():  # stock's TypeError if
-        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:            # they do not fit
+    for name, value in bound.items():
+        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
             named.update(value)
         elif name != "self":
             named[name] = value
-    return named
+    return (), named
 
 
 def _run(handle: TideHandle, original: Callable, model: Any, args: tuple, kwargs: dict) -> Any:
-    kwargs, args = as_keywords(original, model, args, kwargs), ()
+    args, kwargs = as_keywords(original, model, args, kwargs)
     config = merged_generation_config(model, kwargs)  # once per call: the settings generate will run with
     _check_decoding(handle, config, kwargs)
     with handle.session(generating=True, eos=_eos_ids(config)) as session:
@@ -123,14 +132,20 @@ def _run(handle: TideHandle, original: Callable, model: Any, args: tuple, kwargs
 
 def same_router(a: TideRouter, b: TideRouter) -> bool:
     """`a` and `b` are one router: the same object, or equal configs and weights (the attached router, and
-    `tide=` naming the folder it was loaded from)."""
+    `tide=` naming the folder it was loaded from). The weights are compared once per pair of objects, on
+    `a`'s device (routers load cached by folder, so a repeated `tide=folder` is the same pair)."""
     if a is b:
         return True
-    volatile = ("_name_or_path", "transformers_version")
-    configs = [{k: v for k, v in r.config.to_dict().items() if k not in volatile} for r in (a, b)]
-    ours, theirs = a.state_dict(), b.state_dict()
-    return configs[0] == configs[1] and ours.keys() == theirs.keys() and all(
-        ours[k].shape == theirs[k].shape and torch.equal(ours[k].cpu(), theirs[k].cpu()) for k in ours)
+    key = (id(a), id(b))
+    if key not in _SAME_ROUTER:
+        volatile = ("_name_or_path", "transformers_version")
+        configs = [{k: v for k, v in r.config.to_dict().items() if k not in volatile} for r in (a, b)]
+        ours, theirs = a.state_dict(), b.state_dict()
+        _SAME_ROUTER[key] = configs[0] == configs[1] and ours.keys() == theirs.keys() and all(
+            ours[k].shape == theirs[k].shape and torch.equal(ours[k], theirs[k].to(ours[k].device)) for k in ours)
+        for router in (a, b):  # forgotten with either object (ids are reused after it is collected)
+            weakref.finalize(router, _SAME_ROUTER.pop, key, None)
+    return _SAME_ROUTER[key]
 
 
 def install() -> None:

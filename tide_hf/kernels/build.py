@@ -7,6 +7,7 @@ build, or with `TIDE_HF_NO_KERNELS=1`, `extension()` returns None and the PyTorc
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -35,7 +36,7 @@ EXTENSIONS = {  # flavour -> (torch extension name, sources in KERNEL_DIR)
     "cuda": ("tide_hf_cuda", ("tide_cuda.cpp", "tide_cuda_kernels.cu")),
 }
 BUILD_SECONDS = {"cpu": 45, "cuda": 120}  # a first build's rough time on a 2-core machine
-STALE_LOCK_FACTOR = 10  # torch's build lock older than this many first builds: left by a build that was killed
+STALE_LOCK_FACTOR = 10  # a build idle for this many first builds' time is dead (a killed build left its lock)
 LOCK_POLL_SECONDS = 0.5  # how often a process waiting for another's build looks at the lock
 OPT_FLAGS = ["/O2"] if os.name == "nt" else ["-O3"]
 
@@ -68,6 +69,15 @@ def _toolchain_missing(flavour: str) -> str | None:
     return None
 
 
+def sources_digest(sources: tuple[str, ...]) -> str:
+    """A short hash of the kernel sources: part of the extension's name, so checkouts with other sources (another
+    version, a CI clone) build side by side in torch's cache instead of rebuilding over each other in turn."""
+    digest = hashlib.sha256()
+    for src in sources:
+        digest.update((KERNEL_DIR / src).read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def _already_built(name: str, sources: tuple[str, ...]) -> bool:
     """Whether torch's extension cache holds `name` built from these very sources (then loading takes a second)."""
     from torch.utils.cpp_extension import _get_build_directory
@@ -84,20 +94,26 @@ def _already_built(name: str, sources: tuple[str, ...]) -> bool:
 
 def _wait_for_other_build(name: str, flavour: str) -> None:
     """Wait while another process builds (torch's build lock exists), but not for a lock a killed build left:
-    torch would wait for that one forever. A lock older than STALE_LOCK_FACTOR first builds is removed."""
+    torch would wait for that one forever. A build is taken for dead when nothing in its folder has changed
+    for STALE_LOCK_FACTOR first builds, by the files' times or by this process's own watch (clock skew)."""
     import time
 
     from torch.utils.cpp_extension import _get_build_directory
 
-    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
-    while True:
+    folder = Path(_get_build_directory(name, verbose=False))
+    lock, limit = folder / "lock", STALE_LOCK_FACTOR * BUILD_SECONDS[flavour]
+    seen, since = None, time.monotonic()
+    while lock.exists():
         try:
-            age = time.time() - lock.stat().st_mtime
-        except OSError:  # no lock (any more): nobody is building
-            return
-        if age > STALE_LOCK_FACTOR * BUILD_SECONDS[flavour]:
-            logger.warning("tide_hf: removing %s, left %.0f s ago by a %s kernel build that did not finish", lock,
-                           age, flavour)
+            newest = max(p.stat().st_mtime for p in folder.rglob("*"))
+        except (OSError, ValueError):  # a file went away while looking: the build is alive
+            newest = time.time()
+        if newest != seen:
+            seen, since = newest, time.monotonic()
+        idle = max(time.time() - newest, time.monotonic() - since)
+        if idle > limit:
+            logger.warning("tide_hf: removing %s: the %s kernel build that left it has done nothing for %.0f s",
+                           lock, flavour, idle)
             lock.unlink(missing_ok=True)
             return
         time.sleep(LOCK_POLL_SECONDS)
@@ -107,6 +123,7 @@ def _build(flavour: str) -> ModuleType:
     from torch.utils.cpp_extension import load
 
     name, sources = EXTENSIONS[flavour]
+    name = f"{name}_{sources_digest(sources)}"
     _wait_for_other_build(name, flavour)
     if not _already_built(name, sources):  # one line, so a first build (~45 s on 2 cores) does not look like a hang
         print(f"tide_hf: compiling the {flavour.upper()} kernels (first use, ~{BUILD_SECONDS[flavour]} s)...",

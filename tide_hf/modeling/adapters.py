@@ -136,7 +136,9 @@ def get_adapter(model: nn.Module) -> ModelAdapter:
         pre_head=_get(model, pre_head_path) if pre_head_path else None,
         lm_head=lm_head,
         embeddings=model.get_input_embeddings(),
-        logit_softcap=getattr(text_config(model), "final_logit_softcapping", None),
+        # as the model's forward applies it: from its own config (Gemma 2 / 3 text); Gemma 3's multimodal wrapper
+        # keeps the cap in its text config and does not apply it
+        logit_softcap=getattr(model.config, "final_logit_softcapping", None),
     )
 
 

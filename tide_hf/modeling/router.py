@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModel, PreTrainedModel
 from ..config import TideRouterConfig, check_coverage, plain
 from ..errors import TideArgumentError, TideArgumentTypeError, TideCompatibilityError, TideRouterFileError
 from .adapters import ModelAdapter, get_adapter, text_config
-from .files import atomic_save, check_config_source, check_loading_info, config_fields
+from .files import atomic_save, check_config_source, check_field_names, check_loading_info, config_fields
 from .fingerprint import model_fingerprint
 from .quiet import quiet_hf
 
@@ -62,6 +62,7 @@ class TideRouter(PreTrainedModel):
     main_input_name = "hidden_states"
 
     def __init__(self, config: TideRouterConfig) -> None:
+        check_field_names(config.to_dict(), type(config), "TideRouterConfig")  # else saved, then refused at load
         super().__init__(config)
         self.routers = nn.ModuleDict(
             {str(k): RouterMLP(config.hidden_size, config.router_bottleneck_dim) for k in config.checkpoint_layers}

@@ -26,11 +26,7 @@ from typing import Any
 import torch
 
 from ..config import PATH_KINDS
-from ..errors import TideArgumentTypeError, TideError
-
-
-class TideTargetError(TideError, ValueError):
-    """A quality target cannot be met or used with this router."""
+from ..errors import TideArgumentTypeError, TideTargetError
 
 
 def binomial_pvalue(errors: int, n: int, alpha: float) -> float:

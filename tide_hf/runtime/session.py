@@ -38,24 +38,28 @@ class Session:
     pending: list[Step] = field(default_factory=list)
     started_decode: bool = False
     finished: torch.Tensor | None = None
-    # generate's (batch, prompt) attention mask until the first forward: a static cache gives that prefill a 4-D
-    # mask, which does not say which positions are padding
+    # A static cache (and a sliding-window model) gives each forward a 4-D mask (or a dict of them), which does
+    # not say which positions are padding: generate's (batch, prompt) mask until the first forward, then the
+    # call's 2-D mask so far (that prompt mask, one column more per position fed since, as generate extends it)
     prompt_mask: torch.Tensor | None = None
+    running_mask: torch.Tensor | None = None
 
 
 def new_step(session: Session, tokens: torch.Tensor, mask: Any, num_layers: int) -> Step:
-    """The `Step` of a forward over `tokens` (batch, width, ...): padding read from its 2-D mask, or, for a
-    prefill given a 4-D one (or a dict of them per layer type: sliding-window models), from the session's
-    prompt mask; no exits yet."""
+    """The `Step` of a forward over `tokens` (batch, width, ...), no exits yet: padding and the call's 2-D mask
+    from the forward's own 2-D mask, else from the session's running one (kept for forwards given 4-D masks)."""
     batch, width = tokens.shape[:2]
-    prompt, session.prompt_mask = session.prompt_mask, None
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
-        mask = None
-    if mask is not None:
-        valid = mask[:, -width:].bool()
-    elif prompt is not None and tuple(prompt.shape) == (batch, width):
-        valid = prompt.to(tokens.device).bool()
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        session.prompt_mask = session.running_mask = None
     else:
-        valid = torch.ones(batch, width, dtype=torch.bool, device=tokens.device)
+        mask = None
+        prompt, session.prompt_mask, running = session.prompt_mask, None, session.running_mask
+        if prompt is not None and tuple(prompt.shape) == (batch, width):
+            mask = prompt.to(tokens.device)
+        elif running is not None and running.shape[0] == batch:
+            mask = torch.cat([running, running.new_ones(batch, width)], dim=1)
+        session.running_mask = mask
+    valid = mask[:, -width:].bool() if mask is not None else torch.ones(batch, width, dtype=torch.bool,
+                                                                         device=tokens.device)
     exit_layer = torch.full((batch, width), num_layers, dtype=torch.long, device=tokens.device)
     return Step(valid, exit_layer, mask2d=mask)

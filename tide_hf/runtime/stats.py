@@ -20,7 +20,9 @@ class PhaseStats:
     num_layers: int
     _exits: torch.Tensor | None = field(default=None, repr=False)  # (num_layers + 1,) tokens per exit layer
     _executed: torch.Tensor | None = field(default=None, repr=False)  # (num_layers + 1,) tokens per layers run
-    recomputed: int = 0  # kv="recompute": layer runs of parked positions (rows x tokens) made up in this phase
+    # kv="recompute": layer runs made up in this phase for positions earlier steps parked (rows x positions, padding
+    # and finished rows included: the work the forwards did, beyond each step's own depth)
+    recomputed: int = 0
 
     def add(self, exit_layers: torch.Tensor, executed: int, keep: torch.Tensor | None = None,
             recomputed: int = 0) -> None:
@@ -74,22 +76,14 @@ class PhaseStats:
     @property
     def mean_executed(self) -> float:
         """Mean number of layers the forward of a token's own step ran (below `num_layers` only in skip mode;
-        what sets a decode step's time). Under kv="recompute" the layers a token skipped run later, with a
-        later step: those are counted in `recomputed` and `mean_computed`, not here."""
+        what sets a decode step's time). Under kv="recompute" the layers a token skipped still run, later,
+        batched into a later step (`recomputed`): its compute per token stays the full depth."""
         total = sum(self.executed.values())
         return sum(k * c for k, c in self.executed.items()) / total if total else float(self.num_layers)
 
-    @property
-    def mean_computed(self) -> float:
-        """Mean layer runs per token, its own step's and the catch-up runs of this phase (kv="recompute");
-        equal to `mean_executed` in every other mode."""
-        total = sum(self.executed.values())
-        own = sum(k * c for k, c in self.executed.items())
-        return (own + self.recomputed) / total if total else float(self.num_layers)
-
     def as_dict(self) -> dict:
         return {"tokens": self.tokens, "exit_rate": self.exit_rate, "mean_layers": self.mean_layers,
-                "mean_executed": self.mean_executed, "mean_computed": self.mean_computed,
+                "mean_executed": self.mean_executed, "recomputed": self.recomputed,
                 "exits": {int(k): int(v) for k, v in sorted(self.exits.items())}}
 
 
@@ -124,7 +118,7 @@ class ExitStats:
             lines.append(
                 f"{name:7s} {phase.tokens:6d} tokens  exit rate {phase.exit_rate:6.1%}  "
                 f"mean layers {phase.mean_layers:5.2f}/{self.num_layers}  executed {phase.mean_executed:5.2f}"
-                + (f" (+{phase.mean_computed - phase.mean_executed:.2f} caught up)" if phase.recomputed else "")
+                + (f" (+{phase.recomputed} layer runs caught up)" if phase.recomputed else "")
                 + f"  exits [{per_layer}]"
             )
         return "\n".join(lines)

@@ -17,7 +17,8 @@ MAX_LINES = 400
 # room -> rooms it may import. The base (errors, config, plotting, assets, compat: transformers' private names)
 # imports no room but errors (config and assets raise its errors); the model side
 # comes next, then kernels, the runtime and the transformers integration; calibration needs only the model
-# side (and the base: the corpus, transformers' private names); eval may use everything but the CLI; the CLI everything; the package root everything but eval / cli.
+# side (and the base: the corpus, transformers' private names); eval may use everything but the CLI; the CLI
+# everything; the package root everything but eval / cli.
 BASE = {"errors", "config", "plotting", "assets", "compat"}
 ALLOWED = {
     **{room: set() for room in BASE},

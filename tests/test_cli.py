@@ -27,6 +27,16 @@ def test_help_does_not_import_torch(argv: list[str]) -> None:
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 
+@pytest.mark.parametrize("argv", [["bench", "--router", "/no/such/router"], ["analyze", "--router", "./no-router"]])
+def test_a_missing_router_folder_is_named_before_torch_loads(argv: list[str]) -> None:
+    """It was found after torch and transformers were imported (seconds)."""
+    code = ("import json, sys\nfrom tide_hf.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    print(e)\nprint(json.dumps(sorted(m for m in ('torch', 'transformers') if m in sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, check=True)
+    said, imported = out.stdout.strip().splitlines()
+    assert said == f"tide-hf {argv[0]}: error: no TIDE router folder at {argv[2]}" and json.loads(imported) == []
+
+
 def test_every_option_has_help_and_every_command_a_description() -> None:
     for name, parser in subparsers().items():
         assert parser.description and "example: tide-hf " + name in parser.description

@@ -170,6 +170,16 @@ def cmd_demo(args: argparse.Namespace) -> None:
     run(args)
 
 
+def check_router_paths(args: argparse.Namespace) -> None:
+    """A --router named by a local path (absolute, or starting with . or ~) must be a folder: said before torch
+    loads (seconds), not after. Other names may be Hub repo ids."""
+    routers = getattr(args, "router", None) or []
+    for name in [routers] if isinstance(routers, str) else routers:
+        if (os.path.isabs(name) or name.startswith((".", "~"))) and not os.path.isdir(os.path.expanduser(name)):
+            command = args.func.__name__.removeprefix("cmd_")
+            raise SystemExit(f"tide-hf {command}: error: no TIDE router folder at {name}")
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
     from .eval.bench import run
 
@@ -348,6 +358,7 @@ def main(argv: list[str] | None = None) -> None:
     from .errors import TideError
 
     args = build_parser().parse_args(argv)
+    check_router_paths(args)
     from .calibration.distributed import finish  # torch: only once the arguments are known to be good
 
     args.command = shlex.join(["tide-hf", *(sys.argv[1:] if argv is None else argv)])  # recorded in result JSON

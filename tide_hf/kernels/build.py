@@ -70,9 +70,10 @@ def _toolchain_missing(flavour: str) -> str | None:
 
 
 def sources_digest(sources: tuple[str, ...]) -> str:
-    """A short hash of the kernel sources: part of the extension's name, so checkouts with other sources (another
-    version, a CI clone) build side by side in torch's cache instead of rebuilding over each other in turn."""
-    digest = hashlib.sha256()
+    """A short hash of the kernel sources and their folder: part of the extension's name, so two checkouts
+    (another version, a CI clone) build side by side in torch's cache instead of rebuilding over each other in
+    turn (ninja rebuilds when a source's path changes, even with the same contents)."""
+    digest = hashlib.sha256(str(KERNEL_DIR).encode())
     for src in sources:
         digest.update((KERNEL_DIR / src).read_bytes())
     return digest.hexdigest()[:12]

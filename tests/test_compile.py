@@ -148,3 +148,34 @@ def test_compiled_decoding_sees_attach_and_detach() -> None:
         assert not torch.equal(eager, stock)
         assert torch.equal(generate(model, ids, mask, 8, cache_implementation="static", compile_config=config), eager)
     assert torch.equal(generate(model, ids, mask, 8, cache_implementation="static", compile_config=config), stock)
+
+
+def test_a_per_call_router_compiles_without_graph_breaks_and_other_threads_stay_stock() -> None:
+    """`generate(tide=router)` scopes its hooks to the calling thread; that check read `threading.get_ident()`,
+    which broke every compiled step graph (`fullgraph=True` raised). It is a thread-local flag now."""
+    import threading
+
+    from tide_hf.runtime.handle import attach_for_call
+
+    model = make_model()
+    ids, mask = left_padded()
+    router = mixed_router(model, ids, mask)
+    router.config.exit_threshold, router.config.exit_paths = 0.5, {}  # per-call options: this global threshold
+    static = dict(cache_implementation="static")
+    stock = generate(model, ids, mask, 8, **static)
+    eager = generate(model, ids, mask, 8, tide=router, **static)
+    assert not torch.equal(eager, stock)  # the router changes the output: the comparisons below mean something
+    torch._dynamo.reset()
+    counters.clear()
+    assert torch.equal(generate(model, ids, mask, 8, tide=router, compile_config=compiled(), **static), eager)
+    assert not counters["graph_break"]
+    handle = attach_for_call(model, router)  # as while a per-call generate runs in this thread
+    try:
+        other = {}
+        thread = threading.Thread(target=lambda: other.setdefault(
+            "out", generate(model, ids, mask, 8, compile_config=compiled(), **static)))
+        thread.start()
+        thread.join()
+    finally:
+        handle.detach()
+    assert torch.equal(other["out"], stock)  # another thread's compiled stock call does not see the hooks

@@ -60,6 +60,7 @@ class TideHandle:
         self.open_checkpoints = [k for k in self.checkpoints if options.threshold(k) < 1.0]  # those that can exit
         self.enabled = True
         self._local = threading.local()
+        self._local.owner = owner is not None  # set in the owner's thread only (`_bypassed`)
         self._pending: weakref.WeakKeyDictionary[Any, KVRecompute] = weakref.WeakKeyDictionary()
         # Routers, and the final norm they read, sit on the execution device of their layer (accelerate's for a
         # dispatched model); an offloaded final norm is loaded once here for the fused kernel.
@@ -158,8 +159,9 @@ class TideHandle:
         return getattr(self._local, "disabled", False)
 
     def _bypassed(self) -> bool:
-        if self.owner is not None and threading.get_ident() != self.owner:
-            return True  # a per-call attach is invisible to every other thread
+        if self.owner is not None and not getattr(self._local, "owner", False):
+            return True  # a per-call attach is invisible to every other thread (a thread-local flag, which
+            # compiled graphs guard on; `threading.get_ident()` broke them)
         return not self.enabled or self.is_disabled()
 
     def _active(self) -> bool:

@@ -265,20 +265,29 @@ def test_missing_lm_head_is_named(registry: dict) -> None:
         get_adapter(TinyLM(norm_name="ln_f", head=False))
 
 
-def test_gemma3_multimodal_logits_are_the_models_own_without_the_text_cap() -> None:
-    """Gemma 3's multimodal wrapper keeps `final_logit_softcapping` in its text config and does not apply it:
-    the adapter capped its logits anyway (labels, exit heads and drafts off the model's)."""
+@pytest.mark.parametrize("wrapper", ["gemma3", "paligemma"])
+def test_multimodal_logits_are_the_models_own_capped_as_it_caps(wrapper: str) -> None:
+    """Gemma 3's multimodal wrapper keeps `final_logit_softcapping` in its text config and does not apply it
+    (the adapter capped its logits anyway); PaliGemma applies its Gemma 2 text config's cap (a first fix, reading
+    the cap from the top-level config, lost it). Labels, exit heads and drafts must see the model's own logits."""
     torch.manual_seed(0)
-    text = tf.Gemma3TextConfig(**DECODER, head_dim=12, final_logit_softcapping=SOFTCAP)
+    text = dict(**DECODER, head_dim=12, final_logit_softcapping=SOFTCAP)
     vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                                    image_size=32, patch_size=8)
-    model = tf.Gemma3ForConditionalGeneration(tf.Gemma3Config(text_config=text, vision_config=vision,
-                                                              mm_tokens_per_image=16)).eval()
+    if wrapper == "gemma3":
+        model = tf.Gemma3ForConditionalGeneration(tf.Gemma3Config(
+            text_config=tf.Gemma3TextConfig(**text), vision_config=vision, mm_tokens_per_image=16))
+    else:
+        model = tf.PaliGemmaForConditionalGeneration(tf.PaliGemmaConfig(
+            text_config={"model_type": "gemma2", **text}, vision_config=vision, projection_dim=32))
+    model.eval()
     with torch.no_grad():  # logits far beyond the cap, as in `build`
         model.get_output_embeddings().weight.mul_(20.0)
     adapter = get_adapter(model)
     ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
     hidden, logits = last_layer_output_and_logits(model, adapter.layers[-1], ids)
-    assert not adapter.logit_softcap and logits.abs().max() > SOFTCAP  # the model really leaves them uncapped
+    capped = wrapper == "paligemma"
+    assert adapter.logit_softcap == (SOFTCAP if capped else None)
+    assert (logits.abs().max() <= SOFTCAP) == capped  # the model really caps (or does not)
     with torch.no_grad():
         torch.testing.assert_close(adapter.logits(hidden), logits, atol=1e-5, rtol=1e-5)

@@ -356,6 +356,7 @@ def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_waited_for(
     from torch.utils.cpp_extension import _get_build_directory
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setattr(kernel_build, "BUILD_SECONDS", {"cpu": 0.5})  # a dead build is seen within 0.5 s
     lock = Path(_get_build_directory("tide_hf_test_lock", verbose=False)) / "lock"
     lock.write_text("")
     old = time.time() - kernel_build.STALE_LOCK_FACTOR * kernel_build.BUILD_SECONDS["cpu"] - 60

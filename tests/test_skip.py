@@ -296,20 +296,35 @@ def test_recomputed_counts_the_catch_up_and_mean_executed_the_own_steps(kv: str)
     assert (decode.recomputed > 0) == (kv == "recompute") and computed == own + decode.recomputed
 
 
-def test_recompute_under_a_static_cache_keeps_padding_out_of_the_catch_up() -> None:
+@pytest.mark.parametrize("call", ["plain", "chunked prefill", "two sequences per prompt", "continued cache"])
+def test_recompute_under_a_static_cache_keeps_padding_out_of_the_catch_up(call: str) -> None:
     """A static cache gives every forward a 4-D mask: the catch-up of parked tokens had no 2-D mask and let
-    padded rows attend to their padding (logits off by ~0.1 on the most padded row). Now the call's running
-    2-D mask serves it: the logits equal the dynamic cache's."""
+    padded rows attend to their padding (logits off by ~0.1 on the most padded row), also when the prompt came
+    in chunks, its rows were repeated, or the call continued a cache. Now the call's 2-D mask serves it: the
+    logits equal the dynamic cache's."""
     from helpers import left_padded, make_model, mixed_router
 
     model = make_model()
     ids, mask = left_padded()
     router = mixed_router(model, ids, mask, quantiles=(0.5, 0.4))
-    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                  pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0, output_logits=True,
+                  return_dict_in_generate=True)
+    kwargs |= {"chunked prefill": {"prefill_chunk_size": 3},
+               "two sequences per prompt": {"num_return_sequences": 2, "do_sample": True, "top_k": 1}}.get(call, {})
     logits = {}
     with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="skip", kv="recompute") as handle:
         for cache in ("dynamic", "static"):
-            logits[cache] = torch.stack(model.generate(**kwargs, cache_implementation=cache).logits, 1)
+            if call == "continued cache":  # a first call fills the cache, the second continues it
+                past = DynamicCache(config=model.config) if cache == "dynamic" else \
+                    StaticCache(config=model.config, max_cache_len=64)
+                first = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6,
+                                       do_sample=False, pad_token_id=0, past_key_values=past)
+                longer = torch.cat([mask, torch.ones(3, first.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+                out = model.generate(input_ids=first, attention_mask=longer, past_key_values=past, **kwargs)
+            else:
+                out = model.generate(input_ids=ids, attention_mask=mask, cache_implementation=cache, **kwargs)
+            logits[cache] = torch.stack(out.logits, 1)
             assert handle.last_stats.decode.recomputed > 0  # tokens were parked and caught up
+            stats = handle.last_stats.prefill.tokens
+        assert call == "continued cache" or stats == int(mask.sum()) * (2 if "two" in call else 1)  # no padding
     torch.testing.assert_close(logits["static"], logits["dynamic"], atol=1e-5, rtol=1e-5)

@@ -106,7 +106,8 @@ def _add_calibration_args(p: argparse.ArgumentParser, rank_default: str) -> None
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="Hub id or folder of a causal LM ('smollm2' = embedded default)")
     p.add_argument("--dataset", default="sotu", help="Hub dataset name, local .txt/.jsonl file or folder, or 'sotu'")
-    p.add_argument("--dataset-config", default=None, help="Hub dataset config (e.g. wikitext-103-raw-v1)")
+    p.add_argument("--dataset-config", default=None,
+                   help="Hub dataset config (e.g. wikitext-103-raw-v1; default: the dataset's default config)")
     p.add_argument("--split", default="train", help="dataset split to read (a Hub dataset's; local files: train)")
     p.add_argument("--text-field", default="text", help="column / jsonl field holding the text")
     p.add_argument("--label", default=d.label, choices=list(LABEL_KINDS),

@@ -32,7 +32,9 @@ from .processor import TideLogitsProcessor
 from .speculative import generate as speculative_generate
 
 _ROUTER_CACHE_SIZE = 8
-_SAME_ROUTER: dict[tuple[int, int], bool] = {}  # (id(attached), id(named)) -> one router? (`same_router`)
+# attached router -> named router -> (their tensors' in-place version sum, one router?) (`same_router`)
+_SAME_ROUTER: weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, tuple[int, bool]]] = \
+    weakref.WeakKeyDictionary()
 _INSTALLED = Patches()  # the wrapped `GenerationMixin.generate`, while installed
 TRAMPOLINE_FLAG = "__tide_trampoline__"  # `import tide_hf`'s placeholder wrapper (see tide_hf/__init__.py)
 
@@ -123,6 +125,7 @@ def _run(handle: TideHandle, original: Callable, model: Any, args: tuple, kwargs
     with handle.session(generating=True, eos=_eos_ids(config)) as session:
         mask = kwargs.get("attention_mask")
         session.prompt_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+        session.chunked = getattr(config, "prefill_chunk_size", None) is not None
         if handle.options.mode == "speculative":  # drafts + full-depth verification in stock assisted decoding
             return speculative_generate(handle, original, model, args, kwargs, session, config)
         processors = LogitsProcessorList(kwargs.get("logits_processor") or [])
@@ -132,20 +135,21 @@ def _run(handle: TideHandle, original: Callable, model: Any, args: tuple, kwargs
 
 def same_router(a: TideRouter, b: TideRouter) -> bool:
     """`a` and `b` are one router: the same object, or equal configs and weights (the attached router, and
-    `tide=` naming the folder it was loaded from). The weights are compared once per pair of objects, on
-    `a`'s device (routers load cached by folder, so a repeated `tide=folder` is the same pair)."""
+    `tide=` naming the folder it was loaded from). Weights are compared on `a`'s device, once per pair of
+    objects while neither changes in place (routers load cached by folder: a repeated `tide=folder` is the
+    same pair)."""
     if a is b:
         return True
-    key = (id(a), id(b))
-    if key not in _SAME_ROUTER:
+    versions = sum(t._version for r in (a, b) for t in r.state_dict().values())  # bumped by in-place edits
+    known = _SAME_ROUTER.setdefault(a, weakref.WeakKeyDictionary()).get(b)
+    if known is None or known[0] != versions:
         volatile = ("_name_or_path", "transformers_version")
         configs = [{k: v for k, v in r.config.to_dict().items() if k not in volatile} for r in (a, b)]
         ours, theirs = a.state_dict(), b.state_dict()
-        _SAME_ROUTER[key] = configs[0] == configs[1] and ours.keys() == theirs.keys() and all(
-            ours[k].shape == theirs[k].shape and torch.equal(ours[k], theirs[k].to(ours[k].device)) for k in ours)
-        for router in (a, b):  # forgotten with either object (ids are reused after it is collected)
-            weakref.finalize(router, _SAME_ROUTER.pop, key, None)
-    return _SAME_ROUTER[key]
+        known = (versions, configs[0] == configs[1] and ours.keys() == theirs.keys() and all(
+            ours[k].shape == theirs[k].shape and torch.equal(ours[k], theirs[k].to(ours[k].device)) for k in ours))
+        _SAME_ROUTER[a][b] = known
+    return known[1]
 
 
 def install() -> None:

@@ -95,8 +95,9 @@ def _already_built(name: str, sources: tuple[str, ...]) -> bool:
 
 def _wait_for_other_build(name: str, flavour: str) -> None:
     """Wait while another process builds (torch's build lock exists), but not for a lock a killed build left:
-    torch would wait for that one forever. A build is taken for dead when nothing in its folder has changed
-    for STALE_LOCK_FACTOR first builds, by the files' times or by this process's own watch (clock skew)."""
+    torch would wait for that one forever. A build is taken for dead when this process has seen nothing in its
+    folder change for STALE_LOCK_FACTOR first builds, or for one first build when the files' own times say
+    they are that old already (a lock left long ago goes quickly; a folder whose clock runs behind, not)."""
     import time
 
     from torch.utils.cpp_extension import _get_build_directory
@@ -111,10 +112,10 @@ def _wait_for_other_build(name: str, flavour: str) -> None:
             newest = time.time()
         if newest != seen:
             seen, since = newest, time.monotonic()
-        idle = max(time.time() - newest, time.monotonic() - since)
-        if idle > limit:
+        watched, idle = time.monotonic() - since, time.time() - newest
+        if watched > limit or (idle > limit and watched > BUILD_SECONDS[flavour]):
             logger.warning("tide_hf: removing %s: the %s kernel build that left it has done nothing for %.0f s",
-                           lock, flavour, idle)
+                           lock, flavour, max(idle, watched))
             lock.unlink(missing_ok=True)
             return
         time.sleep(LOCK_POLL_SECONDS)

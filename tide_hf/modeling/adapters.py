@@ -21,6 +21,11 @@ _PATHS: dict[str, tuple[str, str, str | None]] = {}
 _NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "norm_f")
 
 
+# Model types whose forward does not apply the text config's `final_logit_softcapping` (Gemma 3's multimodal
+# wrapper; PaliGemma, Gemma 3n / 4 and the others apply it, like the text models)
+SOFTCAP_NOT_APPLIED = {"gemma3"}
+
+
 def register_adapter(model_type: str, *, layers: str, norm: str, pre_head: str | None = None) -> None:
     """Teach tide_hf where a model family keeps its parts (dotted attribute paths from the CausalLM)."""
     _PATHS[model_type] = (layers, norm, pre_head)
@@ -136,9 +141,8 @@ def get_adapter(model: nn.Module) -> ModelAdapter:
         pre_head=_get(model, pre_head_path) if pre_head_path else None,
         lm_head=lm_head,
         embeddings=model.get_input_embeddings(),
-        # as the model's forward applies it: from its own config (Gemma 2 / 3 text); Gemma 3's multimodal wrapper
-        # keeps the cap in its text config and does not apply it
-        logit_softcap=getattr(model.config, "final_logit_softcapping", None),
+        logit_softcap=None if getattr(model.config, "model_type", None) in SOFTCAP_NOT_APPLIED
+        else getattr(text_config(model), "final_logit_softcapping", None),
     )
 
 

@@ -183,7 +183,8 @@ class TideHandle:
         if tokens is None:  # neither ids nor embeddings: the model itself will refuse this forward
             self._local.step = None
             return
-        self._local.step = new_step(session, tokens, kwargs.get("attention_mask"), self.num_layers)
+        self._local.step = new_step(session, tokens, kwargs.get("attention_mask"), self.num_layers,
+                                    running=self._skipper is not None and self.options.kv == "recompute")
 
     def _end(self, _module: nn.Module, _args: tuple, _output: Any) -> None:
         step, self._local.step = getattr(self._local, "step", None), None

@@ -39,26 +39,34 @@ class Session:
     started_decode: bool = False
     finished: torch.Tensor | None = None
     # A static cache (and a sliding-window model) gives each forward a 4-D mask (or a dict of them), which does
-    # not say which positions are padding: generate's (batch, prompt) mask until the first forward, then the
+    # not say which positions are padding: generate's (batch, prompt) mask until the first forward, then (only
+    # where kv="recompute" reads it: its forwards run eager, a growing tensor would recompile a step graph) the
     # call's 2-D mask so far (that prompt mask, one column more per position fed since, as generate extends it)
     prompt_mask: torch.Tensor | None = None
     running_mask: torch.Tensor | None = None
+    chunked: bool = False  # generate prefills the prompt in chunks (`prefill_chunk_size`): the prompt mask's
+    prompt_fed: int = 0  # first columns go to the first forwards, `prompt_fed` of them so far
 
 
-def new_step(session: Session, tokens: torch.Tensor, mask: Any, num_layers: int) -> Step:
+def new_step(session: Session, tokens: torch.Tensor, mask: Any, num_layers: int, *, running: bool) -> Step:
     """The `Step` of a forward over `tokens` (batch, width, ...), no exits yet: padding and the call's 2-D mask
-    from the forward's own 2-D mask, else from the session's running one (kept for forwards given 4-D masks)."""
+    from the forward's own 2-D mask, else from the session's prompt mask (the prefill: the whole prompt, its
+    next chunk, or the last `width` columns of a call continuing a cache; rows repeated when generate expanded
+    them, e.g. num_return_sequences) and, with `running`, the running mask after it."""
     batch, width = tokens.shape[:2]
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         session.prompt_mask = session.running_mask = None
     else:
-        mask = None
-        prompt, session.prompt_mask, running = session.prompt_mask, None, session.running_mask
-        if prompt is not None and tuple(prompt.shape) == (batch, width):
-            mask = prompt.to(tokens.device)
-        elif running is not None and running.shape[0] == batch:
-            mask = torch.cat([running, running.new_ones(batch, width)], dim=1)
-        session.running_mask = mask
+        mask, prompt, session.prompt_mask = None, session.prompt_mask, None
+        if prompt is not None and prompt.shape[1] >= width and batch % prompt.shape[0] == 0:
+            mask = prompt.to(tokens.device).repeat_interleave(batch // prompt.shape[0], dim=0)
+            if session.chunked:  # this chunk's columns; the rest waits for the next chunks
+                session.prompt_fed += width
+                mask = mask[:, : session.prompt_fed]
+                session.prompt_mask = prompt if session.prompt_fed < prompt.shape[1] else None
+        elif running and session.running_mask is not None and session.running_mask.shape[0] == batch:
+            mask = torch.cat([session.running_mask, session.running_mask.new_ones(batch, width)], dim=1)
+        session.running_mask = mask if running else None
     valid = mask[:, -width:].bool() if mask is not None else torch.ones(batch, width, dtype=torch.bool,
                                                                          device=tokens.device)
     exit_layer = torch.full((batch, width), num_layers, dtype=torch.long, device=tokens.device)

@@ -177,10 +177,9 @@ def check_device(device: str) -> str:
 def run_synthetic(args: Any) -> dict:
     """The `--synthetic` bench: every configuration, eager and/or compiled static, at each batch size."""
     device = check_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    depth = args.synthetic_depth  # default: half the layers, a checkpoint in both shapes (32 and 8 layers)
-    depth = SHAPES[args.synthetic]["num_hidden_layers"] // 2 if depth is None else depth
-    check_exit_depths([depth], default_checkpoints(SHAPES[args.synthetic]["num_hidden_layers"],
-                                                                  TideRouterConfig().checkpoint_interval),
+    layers = SHAPES[args.synthetic]["num_hidden_layers"]
+    depth = layers // 2 if args.synthetic_depth is None else args.synthetic_depth  # half: a checkpoint of both
+    check_exit_depths([depth], default_checkpoints(layers, TideRouterConfig().checkpoint_interval),
                       "--synthetic-depth")
     if args.new_tokens < 2:  # a decode token's time is a difference of two calls (module docstring)
         raise TideArgumentError(f"--new-tokens {args.new_tokens}: --synthetic times decode tokens after the first, "

@@ -140,12 +140,12 @@ def same_router(a: TideRouter, b: TideRouter) -> bool:
     same pair)."""
     if a is b:
         return True
-    versions = sum(t._version for r in (a, b) for t in r.state_dict().values())  # bumped by in-place edits
+    ours, theirs = a.state_dict(), b.state_dict()
+    versions = sum(t._version for t in (*ours.values(), *theirs.values()))  # bumped by in-place edits
     known = _SAME_ROUTER.setdefault(a, weakref.WeakKeyDictionary()).get(b)
     if known is None or known[0] != versions:
         volatile = ("_name_or_path", "transformers_version")
         configs = [{k: v for k, v in r.config.to_dict().items() if k not in volatile} for r in (a, b)]
-        ours, theirs = a.state_dict(), b.state_dict()
         known = (versions, configs[0] == configs[1] and ours.keys() == theirs.keys() and all(
             ours[k].shape == theirs[k].shape and torch.equal(ours[k], theirs[k].to(ours[k].device)) for k in ours))
         _SAME_ROUTER[a][b] = known

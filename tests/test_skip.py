@@ -77,8 +77,8 @@ def test_all_rows_exit_equals_truncated_model_and_layers_are_not_run(exit_at):
     model = make()
     ids, mask = prompts()
     expected = truncated(model, exit_at).generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
-    calls = count_mlp_calls(model)
     handle = tide_hf.attach(model, router_for(model, 30.0), exit_threshold=0.5, min_layers=exit_at, mode="skip")
+    calls = count_mlp_calls(model)  # (after attach: its check of the propagated K/V runs one forward)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     assert torch.equal(out, expected)
     forwards = 6  # prefill + 5 decode steps
@@ -282,10 +282,11 @@ def test_recomputed_counts_the_catch_up_and_mean_executed_the_own_steps(kv: str)
     router = mixed_router(model, ids, mask, quantiles=(0.5, 0.4))
     one = ids[:1, -int(mask[0].sum()):]  # one row: every decode position is a kept token
     runs, positions = [], []
-    model.register_forward_pre_hook(lambda *_: runs.append(len(runs)))
-    for layer in model.model.layers:
-        layer.mlp.register_forward_hook(lambda _m, args, _o: positions.append((len(runs), args[0].shape[:-1].numel())))
     with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="skip", kv=kv) as handle:
+        model.register_forward_pre_hook(lambda *_: runs.append(len(runs)))  # after attach's own check forward
+        for layer in model.model.layers:
+            layer.mlp.register_forward_hook(
+                lambda _m, args, _o: positions.append((len(runs), args[0].shape[:-1].numel())))
         model.generate(input_ids=one, attention_mask=torch.ones_like(one), max_new_tokens=16, min_new_tokens=16,
                        do_sample=False, pad_token_id=0)
         decode = handle.last_stats.decode

@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from ..config import TideOptions
-from ..errors import TideArgumentError, TideConcurrencyError
+from ..errors import TideArgumentError, TideConcurrencyError, TideUnsupportedError
 from ..kernels import NormSpec, norm_router_scores, norm_spec
-from ..modeling import ModelAdapter, TideRouter, get_adapter, layer_output
+from ..modeling import ModelAdapter, TideRouter, get_adapter, layer_output, text_config
 from ..modeling.devices import execution_device, onloaded
 from ..modeling.targets import check_served, select
 from .compiled import install_compiled_call
@@ -32,7 +32,7 @@ from .kv import KVRecompute
 from .patching import Patches
 from .segments import SegmentedDecoding
 from .session import Session, Step, new_step
-from .skip import LayerSkipper
+from .skip import LayerSkipper, SkipPlan
 from .stats import ExitStats
 
 # Handles are held weakly too: a handle references its model, so a strong value would keep every attached
@@ -52,7 +52,7 @@ class TideHandle:
     """
 
     def __init__(self, model: nn.Module, router: TideRouter, options: TideOptions, adapter: ModelAdapter,
-                 *, owner: int | None = None) -> None:
+                 *, owner: int | None = None, skip_plan: SkipPlan | None = None) -> None:
         self.model, self.router, self.options, self.adapter = model, router, options, adapter
         self.owner = owner  # the thread of a per-call attach (`generate(tide=router)`); None: every thread
         self.num_layers = adapter.num_layers
@@ -75,13 +75,12 @@ class TideHandle:
                 self._norm_specs[k] = None if spec is None else spec.to(device)
         self._patches = Patches()
         self._patches.hook(model.register_forward_pre_hook(self._begin, with_kwargs=True))
-        self._patches.hook(model.register_forward_hook(self._end))
+        self._patches.hook(model.register_forward_hook(self._end, always_call=True))  # also when a forward raises
         for k in self.checkpoints:
             self._patches.hook(adapter.layers[k - 1].register_forward_hook(self._checkpoint_hook(k)))
         self._patches.hook(adapter.layers[-1].register_forward_hook(self._final_hook))
-        self._skipper = LayerSkipper(adapter.layers, self.open_checkpoints[0], options.kv, self.current_step,
-                                     self.recompute_state, self._patches) \
-            if options.mode == "skip" and self.open_checkpoints else None
+        self._skipper = LayerSkipper(adapter.layers, self.open_checkpoints[0], skip_plan, self.current_step,
+                                     self.recompute_state, self._patches) if skip_plan is not None else None
         segments = SegmentedDecoding(model, adapter.layers, self.open_checkpoints, options.kv, options.threshold,
                                      self.score, self.exit_mask, self.exit_state, self.current_step,
                                      self.recompute_state, self._skipper, self._patches) \
@@ -110,9 +109,6 @@ class TideHandle:
             self._pending[cache] = KVRecompute(self.num_layers)
         return self._pending[cache]
 
-    def _new_session(self, generating: bool, eos: torch.Tensor | None = None) -> Session:
-        return Session(self._new_stats(), generating, eos)
-
     def __deepcopy__(self, memo: dict) -> TideHandle:  # reached through the hooks of `copy.deepcopy(model)`
         raise TideArgumentError("an attached model cannot be deep-copied (its hooks belong to this attach): copy "
                                 "it before attach or after detach, then attach a router to the copy")
@@ -123,8 +119,8 @@ class TideHandle:
         """Exit statistics of the latest generate call or plain forward on this model."""
         return _LAST_STATS.get(self.model)
 
-    def _new_stats(self) -> ExitStats:
-        return ExitStats(self.num_layers, list(self.router.checkpoint_layers))
+    def _new_session(self, generating: bool, eos: torch.Tensor | None = None) -> Session:
+        return Session(ExitStats(self.num_layers, list(self.router.checkpoint_layers)), generating, eos)
 
     @contextmanager
     def session(self, *, generating: bool, eos: torch.Tensor | None = None) -> Iterator[Session]:
@@ -136,9 +132,9 @@ class TideHandle:
         self._local.session = session
         try:
             yield session
-        finally:
+        finally:  # (a forward interrupted by a BaseException, e.g. Ctrl-C, skips `_end`: its step goes here)
             self.commit(session, None)
-            self._local.session = outer
+            self._local.session, self._local.step = outer, None
             _LAST_STATS[self.model] = session.stats
 
     @contextmanager
@@ -172,6 +168,9 @@ class TideHandle:
         if self._bypassed():  # a stock call: no exits and no stats (keeps `last_stats` of the last TIDE call)
             self._local.step = None
             return
+        if self._skipper is not None and kwargs.get("output_attentions", self.model.config.output_attentions):
+            raise TideUnsupportedError("output_attentions with mode='skip': the layers it skips compute no attention "
+                                       "weights; use mode='select', or tide=False for this call")
         session = getattr(self._local, "session", None)
         if session is None or getattr(self._local, "auto", False):  # a plain forward is a call of its own
             session = self._new_session(generating=False)
@@ -184,7 +183,8 @@ class TideHandle:
             self._local.step = None
             return
         self._local.step = new_step(session, tokens, kwargs.get("attention_mask"), self.num_layers,
-                                    running=self._skipper is not None and self.options.kv == "recompute")
+                                    running=self._skipper is not None and self.options.kv == "recompute",
+                                    cache=kwargs.get("past_key_values"))
 
     def _end(self, _module: nn.Module, _args: tuple, _output: Any) -> None:
         step, self._local.step = getattr(self._local, "step", None), None
@@ -263,17 +263,16 @@ class TideHandle:
         ones are decode steps, of which only the newest position of rows still generating counts.
         `last_tokens` is the token each row fed into the step (None outside generate).
         """
-        for step in session.pending:
+        if last_tokens is not None and session.eos is not None:  # rows finished, for `new_step` (a tensor from
+            # the prefill on: compiled decoding steps then trace one graph)
+            ended = torch.isin(last_tokens, session.eos.to(last_tokens.device)) & session.started_decode
+            session.finished = ended if session.finished is None else session.finished | ended
+        for step in filter(lambda step: step.counted, session.pending):  # (the call's own stream only)
             executed = self.num_layers - step.skipped
             if not session.generating or not session.started_decode:
                 session.stats.prefill.add(step.exit_layer, executed, step.valid, step.recomputed)
                 continue
-            live = torch.ones(step.exit_layer.shape[0], dtype=torch.bool, device=step.exit_layer.device)
-            if last_tokens is not None and session.eos is not None:
-                ended = torch.isin(last_tokens, session.eos.to(last_tokens.device))
-                session.finished = ended if session.finished is None else session.finished | ended
-                live = ~session.finished
-            session.stats.decode.add(step.exit_layer[:, -1], executed, live & step.valid[:, -1], step.recomputed)
+            session.stats.decode.add(step.exit_layer[:, -1], executed, step.valid[:, -1], step.recomputed)
         session.pending.clear()
 
     def detach(self) -> None:
@@ -374,9 +373,9 @@ def _build(model: nn.Module, router: TideRouter, *, min_agreement: float | None 
     )
     options.validate(adapter.num_layers, router.checkpoint_layers)
     eligible = [k for k in router.checkpoint_layers if k >= options.min_layers and options.threshold(k) < 1.0]
-    if options.mode == "skip" and eligible:
-        LayerSkipper.check(adapter.layers, eligible[0], options.kv)
-    return handle_class(model, router, options, adapter, owner=owner)
+    plan = LayerSkipper.check(model, adapter.layers, eligible[0], options.kv, text_config(model)) \
+        if options.mode == "skip" and eligible else None
+    return handle_class(model, router, options, adapter, owner=owner, skip_plan=plan)
 
 
 def get_handle(model: nn.Module) -> TideHandle | None:

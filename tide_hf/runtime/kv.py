@@ -33,7 +33,7 @@ def propagate_support(layer: nn.Module) -> str | None:
         if not hasattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb"):
             missing.append("apply_rotary_pos_emb")
     if missing:
-        return (f"{type(layer).__name__} lacks {', '.join(missing)}: kv='propagate' supports Llama-style attention "
+        return (f"{type(layer).__name__} lacks {', '.join(missing)}: skip mode supports Llama-style attention "
                 "(separate k_proj / v_proj with rotary embeddings)")
     return None
 

@@ -26,6 +26,7 @@ class Step:
     recomputed: int = 0  # kv="recompute": layer x position runs of earlier steps' parked tokens in this forward
     mask2d: torch.Tensor | None = None  # the call's (batch, length) attention mask, when it has one
     segmented: bool = False  # compiled skip mode: the segment graphs make the exit decisions, not the hooks
+    counted: bool = True  # a forward of the call's own decoding stream (see `Session.stream`)
 
 
 @dataclass
@@ -43,31 +44,52 @@ class Session:
     # where kv="recompute" reads it: its forwards run eager, a growing tensor would recompile a step graph) the
     # call's 2-D mask so far (that prompt mask, one column more per position fed since, as generate extends it)
     prompt_mask: torch.Tensor | None = None
-    running_mask: torch.Tensor | None = None
+    # the running masks, per cache (id): a call may feed a second stream (the unconditional forwards of
+    # classifier-free guidance run with their own cache and 2-D mask)
+    running_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    stream: int | None = None  # the cache (id) of the call's first forward: the statistics count its forwards only
     chunked: bool = False  # generate prefills the prompt in chunks (`prefill_chunk_size`): the prompt mask's
     prompt_fed: int = 0  # first columns go to the first forwards, `prompt_fed` of them so far
 
 
-def new_step(session: Session, tokens: torch.Tensor, mask: Any, num_layers: int, *, running: bool) -> Step:
-    """The `Step` of a forward over `tokens` (batch, width, ...), no exits yet: padding and the call's 2-D mask
-    from the forward's own 2-D mask, else from the session's prompt mask (the prefill: the whole prompt, its
-    next chunk, or the last `width` columns of a call continuing a cache; rows repeated when generate expanded
-    them, e.g. num_return_sequences) and, with `running`, the running mask after it."""
+def new_step(session: Session, tokens: torch.Tensor, mask: Any, num_layers: int, *, running: bool,
+             cache: Any = None) -> Step:
+    """The `Step` of a forward over `tokens` (batch, width, ...) into `cache`, no exits yet: padding and the call's
+    2-D mask from the forward's own 2-D mask, else from the session's prompt mask (the prefill: the whole prompt,
+    its next chunk, or the last `width` columns of a call continuing a cache; rows repeated when generate
+    expanded them, e.g. num_return_sequences) and, with `running`, `cache`'s running mask after it. In decode
+    steps, rows that fed one of the EOS ids or finished earlier count as padding: generate discards their
+    outputs, so they neither hold skip mode's layers for the others nor count in the statistics."""
     batch, width = tokens.shape[:2]
+    if torch.compiler.is_compiling():  # transformers' compiled decoding steps, the call's own stream (an id
+        stream, counted = None, True  # read in a graph would be guarded on: one graph per call)
+    else:
+        stream = id(cache)
+        session.stream = stream if session.stream is None else session.stream
+        counted = stream == session.stream
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-        session.prompt_mask = session.running_mask = None
+        session.prompt_mask = None
+        session.running_masks.pop(stream, None)
     else:
         mask, prompt, session.prompt_mask = None, session.prompt_mask, None
+        previous = session.running_masks.pop(stream, None)
         if prompt is not None and prompt.shape[1] >= width and batch % prompt.shape[0] == 0:
             mask = prompt.to(tokens.device).repeat_interleave(batch // prompt.shape[0], dim=0)
             if session.chunked:  # this chunk's columns; the rest waits for the next chunks
                 session.prompt_fed += width
                 mask = mask[:, : session.prompt_fed]
                 session.prompt_mask = prompt if session.prompt_fed < prompt.shape[1] else None
-        elif running and session.running_mask is not None and session.running_mask.shape[0] == batch:
-            mask = torch.cat([session.running_mask, session.running_mask.new_ones(batch, width)], dim=1)
-        session.running_mask = mask if running else None
+        elif running and previous is not None and previous.shape[0] == batch:
+            mask = torch.cat([previous, previous.new_ones(batch, width)], dim=1)
+        if running and mask is not None:
+            session.running_masks[stream] = mask
     valid = mask[:, -width:].bool() if mask is not None else torch.ones(batch, width, dtype=torch.bool,
                                                                          device=tokens.device)
+    if session.generating and session.started_decode and session.eos is not None and tokens.dim() == 2 \
+            and not tokens.is_floating_point():
+        ended = torch.isin(tokens[:, -1], session.eos.to(tokens.device))
+        if session.finished is not None and session.finished.shape[0] == batch:
+            ended = ended | session.finished.to(tokens.device)
+        valid = torch.cat([valid[:, :-1], valid[:, -1:] & ~ended[:, None]], dim=1)
     exit_layer = torch.full((batch, width), num_layers, dtype=torch.long, device=tokens.device)
-    return Step(valid, exit_layer, mask2d=mask)
+    return Step(valid, exit_layer, mask2d=mask, counted=counted)

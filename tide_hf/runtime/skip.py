@@ -10,6 +10,7 @@ the handle's `Patches`, whose `restore()` leaves the layers exactly as they were
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -17,33 +18,50 @@ from torch import nn
 from ..errors import TideUnsupportedError
 from .kv import FusedPropagation, KVRecompute, propagate_kv, propagate_support, recompute_support
 from .patching import Patches
+from .probe import probe_skipped_layers
 from .session import Step
+
+
+@dataclass
+class SkipPlan:
+    """What `LayerSkipper.check` found: the fused propagation to use (None: layer by layer, or recompute) and
+    which layers return a tuple (layer number -> bool; from the probe forward)."""
+
+    fused: FusedPropagation | None = None
+    returns_tuple: dict[int, bool] = field(default_factory=dict)
 
 
 class LayerSkipper:
     """Runs the layers after `first_checkpoint` (1-based layer numbers) only for steps that did not all exit."""
 
     @staticmethod
-    def check(layers: nn.ModuleList, first_checkpoint: int, kv: str) -> None:
-        """Raise before anything is patched when a layer that may be skipped cannot keep its cache sound."""
+    def check(model: nn.Module, layers: nn.ModuleList, first_checkpoint: int, kv: str, text_config: Any) -> SkipPlan:
+        """Raise before anything is patched when a layer that may be skipped cannot keep its cache sound (by
+        its attributes, then, for kv="propagate", by the probe forward of `probe.py`); return the plan."""
+        if getattr(model, "_is_stateful", False):  # transformers' flag for recurrent (Mamba-style) layers
+            raise TideUnsupportedError(f"mode='skip' on {type(model).__name__}: its layers keep a recurrent state "
+                                       "that a skipped layer would not advance; use mode='select'")
         support = propagate_support if kv == "propagate" else recompute_support
         for number in range(first_checkpoint + 1, len(layers) + 1):
             reason = support(layers[number - 1])
             if reason is not None:
                 raise TideUnsupportedError(f"mode='skip' with kv={kv!r} on layer {number}: {reason}")
+        fused = FusedPropagation.build(list(layers)[first_checkpoint:], first_checkpoint + 1) \
+            if kv == "propagate" else None
+        return SkipPlan(fused, probe_skipped_layers(model, layers, first_checkpoint, kv, fused, text_config))
 
-    def __init__(self, layers: nn.ModuleList, first_checkpoint: int, kv: str, current_step: Callable[[], Step | None],
-                 recompute_state: Callable[[Any], KVRecompute | None], patches: Patches) -> None:
-        """Replace the forwards of `layers` after `first_checkpoint` (recorded in `patches`).
+    def __init__(self, layers: nn.ModuleList, first_checkpoint: int, plan: SkipPlan,
+                 current_step: Callable[[], Step | None], recompute_state: Callable[[Any], KVRecompute | None],
+                 patches: Patches) -> None:
+        """Replace the forwards of `layers` after `first_checkpoint` (recorded in `patches`) as `plan` says.
 
         `current_step()` gives the exit decisions of the forward running in this thread, `recompute_state(cache)`
         the tokens of `cache` awaiting their deep layers (None unless kv="recompute").
         """
         self.current_step, self.recompute_state = current_step, recompute_state
-        self._returns_tuple: dict[int, bool] = {}
+        self._returns_tuple: dict[int, bool] = dict(plan.returns_tuple)
         self.originals: dict[int, Callable] = {}  # layer number -> the forward it replaced (compiled segments run it)
-        skippable = list(layers)[first_checkpoint:]
-        self.fused = FusedPropagation.build(skippable, first_checkpoint + 1) if kv == "propagate" else None
+        self.fused = plan.fused
         for number in range(first_checkpoint + 1, len(layers) + 1):
             layer = layers[number - 1]
             patches.replace_forward(

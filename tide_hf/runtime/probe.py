@@ -24,7 +24,7 @@ PROBE_ROWS = 2  # rows of the probe forward
 PROBE_MIN_TOKENS = 3  # its token count: the first at least this that differs from every head count (a layout
 # mistake that swaps heads and tokens passes when the two are equal)
 PROBE_SEED = 0
-PROBE_EPS_FACTOR = 16  # rebuilt K/V may differ by this many dtype epsilons of the largest |K| / |V| ...
+PROBE_EPS_FACTOR = 8  # rebuilt K/V may differ by this many dtype epsilons of the largest |K| / |V| ...
 PROBE_MIN_RELATIVE = 1e-4  # ... and at least this share of it (folding norms into projections reorders sums)
 
 

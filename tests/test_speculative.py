@@ -12,7 +12,14 @@ import math
 import pytest
 import torch
 from helpers import make_tiny_llama
-from transformers import GPT2Config, GPT2LMHeadModel, LogitsProcessor, LogitsProcessorList
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 import tide_hf
 from tide_hf import TideRouter, TideRouterConfig
@@ -493,10 +500,158 @@ def test_fallbacks_count_their_tokens_and_an_eos_tensor_pads_batches():
     router = make_router(model, "always")
     ids, mask = prompts(0)
     out, stats = speculative(model, router, ids, attention_mask=mask, max_new_tokens=6, do_sample=False, num_beams=2)
-    assert stats.speculative["fallback"] and stats.prefill.tokens == int(mask.sum())
-    assert stats.decode.tokens == 5 * ids.shape[0]
+    # per beam, as select mode counts them: each beam fed the prompt, then 5 decode steps
+    assert stats.speculative["fallback"] and stats.prefill.tokens == 2 * int(mask.sum())
+    assert stats.decode.tokens == 5 * 2 * ids.shape[0]
     call = {"max_new_tokens": NEW, "do_sample": False, "eos_token_id": torch.tensor([131, 7]), "pad_token_id": None}
     with torch.no_grad():
         stock = model.generate(ids, attention_mask=mask, **call)
     out, _ = speculative(model, router, ids, attention_mask=mask, **call)
     assert torch.equal(out, stock)
+
+
+# -- arguments per batch row, time budgets, statistics --------------------------------------------------
+class PerRowBan(LogitsProcessor):
+    """Bans a different set of tokens in each row: a processor keeping per-row state, as constrained decoding
+    libraries do (it only fits the whole batch)."""
+
+    def __init__(self, banned: list[list[int]], vocab: int) -> None:
+        self.mask = torch.zeros(len(banned), vocab, dtype=torch.bool)
+        for row, tokens in enumerate(banned):
+            self.mask[row, tokens] = True
+
+    def __call__(self, input_ids, scores):
+        return scores.masked_fill(self.mask, -math.inf)
+
+
+class PerRowStop(StoppingCriteria):
+    """Stops row r after r + 2 new tokens (per-row state, sized for the whole batch)."""
+
+    def __init__(self, prompt: int, rows: int) -> None:
+        self.prompt, self.limits = prompt, torch.arange(rows) + 2
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids.shape[1] - self.prompt >= self.limits
+
+
+def test_batch_arguments_meant_per_row_equal_stock():
+    """prefix_allowed_tokens_fn is asked with each row's own batch index (drafting goes on); a logits processor or
+    stopping criteria sized for the batch make the call run stock generate (the rows are decoded one at a time)."""
+    model = make_model("shallow")
+    router = make_router(model, "always")
+    ids, mask = prompts(1)
+    allowed = {row: list(range(10 + 60 * row, 30 + 60 * row)) for row in range(3)}
+    call = {"attention_mask": mask, "max_new_tokens": 6, "do_sample": False}
+    with torch.no_grad():
+        free = model.generate(ids, **call)
+    banned = [free[row, ids.shape[1]: ids.shape[1] + 3].tolist() for row in range(3)]
+    cases = {"prefix": {"prefix_allowed_tokens_fn": lambda row, _ids: allowed[row]},
+             "processor": {"logits_processor": LogitsProcessorList([PerRowBan(banned, 256)])},
+             "criteria": {"stopping_criteria": StoppingCriteriaList([PerRowStop(ids.shape[1], 3)])}}
+    for name, extra in cases.items():
+        with torch.no_grad():
+            stock = model.generate(ids, **call, **extra)
+        out, stats = speculative(model, router, ids, **call, **extra)
+        assert torch.equal(out, stock), name
+        assert (stats.speculative["fallback"] is None) == (name == "prefix"), name
+        if name == "prefix":  # each row within its own allowed tokens, drafted
+            assert all(set(out[row, ids.shape[1]:].tolist()) <= set(allowed[row]) for row in range(3))
+            assert stats.speculative["drafted"] > 0
+
+
+def test_max_time_bounds_the_whole_batch(monkeypatch):
+    """A clock that advances one second per forward: stock stops the batch once max_time has passed; decoded row
+    by row, each row would get the whole time (three times the forwards)."""
+    from transformers.generation import stopping_criteria
+
+    model = make_model("shallow")
+    router = make_router(model, "never")
+    clock = [0.0]
+    model.register_forward_hook(lambda *_: clock.__setitem__(0, clock[0] + 1.0))
+    monkeypatch.setattr(stopping_criteria, "time", type("Clock", (), {"time": staticmethod(lambda: clock[0])}))
+    ids, mask = prompts(2)
+    call = {"attention_mask": mask, "max_new_tokens": NEW, "do_sample": False, "max_time": 4.5}
+    with torch.no_grad():
+        stock = model.generate(ids, **call)
+    stock_seconds, clock[0] = clock[0], 0.0
+    out, stats = speculative(model, router, ids, **call)
+    assert torch.equal(out, stock) and clock[0] == stock_seconds < NEW
+    assert "max_time" in stats.speculative["fallback"]
+
+
+@pytest.mark.parametrize("case", ["mask", "inferred mask", "return_dict", "beams"])
+def test_statistics_count_like_select_mode(case):
+    """Every token of speculative mode runs every layer; its counts must be select mode's with a router that never
+    exits (prompt positions generate attends to, tokens fed while a row still generates, per beam), drafting or
+    falling back to stock, and record no exit (the router says "converged" everywhere)."""
+    model = make_model("shallow")
+    ids, mask = prompts(3)
+    width = ids.shape[1]
+    with torch.no_grad():
+        free = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    eos = int(free[1, width + 1])  # row 1 stops after 2 new tokens, the others go on
+    assert eos not in free[[0, 2], width:].tolist() and eos != int(free[1, width])
+    call = {"max_new_tokens": 8, "do_sample": False, "eos_token_id": eos, "pad_token_id": 0,
+            **({} if case == "inferred mask" else {"attention_mask": mask}),
+            **({"return_dict_in_generate": True} if case == "return_dict" else {}),
+            **({"num_beams": 2} if case == "beams" else {})}
+    counts = {}
+    for mode, gate in (("select", "never"), ("speculative", "always")):
+        with torch.no_grad(), tide_hf.attach(model, make_router(model, gate), mode=mode, exit_threshold=0.5,
+                                             draft_layer=4) as handle:
+            model.generate(ids, **call)
+            stats = handle.last_stats
+        counts[mode] = (stats.prefill.tokens, stats.decode.tokens)
+        assert stats.decode.exit_rate == 0.0 and stats.prefill.exit_rate == 0.0
+    assert counts["speculative"] == counts["select"]
+    assert (stats.speculative["fallback"] is None) == (case in ("mask", "inferred mask"))
+    if case != "beams":  # written out: the prompt tokens; 7 fed tokens in rows 0 and 2, 1 in row 1 (then its EOS)
+        assert counts["select"] == (int(mask.sum()), 7 + 1 + 7)
+    else:  # two beams per row, each fed the prompt
+        assert counts["select"][0] == 2 * int(mask.sum())
+
+
+# -- model families -------------------------------------------------------------------------------------
+def test_llama4_text_model_drafts_and_equals_stock():
+    """Llama4ForCausalLM names its base model `language_model` but keeps its decoder under `model`: drafts must
+    find the decoder that holds the layers."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    torch.manual_seed(0)
+    model = Llama4ForCausalLM(Llama4TextConfig(
+        vocab_size=256, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, intermediate_size_mlp=2 * HIDDEN,
+        num_hidden_layers=NUM_LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_local_experts=2, num_experts_per_tok=1, pad_token_id=0, bos_token_id=1, eos_token_id=2)).eval()
+    router = make_router(model, "always")
+    ids, mask = prompts(0)
+    call = {"attention_mask": mask, "max_new_tokens": NEW, "do_sample": False}
+    with torch.no_grad():
+        stock = model.generate(ids, **call)
+    before = snapshot(model)
+    out, stats = speculative(model, router, ids, **call)
+    assert torch.equal(out, stock) and stats.speculative["draft_forwards"] > 0
+    assert snapshot(model) == before
+
+
+@pytest.mark.parametrize("family", ["mamba", "jamba"])
+def test_recurrent_state_models_are_refused_at_attach(family):
+    """Assisted decoding cannot take a rejected draft back out of a recurrent state (transformers refuses these
+    models only inside generate): attach refuses them, leaving the model untouched; select mode still attaches."""
+    from transformers import JambaConfig, JambaForCausalLM, MambaConfig, MambaForCausalLM
+
+    torch.manual_seed(0)
+    if family == "mamba":
+        model = MambaForCausalLM(MambaConfig(vocab_size=256, hidden_size=HIDDEN, num_hidden_layers=4, state_size=8))
+    else:
+        model = JambaForCausalLM(JambaConfig(
+            vocab_size=256, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, num_experts=2, num_experts_per_tok=1, mamba_d_state=8,
+            attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1))
+    model.eval()
+    router = TideRouter(TideRouterConfig(hidden_size=HIDDEN, num_hidden_layers=4, router_bottleneck_dim=8,
+                                         checkpoint_layers=[2], base_architecture=type(model).__name__))
+    before = snapshot(model)
+    with pytest.raises(tide_hf.TideUnsupportedError, match="recurrent"):
+        tide_hf.attach(model, router, mode="speculative", draft_layer=2)
+    assert snapshot(model) == before and tide_hf.get_handle(model) is None
+    tide_hf.attach(model, router, mode="select").detach()

@@ -3,8 +3,9 @@
 Speculative mode hands its candidates to stock assisted decoding through the instance attribute stock
 looks up (`_get_candidate_generator`), reads a call's settings as generate merges them
 (`_prepare_generation_config`), extends a prompt's model kwargs to a draft with stock's own helpers,
-and reads the EOS ids generate prepared. Compiled skip mode reads transformers' output-capture collector
-the way transformers' own compiled forward does. Calibration records the Hub revision a model was loaded
+reads the EOS ids generate prepared, and refuses the models transformers marks stateful (`_is_stateful`).
+Compiled skip mode reads transformers' output-capture collector the way transformers' own compiled forward
+does. Calibration records the Hub revision a model was loaded
 from (`config._commit_hash`). Should transformers rename any of these, this module is the one to change.
 """
 
@@ -44,6 +45,12 @@ def merged_generation_config(model: Any, kwargs: dict[str, Any]) -> Any:
         warnings.simplefilter("ignore")
         config, _ = model._prepare_generation_config(kwargs.get("generation_config"), **quiet)
     return config
+
+
+def is_stateful(model: Any) -> bool:
+    """The model keeps a recurrent state besides (or instead of) a KV cache: Mamba, Jamba, Qwen3-Next, ...
+    (transformers' class flag; its assisted decoding refuses such models)."""
+    return bool(getattr(type(model), "_is_stateful", False))
 
 
 def eos_token_tensor(generation_config: Any) -> Any:

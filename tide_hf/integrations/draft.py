@@ -24,10 +24,11 @@ import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
-from ..modeling import ModelAdapter, TideRouter
+from ..modeling import ModelAdapter, TideRouter, text_config
 from .vocab import coverage, sliceable, vocab_sizes
 
 MAX_DRAFT_TOKENS = 8  # longest draft per round (the router gate and the plan usually stop earlier)
@@ -95,6 +96,17 @@ def draft_cost(adapter: ModelAdapter, layer: int, vocab: int | None = None) -> f
     layers, head, rows = counts
     drafted_head = head if vocab is None else head * vocab / rows
     return (layer * layers / adapter.num_layers + drafted_head) / (layers + head)
+
+
+def draft_body(model: nn.Module, layers: nn.ModuleList) -> tuple[nn.Module, Any]:
+    """(the module a draft forward runs, the config whose `num_hidden_layers` its layer loop reads): the model's
+    base model where it holds `layers` (it takes every input generate prepares), else the module owning them
+    (Llama4ForCausalLM names a base model, `language_model`, it keeps under `model`); the config is the owner's
+    (a multimodal base model's is the composite config, not its text decoder's)."""
+    owner = next(m for m in model.modules() if any(child is layers for child in m.children()))
+    base = getattr(model, model.base_model_prefix, None)
+    body = base if isinstance(base, nn.Module) and any(m is layers for m in base.modules()) else owner
+    return body, getattr(owner, "config", text_config(model))
 
 
 def prior_acceptance(router: TideRouter, layer: int) -> float | None:

@@ -1,8 +1,9 @@
 """What stock assisted decoding can reproduce of a generate call, and batches decoded row by row.
 
 Stock assisted decoding supports batch size 1 only, so speculative mode decodes a batch row by row (each
-row keeps its left padding and mask) and re-assembles it like stock batched generate pads it; calls it
-cannot reproduce exactly run stock generate instead (`fallback_reason` says why).
+row keeps its left padding and mask, `prefix_allowed_tokens_fn` is asked with the row's batch index) and
+re-assembles it like stock batched generate pads it; calls it cannot reproduce exactly run stock generate
+instead (`fallback_reason` says why). `count_tokens` counts a call's tokens the way select mode does.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ def fallback_reason(model: nn.Module, args: tuple, kwargs: dict, batch: int, gc:
         return "classifier-free guidance or DoLa"
     if gc.assistant_early_exit is not None or gc.prompt_lookup_num_tokens is not None:
         return "another assisted-decoding method requested"
+    if batch > 1 and kwargs.get("logits_processor"):
+        return "logits processors with batch size > 1 (decoded row by row, a processor would see one row at a time)"
+    if batch > 1 and gc.max_time is not None:
+        return "max_time with batch size > 1 (decoded row by row, each row would get the whole time)"
     if batch > 1 and (gc.return_dict_in_generate or kwargs.get("streamer") is not None):
         return "return_dict_in_generate or a streamer with batch size > 1"
     return None
@@ -53,9 +58,39 @@ def first_id(value: Any) -> int | None:
 
 
 def row_kwargs(kwargs: dict, i: int, batch: int) -> dict:
-    """Row `i` of every per-row tensor argument (left padding and mask kept, as the batch had them)."""
-    return {k: v[i: i + 1] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch else v
-            for k, v in kwargs.items()}
+    """Row `i` of every per-row tensor argument (left padding and mask kept, as the batch had them), and a
+    `prefix_allowed_tokens_fn` asked with batch index `i` (generate asks it with its own row index, 0)."""
+    row = {k: v[i: i + 1] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch else v
+           for k, v in kwargs.items()}
+    allowed = kwargs.get("prefix_allowed_tokens_fn")
+    if allowed is not None:
+        row["prefix_allowed_tokens_fn"] = lambda _row, ids: allowed(i, ids)
+    return row
+
+
+def prompt_mask(ids: torch.Tensor, mask: torch.Tensor | None, pad: Any, eos: torch.Tensor | None) -> torch.Tensor:
+    """The prompt positions generate attends to: `mask`, else the one generate infers (not the pad id, where
+    the prompt holds it and it is no EOS id; else every position)."""
+    if mask is not None:
+        return mask.bool()
+    pad = first_id(pad)
+    if pad is None or not bool((ids == pad).any()) or (eos is not None and bool((eos == pad).any())):
+        return torch.ones_like(ids, dtype=torch.bool)
+    return ids != pad
+
+
+def count_tokens(ids: torch.Tensor, mask: torch.Tensor | None, sequences: torch.Tensor, pad: Any,
+                 eos: torch.Tensor | None) -> tuple[int, int]:
+    """(prefill, decode) tokens of a call that ran every layer with one sequence per prompt row, as select mode
+    counts them: the prompt positions generate attends to, and per row the tokens it fed while still generating
+    (the first new token comes from the prefill forward, the last is never fed; a row stops counting once it fed
+    an EOS id, so the padding after it is not counted)."""
+    prefill = int(prompt_mask(ids, mask, pad, eos).sum())
+    fed = sequences[:, ids.shape[1]: -1]
+    if eos is None or fed.numel() == 0:
+        return prefill, fed.numel()
+    finished = torch.isin(fed, eos.to(fed.device)).cumsum(dim=1) > 0
+    return prefill, int((~finished).sum())
 
 
 def stack_rows(rows: list[torch.Tensor], gc: Any) -> torch.Tensor:

@@ -32,10 +32,12 @@ same): `tide-hf bench --modes` reports the divergence rate beside transformers' 
 
 Stock assisted decoding supports batch size 1 only, so a batch is decoded row by row (each row keeps its
 left padding and mask) and re-assembled like stock batched generate pads it. Configurations assisted
-decoding cannot reproduce exactly (beam search, custom stopping criteria, user caches, ...) run stock
-generate instead: the output is the same, only the speed-up is missing. Like stock early-exit drafting,
-a draft forward lowers the shared `config.num_hidden_layers`: do not run other forwards of the same model
-from another thread during a speculative call.
+decoding cannot reproduce exactly (beam search, custom stopping criteria, user caches, and with several rows
+user logits processors and `max_time`: `rows.fallback_reason`) run stock generate instead: the output is the
+same, only the speed-up is missing. Either way the statistics count every token at full depth, as select
+mode counts them (a fallback through the handle's own hooks, told to decide no exits). Like stock early-exit
+drafting, a draft forward lowers the shared `config.num_hidden_layers` (of the module owning the layers): do
+not run other forwards of the same model from another thread during a speculative call.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessorList
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..compat import CANDIDATE_GENERATOR_FACTORY, eos_token_tensor, extend_model_kwargs
@@ -60,13 +62,15 @@ from .draft import (
     DraftEstimates,
     best_draft_length,
     choose_draft_layer,
+    draft_body,
     draft_cost,
     draft_plan,
     interpolated_verify,
     prior_acceptance,
 )
+from .processor import TideLogitsProcessor
 from .reuse import DraftReuse, install_reuse
-from .rows import fallback_reason, row_kwargs, stack_rows
+from .rows import count_tokens, fallback_reason, row_kwargs, stack_rows
 from .vocab import DraftHead, coverage
 
 # A rejected draft token costs one draft forward, nothing else: the gate stops a draft only where the router
@@ -147,6 +151,7 @@ class TideCandidateGenerator(CandidateGenerator):
                  generation_config: GenerationConfig, logits_processor: Any, model_kwargs: dict[str, Any]) -> None:
         self.handle, self.layer, self.stats, self.draft_head = handle, stats.draft_layer, stats, draft_head
         self.model = handle.model
+        self.body, self.config = draft_body(self.model, handle.adapter.layers)
         self.estimates = draft_estimates(handle, self.layer, stats.draft_vocab)
         self.cache = model_kwargs["past_key_values"]  # the object stock verifies with, for the whole call
         self.kwargs = {k: v for k, v in model_kwargs.items() if k != "past_key_values"}
@@ -233,11 +238,10 @@ class TideCandidateGenerator(CandidateGenerator):
 
     # -- internals --
     def _draft(self, input_ids: torch.LongTensor, room: int, start: float) -> tuple[torch.LongTensor, Tensor | None]:
-        config = getattr(self.model, self.model.base_model_prefix).config
         ids, scores, forwards, tail = input_ids, [], 0, False
         reuse = self.reuse.available()
         patches = Patches()
-        patches.set_attr(config, "num_hidden_layers", self.layer)  # stock early-exit drafting's mechanism
+        patches.set_attr(self.config, "num_hidden_layers", self.layer)  # stock early-exit drafting's mechanism
         self.drafting = True
         try:
             for _ in range(room):
@@ -280,7 +284,7 @@ class TideCandidateGenerator(CandidateGenerator):
                                                           **kwargs)
         if not head or self.draft_head is not None:
             inputs.pop("logits_to_keep", None)
-            body = getattr(self.model, self.model.base_model_prefix)(**inputs)
+            body = self.body(**inputs)
             if not head:
                 return None
             return self.draft_head(body.last_hidden_state[:, -1]).to(dtype=torch.float32, device=ids.device)
@@ -337,20 +341,18 @@ def generate(handle: TideHandle, original: Callable, model: nn.Module, args: tup
     stats = SpeculativeStats(layer, expected, vocab)
     stats.fallback = "no 2-D input_ids" if batch == 0 else fallback_reason(model, args, kwargs, batch, config)
     try:
+        if stats.fallback is not None:  # stock ran every layer: counted as select mode counts it, with no exits
+            session.full_depth = True
+            processors = LogitsProcessorList([*(kwargs.get("logits_processor") or []),
+                                              TideLogitsProcessor(handle, session)])
+            return original(model, *args, **{**kwargs, "logits_processor": processors})
         with handle.disabled():  # the router runs only in the gate hook; verification is the stock model
-            if stats.fallback is not None:
-                out = original(model, *args, **kwargs)
-                if batch:  # stock ran every layer: counted like the drafted calls
-                    _count_tokens(handle, session, {"input_ids": inputs, **kwargs}, out)
-                return out
             key = "inputs" if "inputs" in kwargs or args else "input_ids"
             kwargs = {k: v for k, v in kwargs.items() if k != "inputs"} | {key: inputs}
             head = None if vocab is None else DraftHead(handle.adapter, handle.router, vocab)  # one slice per call
-            if batch == 1:
-                return _generate_row(handle, original, model, kwargs, stats, head, session)
-            rows = [_generate_row(handle, original, model, row_kwargs(kwargs, i, batch), stats, head, session)
-                    for i in range(batch)]
-            return stack_rows(rows, config)
+            rows = [_generate_row(handle, original, model, kwargs if batch == 1 else row_kwargs(kwargs, i, batch),
+                                  stats, head, session, config) for i in range(batch)]
+            return rows[0] if batch == 1 else stack_rows(rows, config)
     finally:
         estimates = draft_estimates(handle, layer, vocab)
         stats.draft_cost, stats.verify_costs = estimates.cost, estimates.verify_costs
@@ -358,7 +360,7 @@ def generate(handle: TideHandle, original: Callable, model: nn.Module, args: tup
 
 
 def _generate_row(handle: TideHandle, original: Callable, model: nn.Module, kwargs: dict, stats: SpeculativeStats,
-                  head: DraftHead | None, session: Session) -> Any:
+                  head: DraftHead | None, session: Session, config: GenerationConfig) -> Any:
     owner: list[TideCandidateGenerator] = []
 
     def factory(*, generation_config: GenerationConfig, logits_processor: Any, model_kwargs: dict, **_: Any):
@@ -368,18 +370,11 @@ def _generate_row(handle: TideHandle, original: Callable, model: nn.Module, kwar
     with _patched(model, factory, handle, stats.draft_layer, owner):
         out = original(model, **kwargs, assistant_early_exit=stats.draft_layer)
     stats.reused += sum(generator.reuse.verified for generator in owner)
-    _count_tokens(handle, session, kwargs, out)
-    return out
-
-
-def _count_tokens(handle: TideHandle, session: Session, kwargs: dict, out: Any) -> None:
-    """Every emitted token came from the full model: count prompt and decode tokens at full depth, like
-    select mode counts them (the first new token belongs to the prefill forward)."""
-    inputs = kwargs.get("inputs", kwargs.get("input_ids"))
-    mask = kwargs.get("attention_mask")
-    sequences = out if isinstance(out, torch.Tensor) else out.sequences
-    prompt = int(mask.sum()) if mask is not None else inputs.numel()
-    new = sequences.shape[1] - inputs.shape[1]  # per returned sequence (several per prompt in a fallback)
+    # every emitted token came from the full model: counted at full depth, as select mode counts them
+    prefill, decode = count_tokens(kwargs.get("inputs", kwargs.get("input_ids")), kwargs.get("attention_mask"),
+                                   out if isinstance(out, torch.Tensor) else out.sequences, config.pad_token_id,
+                                   session.eos)
     full = handle.num_layers
-    session.stats.prefill.add(torch.full((prompt,), full), full)
-    session.stats.decode.add(torch.full((max(new - 1, 0) * sequences.shape[0],), full), full)
+    session.stats.prefill.add(torch.full((prefill,), full), full)
+    session.stats.decode.add(torch.full((decode,), full), full)
+    return out

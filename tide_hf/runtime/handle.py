@@ -24,11 +24,12 @@ from torch import nn
 from ..config import TideOptions
 from ..errors import TideArgumentError, TideConcurrencyError, TideUnsupportedError
 from ..kernels import NormSpec, norm_router_scores, norm_spec
-from ..modeling import ModelAdapter, TideRouter, get_adapter, layer_output, text_config
+from ..modeling import ModelAdapter, TideRouter, get_adapter, layer_output
 from ..modeling.devices import execution_device, onloaded
 from ..modeling.targets import check_served, select
 from .compiled import install_compiled_call
 from .kv import KVRecompute
+from .modes import check_mode
 from .patching import Patches
 from .segments import SegmentedDecoding
 from .session import Session, Step, new_step
@@ -228,7 +229,8 @@ class TideHandle:
 
         def hook(_module: nn.Module, _args: tuple, output: Any) -> None:
             step = getattr(self._local, "step", None)
-            if step is None or threshold >= 1.0 or step.skip_after is not None or step.segmented or not self._active():
+            if step is None or threshold >= 1.0 or step.skip_after is not None or step.segmented or not self._active() \
+                    or self._local.session.full_depth:
                 return  # (skip mode: once every row has exited, later checkpoints have nothing to decide)
             hidden = layer_output(output)
             fresh = step.exit_layer == self.num_layers
@@ -372,10 +374,8 @@ def _build(model: nn.Module, router: TideRouter, *, min_agreement: float | None 
         target=target,
     )
     options.validate(adapter.num_layers, router.checkpoint_layers)
-    eligible = [k for k in router.checkpoint_layers if k >= options.min_layers and options.threshold(k) < 1.0]
-    plan = LayerSkipper.check(model, adapter.layers, eligible[0], options.kv, text_config(model)) \
-        if options.mode == "skip" and eligible else None
-    return handle_class(model, router, options, adapter, owner=owner, skip_plan=plan)
+    return handle_class(model, router, options, adapter, owner=owner,
+                        skip_plan=check_mode(model, adapter, options, router.checkpoint_layers))
 
 
 def get_handle(model: nn.Module) -> TideHandle | None:

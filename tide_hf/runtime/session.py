@@ -50,6 +50,7 @@ class Session:
     stream: int | None = None  # the cache (id) of the call's first forward: the statistics count its forwards only
     chunked: bool = False  # generate prefills the prompt in chunks (`prefill_chunk_size`): the prompt mask's
     prompt_fed: int = 0  # first columns go to the first forwards, `prompt_fed` of them so far
+    full_depth: bool = False  # count every token at full depth, decide no exits (speculative mode's stock fallbacks)
 
 
 def new_step(session: Session, tokens: torch.Tensor, mask: Any, num_layers: int, *, running: bool,

@@ -15,6 +15,7 @@ from typing import Any
 
 from torch import nn
 
+from ..compat import is_stateful
 from ..errors import TideUnsupportedError
 from .kv import FusedPropagation, KVRecompute, propagate_kv, propagate_support, recompute_support
 from .patching import Patches
@@ -38,7 +39,7 @@ class LayerSkipper:
     def check(model: nn.Module, layers: nn.ModuleList, first_checkpoint: int, kv: str, text_config: Any) -> SkipPlan:
         """Raise before anything is patched when a layer that may be skipped cannot keep its cache sound (by
         its attributes, then, for kv="propagate", by the probe forward of `probe.py`); return the plan."""
-        if getattr(model, "_is_stateful", False):  # transformers' flag for recurrent (Mamba-style) layers
+        if is_stateful(model):
             raise TideUnsupportedError(f"mode='skip' on {type(model).__name__}: its layers keep a recurrent state "
                                        "that a skipped layer would not advance; use mode='select'")
         support = propagate_support if kv == "propagate" else recompute_support

@@ -1,0 +1,28 @@
+"""What a mode asks of the model, checked by `attach` before anything is patched."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..compat import is_stateful
+from ..config import TideOptions
+from ..errors import TideUnsupportedError
+from ..modeling import ModelAdapter, text_config
+from .skip import LayerSkipper, SkipPlan
+
+
+def check_mode(model: nn.Module, adapter: ModelAdapter, options: TideOptions, checkpoints: list[int]
+               ) -> SkipPlan | None:
+    """Raise a `TideUnsupportedError` when `options.mode` cannot run on `model`: skip mode where a layer it may
+    skip cannot keep its cache sound (`LayerSkipper.check`, which also returns skip mode's plan); speculative
+    mode on a model that keeps a recurrent state (stock assisted decoding takes back rejected drafts by cropping
+    the KV cache, and transformers refuses such a model only once generate runs)."""
+    eligible = [k for k in checkpoints if k >= options.min_layers and options.threshold(k) < 1.0]
+    if options.mode == "skip" and eligible:
+        return LayerSkipper.check(model, adapter.layers, eligible[0], options.kv, text_config(model))
+    if options.mode == "speculative" and is_stateful(model):
+        raise TideUnsupportedError(
+            f"mode='speculative' on {type(model).__name__}: it keeps a recurrent (state-space or linear-attention) "
+            "state, which assisted decoding cannot roll back to the last accepted token the way it crops a KV "
+            "cache; use mode='select'")
+    return None

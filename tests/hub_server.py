@@ -67,8 +67,10 @@ class HubError(Exception):
 class HubServer:
     """The fake Hub: repo storage, a request log, and the HTTP server thread serving them."""
 
-    def __init__(self, token: str = "hf_dummy", max_lifetime_s: float = 120.0, max_body: int = 64 << 20) -> None:
+    def __init__(self, token: str = "hf_dummy", max_lifetime_s: float = 120.0, max_body: int = 64 << 20,
+                 user: str = "user") -> None:
         self.token, self.max_lifetime_s, self.max_body = token, max_lifetime_s, max_body
+        self.user = user  # the token's account: a repo created without a namespace goes there, as on the Hub
         self.repos: dict[str, Repo] = {}
         self.log: list[str] = []  # "METHOD /path" of every request, in order
         self.unhandled: list[str] = []  # requests no route matched: the client used an endpoint we lack
@@ -218,7 +220,7 @@ class _Handler(BaseHTTPRequestHandler):
         req = json.loads(body)
         if req.get("type", "model") != "model":
             raise HubError(400, "only model repos are supported here")
-        repo_id = f"{req['organization']}/{req['name']}" if req.get("organization") else req["name"]
+        repo_id = f"{req.get('organization') or self.hub.user}/{req['name']}"
         url = f"{self.hub.url}/{repo_id}"
         if repo_id in self.hub.repos:
             self._send(409, {"error": "You already created this model repo", "url": url})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 
@@ -131,3 +132,54 @@ def test_a_calibration_warning_prints_once_as_one_line(monkeypatch, capsys) -> N
     monkeypatch.setattr(command, "run", lambda args: loud("TIDE calibration: a test warning"))
     main(["calibrate", "--output", "unused"])
     assert capsys.readouterr().err == "tide-hf calibrate: warning: TIDE calibration: a test warning\n"
+
+
+def test_calibrate_refuses_a_bad_push_repo_id_and_results_inside_output_before_loading_anything(tmp_path,
+                                                                                                capsys) -> None:
+    """A bad --push-to-hub id failed with a traceback after the whole calibration; --results inside --output
+    overwrote the saved router's config.json (or left a file that made a later --overwrite refuse the folder)."""
+    from tide_hf.cli import main
+
+    out = str(tmp_path / "r")
+    for extra, message in ((["--push-to-hub", "not a valid/repo id!!"], "--push-to-hub 'not a valid/repo id!!' is "
+                            "not a Hub repo id"),
+                           (["--results", str(tmp_path / "r" / "config.json")], "--results .* and --output .* overlap"),
+                           (["--results", str(tmp_path / "r" / "x" / "run.json")], "overlap")):
+        with pytest.raises(SystemExit) as info:
+            main(["calibrate", "--model", str(tmp_path / "no-model"), "--output", out, *extra])
+        err = capsys.readouterr().err
+        assert info.value.code == 1 and len(err.strip().splitlines()) == 1, err
+        assert re.search(message, err) and "model folder not found" not in err, err
+
+
+def test_calibrate_names_a_model_folder_without_a_tokenizer_in_one_line(tmp_path, capsys) -> None:
+    """transformers' error was a traceback about sentencepiece."""
+    from helpers import make_tiny_llama
+
+    from tide_hf.cli import main
+
+    make_tiny_llama().save_pretrained(tmp_path / "m")
+    capsys.readouterr()  # the save's progress bar
+    with pytest.raises(SystemExit) as info:
+        main(["calibrate", "--model", str(tmp_path / "m"), "--output", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert info.value.code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "has no tokenizer files" in err and not (tmp_path / "r").exists()
+
+
+def test_calibrate_names_a_seq_len_past_the_models_positions_in_one_line(tmp_path, monkeypatch, capsys) -> None:
+    """GPT-2 crashed mid-forward with a bare IndexError traceback."""
+    from helpers import ByteTokenizer
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import tide_hf.calibration.command as command
+    from tide_hf.cli import main
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=9, n_head=4)).eval()
+    monkeypatch.setattr(command, "load_model", lambda name, dtype: (gpt2, ByteTokenizer()))
+    with pytest.raises(SystemExit) as info:
+        main(["calibrate", "--model", "gpt2-tiny", "--dataset", str(tmp_path / "unread"), "--seq-len", "100",
+              "--output", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert info.value.code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "seq_len=100 is longer than the model's context (max_position_embeddings=64 positions)" in err

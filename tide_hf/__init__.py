@@ -26,14 +26,14 @@ except PackageNotFoundError:  # a source tree that was never installed
 
 _API = {  # public name -> the room that holds it
     "calibrate": "calibration", "calibrate_tokens": "calibration", "load_texts": "calibration",
-    "TideOptions": "config", "TideRouterConfig": "config",
+    "TideRouterConfig": "config",
     "TideCompatibilityError": "errors", "TideDataError": "errors", "TideError": "errors",
     "TideArgumentError": "errors", "TideArgumentTypeError": "errors", "TideConcurrencyError": "errors",
     "TideRouterFileError": "errors", "TideTargetError": "errors", "TideUnsupportedError": "errors",
     "TideLogitsProcessor": "integrations",
     "ModelAdapter": "modeling", "TideRouter": "modeling", "get_adapter": "modeling",
     "model_fingerprint": "modeling", "register_adapter": "modeling",
-    "ExitStats": "runtime", "TideHandle": "runtime", "attach": "runtime", "detach": "runtime",
+    "ExitStats": "runtime", "TideHandle": "runtime", "TideOptions": "runtime", "attach": "runtime", "detach": "runtime",
     "get_handle": "runtime", "last_stats": "runtime",
 }
 GENERATION_MODULE = "transformers.generation.utils"

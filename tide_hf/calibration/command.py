@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import time
 from pathlib import Path
@@ -14,8 +15,10 @@ import torch
 from tqdm.auto import tqdm
 
 from ..assets import default_dataset, load_model
+from ..errors import TideArgumentError
 from ..modeling import TideRouter
 from ..modeling.files import check_save_target, check_writable
+from ..modeling.hub import check_repo_id
 from .data import load_texts
 from .distributed import is_main_process, to_process_device
 from .pipeline import calibrate, check_calibrate_args, model_config
@@ -89,6 +92,15 @@ def write_calibration_results(args: argparse.Namespace, router: Any, wall: float
     }, indent=2))
 
 
+def check_apart(results: Path, output: Path) -> None:
+    """--results lies outside --output: the router folder holds the router only (a results file there would
+    overwrite its config.json, or make a later --overwrite refuse the folder)."""
+    res, out = Path(os.path.realpath(results)), Path(os.path.realpath(output))
+    if out == res or out in res.parents or res in out.parents:
+        raise TideArgumentError(f"--results {results} and --output {output} overlap: the output folder holds the "
+                                "router and nothing else; write the results file outside it")
+
+
 def run(args: argparse.Namespace) -> None:
     """The `tide-hf calibrate` command: calibrate, save, print metrics; optionally results JSON and push."""
     overwrite = getattr(args, "overwrite", False)
@@ -99,6 +111,9 @@ def run(args: argparse.Namespace) -> None:
     check_writable(Path(args.output), "--output", folder=True)
     if args.results:
         check_writable(Path(args.results), "--results", folder=False)
+        check_apart(Path(args.results), Path(args.output))
+    if args.push_to_hub:
+        check_repo_id(args.push_to_hub, "--push-to-hub")
     bare = bare_forward_seconds(args) if args.compare_bare_forward else None
     started = time.perf_counter()
     _, _, router = calibrate_from_args(args)

@@ -1,4 +1,5 @@
-"""Calibration text through `datasets`: a Hub dataset name, or local text / jsonl files and folders.
+"""Calibration text: a Hub dataset name, local text / jsonl files and folders (or a folder written by
+`save_to_disk`), or documents already in memory (a list of strings, a `datasets` Dataset).
 
 A dataset that cannot be loaded raises `TideDataError` naming it and the cause; nothing is ever
 replaced by stand-in text.
@@ -6,15 +7,22 @@ replaced by stand-in text.
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
-from ..errors import TideArgumentError, TideDataError
+from ..errors import TideArgumentError, TideArgumentTypeError, TideDataError
 from ..modeling import quiet_hf
 
 DEFAULT_DATASET = "wikitext"
 DEFAULT_DATASET_CONFIG = "wikitext-103-raw-v1"
 _BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json"}
+# What `save_to_disk` leaves in a folder: a Dataset's state, or a DatasetDict's list of splits.
+_SAVED_MARKERS = ("state.json", "dataset_dict.json")
+ACCEPTED = ("a local .txt / .jsonl file or folder, a Hub dataset name, None (WikiText-103), a list (or other "
+            "iterable) of strings, or a datasets Dataset / IterableDataset / DatasetDict")
 
 
 def _local_files(path: Path) -> tuple[str, list[str]]:
@@ -31,46 +39,142 @@ def _local_files(path: Path) -> tuple[str, list[str]]:
     return builders.pop(), [str(p) for p in files]
 
 
+def dataset_label(dataset: Any, split: str = "train") -> str:
+    """What a router records as its calibration text (`config.dataset`): the name or path given, or the kind of
+    in-memory data (with the builder's name when a `datasets` Dataset knows it)."""
+    if dataset is None:
+        return DEFAULT_DATASET
+    if isinstance(dataset, (str, os.PathLike)):
+        return os.fspath(dataset)
+    builder = getattr(getattr(dataset, "info", None), "dataset_name", None)
+    split_part = f"[{split!r}]" if isinstance(dataset, Mapping) else ""
+    return f"in-memory {type(dataset).__name__}{split_part}" + (f" of {builder}" if builder else "")
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The innermost error behind `exc` (datasets wraps a decoding error in "An error occurred while generating")."""
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return exc
+
+
+def _undecodable(files: list[str]) -> str | None:
+    """The first of `files` that is not UTF-8 text, with where its first bad byte is (None: all decode)."""
+    for name in files:
+        try:
+            Path(name).read_bytes().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return f"{name} is not UTF-8 text (byte {exc.start}: {exc.reason}); re-save it as UTF-8"
+    return None
+
+
+def _bad_json(files: list[str]) -> str | None:
+    """The first record of these JSON / JSON Lines files that does not parse, by file and line (None: all do)."""
+    for name in files:
+        text = Path(name).read_text(encoding="utf-8", errors="replace")
+        try:
+            json.loads(text)  # one JSON document (a list of records)
+            continue
+        except ValueError:
+            pass
+        for number, line in enumerate(text.splitlines(), 1):
+            try:
+                if line.strip():
+                    json.loads(line)
+            except ValueError as exc:
+                return f"{name} line {number} is not a JSON record ({exc})"
+    return None
+
+
+def _read_named(name: str, dataset_config: str | None, split: str) -> Any:
+    """A local file / folder / save_to_disk folder, else a Hub dataset, as a `datasets` object; `TideDataError`
+    naming the source, the cause and (for text that is not UTF-8) the file."""
+    from datasets import load_dataset, load_from_disk
+
+    local, builder, files = Path(name).expanduser(), None, []
+    try:
+        if local.is_dir() and any((local / marker).is_file() for marker in _SAVED_MARKERS):
+            return _pick_split(load_from_disk(str(local)), split, name)
+        if local.exists():
+            builder, files = _local_files(local)
+            extra = {"sample_by": "document"} if builder == "text" else {}
+            with quiet_hf(datasets=True):  # local text: no "Downloading data" / "Generating train split" bars
+                return load_dataset(builder, data_files=files, split="train", **extra)
+        return load_dataset(name, dataset_config, split=split)
+    except TideDataError:
+        raise
+    except Exception as exc:  # datasets raises many kinds; say which source failed, why, and which file
+        cause = _cause(exc)
+        why = ((_undecodable(files) if isinstance(cause, UnicodeDecodeError) else None)
+               or (_bad_json(files) if builder == "json" else None)
+               or f"{exc}" + (f" ({type(cause).__name__}: {cause})" if cause is not exc else ""))
+        raise TideDataError(f"could not load calibration dataset {name!r} (config={dataset_config!r}, "
+                            f"split={split!r}): {why}") from exc
+
+
+def _pick_split(data: Any, split: str, name: str) -> Any:
+    """A DatasetDict's `split` (refused naming the splits it has); any other data as it is."""
+    from datasets import DatasetDict, IterableDatasetDict
+
+    if isinstance(data, (DatasetDict, IterableDatasetDict)):
+        if split not in data:
+            raise TideDataError(f"dataset {name!r} has no split {split!r}; its splits: {sorted(data)}")
+        return data[split]
+    return data
+
+
+def _values(data: Any, name: str, text_field: str) -> tuple[list[Any], str]:
+    """The `text_field` column of a `datasets` Dataset / IterableDataset, or the items of an iterable of texts;
+    and what they are called in messages."""
+    from datasets import Dataset, IterableDataset
+
+    column = f"{text_field!r} values"
+    if isinstance(data, Dataset):
+        if text_field not in data.column_names:
+            raise TideDataError(f"dataset {name!r} has no column {text_field!r}; columns: {data.column_names}")
+        return list(data[text_field]), column
+    if isinstance(data, IterableDataset):
+        values = []
+        for row in data:  # column_names may be unknown until a row is read
+            if text_field not in row:
+                raise TideDataError(f"dataset {name!r} has no column {text_field!r}; columns: {sorted(row)}")
+            values.append(row[text_field])
+        return values, column
+    if isinstance(data, (bytes, bytearray, Mapping)) or not isinstance(data, Iterable):
+        raise TideArgumentTypeError(f"dataset must be {ACCEPTED}; got {type(data).__name__}")
+    return list(data), "items"
+
+
 def load_texts(
-    dataset: str | None = None,
+    dataset: str | os.PathLike | Iterable[str] | Any | None = None,
     *,
     dataset_config: str | None = None,
     split: str = "train",
     text_field: str = "text",
 ) -> list[str]:
-    """Return the non-empty documents of `dataset` (a local file / folder, or a Hub dataset name).
+    """Return the non-empty documents of `dataset`, in order.
 
-    Local .txt files are one document per file; .jsonl / .json files one document per record's
-    `text_field`. A Hub name defaults to WikiText-103 when `dataset` is None.
+    A local .txt file is one document, a folder of them one document per file; .jsonl / .json files one
+    document per record's `text_field`; a folder written by `save_to_disk`, a Hub dataset name (WikiText-103
+    when `dataset` is None) or an in-memory `datasets` Dataset / IterableDataset one document per row's
+    `text_field` (a DatasetDict: its `split`); a list or other iterable of strings one document per string.
+    In-memory data is read whole (`IterableDataset.take(n)` bounds a stream).
     """
-    from datasets import load_dataset
-
-    if dataset is not None and not str(dataset).strip():  # e.g. an unset $DATA: never a stand-in corpus
-        raise TideArgumentError(f"dataset is an empty name ({dataset!r}); give a file, folder or Hub dataset, "
-                                "or None for the default")
-    name = DEFAULT_DATASET if dataset is None else os.fspath(dataset)
-    config = dataset_config if dataset is not None else (dataset_config or DEFAULT_DATASET_CONFIG)
-    local = Path(name).expanduser()
-    try:
-        if local.exists():
-            builder, files = _local_files(local)
-            extra = {"sample_by": "document"} if builder == "text" else {}
-            with quiet_hf(datasets=True):  # local text: no "Downloading data" / "Generating train split" bars
-                ds = load_dataset(builder, data_files=files, split="train", **extra)
-        else:
-            ds = load_dataset(name, config, split=split)
-    except TideDataError:
-        raise
-    except Exception as exc:  # datasets raises many kinds; say which source failed and why
-        raise TideDataError(
-            f"could not load calibration dataset {name!r} (config={config!r}, split={split!r}): {exc}") from exc
-    if text_field not in ds.column_names:
-        raise TideDataError(f"dataset {name!r} has no column {text_field!r}; columns: {ds.column_names}")
-    values = ds[text_field]
+    if dataset is None or isinstance(dataset, (str, os.PathLike)):
+        if dataset is not None and not os.fspath(dataset).strip():  # e.g. an unset $DATA: never a stand-in corpus
+            raise TideArgumentError(f"dataset is an empty name ({dataset!r}); give a file, folder or Hub dataset, "
+                                    "or None for the default")
+        name = DEFAULT_DATASET if dataset is None else os.fspath(dataset)
+        config = dataset_config if dataset is not None else (dataset_config or DEFAULT_DATASET_CONFIG)
+        data = _read_named(name, config, split)
+    else:
+        name = dataset_label(dataset, split)
+        data = _pick_split(dataset, split, name)
+    values, what = _values(data, name, text_field)
     odd = [t for t in values if t is not None and not isinstance(t, str)]
     if odd:  # not text: refused rather than dropped
-        raise TideDataError(f"dataset {name!r}: {len(odd)} {text_field!r} values are not strings (first: {odd[0]!r})")
+        raise TideDataError(f"dataset {name!r}: {len(odd)} {what} are not strings (first: {odd[0]!r})")
     texts = [t for t in values if t is not None and t.strip()]
     if not texts:
-        raise TideDataError(f"dataset {name!r} has no non-empty {text_field!r} values")
+        raise TideDataError(f"dataset {name!r} has no non-empty {what}")
     return texts

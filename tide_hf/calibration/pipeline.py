@@ -11,6 +11,7 @@ import difflib
 import os
 import time
 import warnings
+from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
@@ -24,7 +25,7 @@ from ..modeling import ModelAdapter, TideRouter, get_adapter, model_fingerprint,
 from ..modeling.devices import execution_device
 from ..modeling.targets import select
 from .continuations import continue_samples
-from .data import DEFAULT_DATASET, load_texts
+from .data import dataset_label, load_texts
 from .distributed import is_main_process, main_process_first, train_on_main
 from .heads import fit_exit_heads
 from .labels import Collected, collect, label
@@ -68,6 +69,23 @@ def warn_if_closed(cfg: TideRouterConfig) -> None:
                    "threshold-split tokens certify no exit. Calibrate on more samples, or attach with a lower "
                    "min_agreement.")
         loud(message)
+
+
+# Where text configs keep their context length (positions the model was built for), most common first.
+CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def check_context(model: nn.Module, seq_len: int, what: str | None = None) -> None:
+    """Samples of `seq_len` tokens (`what`, for the message) fit the model's context: longer ones crash mid-forward
+    (learned positions) or calibrate on positions the model never had (rotary ones), so they are refused first."""
+    text_cfg = text_config(model)
+    for name in CONTEXT_FIELDS:
+        context = getattr(text_cfg, name, None)
+        if isinstance(context, int) and not isinstance(context, bool) and context > 0:
+            if seq_len > context:
+                raise TideArgumentError(f"{what or f'seq_len={seq_len}'} is longer than the model's context ({name}="
+                                        f"{context} positions): give at most {context} tokens per sample")
+            return
 
 
 # Set by calibrate() itself from the model (passing them is an error, not an override).
@@ -114,7 +132,7 @@ def fit(router: TideRouter, data: Collected, *, adapter: ModelAdapter, device: t
 def calibrate(
     model: nn.Module,
     tokenizer: Any,
-    dataset: str | None = None,
+    dataset: str | os.PathLike | Iterable[str] | Any | None = None,
     *,
     dataset_config: str | None = None,
     split: str = "train",
@@ -126,6 +144,10 @@ def calibrate(
     **config_kwargs: Any,
 ) -> TideRouter:
     """Calibrate TIDE routers for `model` on `dataset` and return them as a `TideRouter`.
+
+    `dataset`: a local .txt / .jsonl file or folder, a Hub dataset name (None: WikiText-103), or documents in
+    memory (a list or other iterable of strings, a `datasets` Dataset / IterableDataset / DatasetDict with a
+    `text_field` column); see `load_texts`.
 
     `config_kwargs` are `TideRouterConfig` fields (label, exit_head, checkpoint_interval, convergence_threshold,
     kl_threshold, router_bottleneck_dim, learning_rate, num_epochs, max_train_tokens, seed, ...); unlike the
@@ -139,7 +161,7 @@ def calibrate(
     cfg = model_config(model, seq_len, config_kwargs)
     with main_process_first():  # under a launcher, datasets builds its cache once
         texts = load_texts(dataset, dataset_config=dataset_config, split=split, text_field=text_field)
-    cfg.dataset = DEFAULT_DATASET if dataset is None else os.fspath(dataset)
+    cfg.dataset = dataset_label(dataset, split)
     samples = make_samples(tokenizer, texts, num_samples, seq_len, cfg.seed)
     return calibrate_config(model, cfg, samples, batch_size=batch_size, pad_id=pad_token_id(tokenizer),
                             progress=progress)
@@ -163,6 +185,7 @@ def calibrate_tokens(model: nn.Module, samples: list[torch.Tensor], *, batch_siz
     if "num_samples" in config_kwargs:
         raise TideArgumentTypeError("calibrate_tokens() takes num_samples from len(samples); do not pass it")
     seq_len = max(len(s) for s in samples)
+    check_context(model, seq_len, f"a sample of {seq_len} tokens")
     check_calibrate_args(num_samples=len(samples), seq_len=seq_len, batch_size=batch_size, config_kwargs=config_kwargs)
     cfg = model_config(model, seq_len, config_kwargs)
     return calibrate_config(model, cfg, [s.cpu() for s in samples], batch_size=batch_size, pad_id=pad_id,
@@ -170,8 +193,9 @@ def calibrate_tokens(model: nn.Module, samples: list[torch.Tensor], *, batch_siz
 
 
 def model_config(model: nn.Module, seq_len: int, config_kwargs: dict[str, Any]) -> TideRouterConfig:
-    """The router config of `model` (its shape and provenance) with `config_kwargs`; seeds torch's global RNG
-    with its seed, which the routers' initial weights are drawn from."""
+    """The router config of `model` (its shape and provenance) with `config_kwargs`, once `seq_len` is known to fit
+    its context; seeds torch's global RNG with its seed, which the routers' initial weights are drawn from."""
+    check_context(model, seq_len)
     adapter = get_adapter(model)
     text_cfg = text_config(model)
     cfg = TideRouterConfig(

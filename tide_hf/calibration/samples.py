@@ -17,20 +17,51 @@ def pad_token_id(tokenizer: Any) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
 
+# A long document is tokenized from a prefix of this many characters per token still wanted (doubled until it
+# yields enough), so one huge file is never tokenized whole (~130 bytes of memory per byte of text) for a few
+# samples; a document shorter than that is tokenized whole, as before.
+CHARS_PER_TOKEN = 16
+# Tokens read past the ones kept from a prefix: where the prefix is cut, tokenization may differ from the whole
+# text's, so the kept tokens end this far from the cut.
+CUT_MARGIN = 64
+
+
+def document_order(count: int, seed: int) -> list[int]:
+    """The seeded order documents are read in (samples and the held-out split agree on it)."""
+    return torch.randperm(count, generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def leading_ids(tokenizer: Any, text: str, limit: int | None = None) -> list[int]:
+    """The token ids of `text`, or (with `limit`) its first `limit` ids, tokenizing no more of it than they need."""
+    chars = len(text) if limit is None else limit * CHARS_PER_TOKEN
+    while chars < len(text):
+        ids = tokenizer(text[:chars], add_special_tokens=False)["input_ids"]
+        if len(ids) >= limit + CUT_MARGIN:
+            return ids[:limit]
+        chars *= 2
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def chunks_of(tokenizer: Any, text: str, seq_len: int, max_chunks: int | None = None) -> list[torch.Tensor]:
+    """`text` split into chunks of at most `seq_len` tokens (only its first `max_chunks` when given)."""
+    ids = leading_ids(tokenizer, text, None if max_chunks is None else max_chunks * seq_len)
+    return [torch.tensor(ids[s : s + seq_len]) for s in range(0, len(ids), seq_len)]
+
+
 def document_chunks(
     tokenizer: Any, texts: list[str], seq_len: int, seed: int
 ) -> Iterator[tuple[int, list[torch.Tensor]]]:
     """Documents in a seeded order, each split into chunks of at most `seq_len` tokens."""
-    for i in torch.randperm(len(texts), generator=torch.Generator().manual_seed(seed)).tolist():
-        ids = tokenizer(texts[i], add_special_tokens=False)["input_ids"]
-        yield i, [torch.tensor(ids[s : s + seq_len]) for s in range(0, len(ids), seq_len)]
+    for i in document_order(len(texts), seed):
+        yield i, chunks_of(tokenizer, texts[i], seq_len)
 
 
 def make_samples(tokenizer: Any, texts: list[str], num_samples: int, seq_len: int, seed: int) -> list[torch.Tensor]:
-    """Split documents (in a seeded order) into chunks of at most `seq_len` tokens; take `num_samples`."""
+    """Split documents (in a seeded order) into chunks of at most `seq_len` tokens; take `num_samples` (a long
+    document is tokenized only as far as the samples still wanted reach)."""
     chunks: list[torch.Tensor] = []
-    for _, doc in document_chunks(tokenizer, texts, seq_len, seed):
-        chunks.extend(doc)
+    for i in document_order(len(texts), seed):
+        chunks.extend(chunks_of(tokenizer, texts[i], seq_len, num_samples - len(chunks)))
         if len(chunks) >= num_samples:
             break
     if len(chunks) < num_samples:
@@ -42,11 +73,11 @@ def make_samples(tokenizer: Any, texts: list[str], num_samples: int, seq_len: in
 def held_out_texts(tokenizer: Any, texts: list[str], cfg: TideRouterConfig) -> list[str]:
     """The documents a calibration with `cfg` never read (for honest evaluation on the same corpus)."""
     seen, used = 0, set()
-    for i, doc in document_chunks(tokenizer, texts, cfg.seq_len, cfg.seed):
+    for i in document_order(len(texts), cfg.seed):
         if seen >= cfg.num_samples:
             break
         used.add(i)
-        seen += len(doc)
+        seen += len(chunks_of(tokenizer, texts[i], cfg.seq_len, cfg.num_samples - seen))
     return [t for i, t in enumerate(texts) if i not in used]
 
 

@@ -15,15 +15,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import PretrainedConfig
 
+from ..config import FIELD_NAME_CUTOFF
 from ..errors import TideArgumentError, TideRouterFileError
 
 ROUTER_MODEL_TYPE = "tide_router"
-# What `TideRouter.save_pretrained` writes (sharded weights included), plus the Hub's .gitattributes.
-ROUTER_FILES = re.compile(r"config\.json|README\.md|\.gitattributes|model\.safetensors(\.index\.json)?"
-                          r"|model-\d+-of-\d+\.safetensors")
-FIELD_NAME_CUTOFF = 0.85  # difflib similarity above which an unknown key is taken for a misspelled field
+# The weights `TideRouter.save_pretrained` writes: one file, or shards and their index.
+WEIGHT_FILES = re.compile(r"model\.safetensors(\.index\.json)?|model-\d+-of-\d+\.safetensors")
+# What `TideRouter.save_pretrained` writes, plus the Hub's .gitattributes.
+ROUTER_FILES = re.compile(rf"config\.json|README\.md|\.gitattributes|{WEIGHT_FILES.pattern}")
 HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
 
 
@@ -108,14 +110,17 @@ def check_config_source(name: str | os.PathLike, config_cls: Any, kwargs: dict[s
     if (os.path.isabs(text) or text.startswith((".", "~"))) and not os.path.isdir(os.path.expanduser(text)):
         raise TideRouterFileError(f"no TIDE router folder at {text}")  # not the Hub's "repo id must be ..."
     hub = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
+    if hub.get("subfolder") and os.path.isdir(text) and not os.path.isdir(os.path.join(text, hub["subfolder"])):
+        raise TideRouterFileError(f"no TIDE router folder at {text}: it has no subfolder {hub['subfolder']!r}")
     config, _ = config_cls.get_config_dict(name, **hub)  # a missing repo / no network: transformers' OSError
+    where = f"{name} (subfolder {hub['subfolder']!r})" if hub.get("subfolder") else name
     if not config:
-        raise TideRouterFileError(f"{name} has no config.json: not a TIDE router (its weights alone do not say "
+        raise TideRouterFileError(f"{where} has no config.json: not a TIDE router (its weights alone do not say "
                                   "which model, checkpoints and threshold they belong to)")
     if config.get("model_type") != ROUTER_MODEL_TYPE:
-        raise TideRouterFileError(f"{name} is not a TIDE router: its config.json has model_type "
+        raise TideRouterFileError(f"{where} is not a TIDE router: its config.json has model_type "
                                   f"{config.get('model_type')!r}, not {ROUTER_MODEL_TYPE!r}")
-    check_field_names(config, config_cls, f"TIDE router {name}: config.json")
+    check_field_names(config, config_cls, f"TIDE router {where}: config.json")
     check_field_names(kwargs, config_cls, "TideRouter.from_pretrained")
 
 
@@ -147,3 +152,13 @@ def check_loading_info(name: str | os.PathLike, info: dict[str, Any]) -> None:
     if problems:
         raise TideRouterFileError(f"TIDE router {name}: config.json and the weights do not agree: "
                                   + "; ".join(problems))
+
+
+def check_finite(name: str | os.PathLike, state: dict[str, Any]) -> None:
+    """Every floating tensor of a loaded router is finite: a NaN exit head makes NaN logits for every exited
+    token, a NaN router never fires, and neither says so at serving time."""
+    bad = [f"{key} ({int((~torch.isfinite(t)).sum())} of {t.numel()} values)"
+           for key, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise TideRouterFileError(f"TIDE router {name}: tensors hold NaN or inf values: {'; '.join(bad)}; the "
+                                  "weights file is damaged or was trained into NaN (recalibrate)")

@@ -7,7 +7,7 @@ import tempfile
 from typing import Any
 
 import torch
-from huggingface_hub import CommitInfo, HfApi, ModelCard, ModelCardData
+from huggingface_hub import CommitInfo, ModelCard, ModelCardData
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors import SafetensorError
 from torch import nn
@@ -16,9 +16,13 @@ from transformers import AutoConfig, AutoModel, PreTrainedModel
 from ..config import TideRouterConfig, check_coverage, plain
 from ..errors import TideArgumentError, TideArgumentTypeError, TideCompatibilityError, TideRouterFileError
 from .adapters import ModelAdapter, get_adapter, text_config
-from .files import atomic_save, check_config_source, check_field_names, check_loading_info, config_fields
+from .files import atomic_save, check_config_source, check_field_names, check_finite, check_loading_info, config_fields
 from .fingerprint import model_fingerprint
+from .hub import check_repo_id, push_folder
 from .quiet import quiet_hf
+
+# save_pretrained(push_to_hub=True)'s keywords that go to the push, not to the save (as in transformers)
+PUSH_KEYWORDS = ("repo_id", "commit_message", "commit_description", "private", "token", "revision", "create_pr")
 
 
 class RouterMLP(nn.Module):
@@ -131,8 +135,8 @@ class TideRouter(PreTrainedModel):
 
         Checked (`TideRouterFileError` otherwise): a config.json of a TIDE router (unless `config=` is
         given), and readable weights that match it exactly: every configured checkpoint's tensors, of the
-        configured shapes, and no others; draft-vocabulary ids >= 0. Config values given as keywords are
-        checked like the file's.
+        configured shapes, and no others, with finite values only; draft-vocabulary ids >= 0. Config values
+        given as keywords are checked like the file's.
         """
         if kwargs.get("use_safetensors") is False:
             raise TideRouterFileError("TideRouter loads safetensors only; use_safetensors=False is not supported")
@@ -152,6 +156,7 @@ class TideRouter(PreTrainedModel):
                 raise TideRouterFileError(f"TIDE router {pretrained_model_name_or_path}: its weights file cannot "
                                           f"be read ({exc})") from exc
         check_loading_info(pretrained_model_name_or_path, info)
+        check_finite(pretrained_model_name_or_path, model.state_dict())
         model.config.validate()  # fields given as keywords here are set after the config's own checks ran
         if hasattr(model, "draft_vocab") and len(model.draft_vocab) and int(model.draft_vocab.min()) < 0:
             raise TideRouterFileError(f"TIDE router {pretrained_model_name_or_path}: its draft vocabulary holds "
@@ -159,17 +164,25 @@ class TideRouter(PreTrainedModel):
         return (model, info) if want_info else model
 
     def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, overwrite: bool = False,
-                        **kwargs: Any) -> None:
+                        push_to_hub: bool = False, **kwargs: Any) -> None:
         """Save config + safetensors weights + a model card (README.md with Hub metadata).
 
         Only into a new or empty folder, or (`overwrite=True`) over a folder holding a TIDE router and
         nothing else: a model's folder is refused (`TideRouterFileError`). Written to a folder next to
         `save_directory` and moved into place, so an interrupted save never leaves a half-written router.
+        `push_to_hub=True` then uploads the saved files, as `push_to_hub` does, to `repo_id` (default: the
+        folder's name, in your namespace); `commit_message`, `commit_description`, `private`, `token`,
+        `revision` and `create_pr` go to the push. A repo id that is not valid is refused before saving.
         """
         if kwargs.get("safe_serialization") is False:
             raise TideRouterFileError("TideRouter saves safetensors only; safe_serialization=False is not supported")
         if not kwargs.get("is_main_process", True):
             return  # other processes of a distributed run write nothing
+        push = {k: kwargs.pop(k) for k in PUSH_KEYWORDS if k in kwargs} if push_to_hub else {}
+        if push_to_hub:  # like transformers: the repo is named after the folder unless repo_id says otherwise
+            named = bool(push.get("repo_id"))
+            push["repo_id"] = push.get("repo_id") or os.path.basename(os.path.abspath(save_directory))
+            check_repo_id(push["repo_id"], "repo_id" if named else "repo_id (the folder's name; give repo_id=)")
 
         def write(folder: str) -> None:
             with quiet_hf():  # no "Writing model shards" bar for a few MB
@@ -177,6 +190,8 @@ class TideRouter(PreTrainedModel):
             self.model_card().save(os.path.join(folder, "README.md"))
 
         atomic_save(save_directory, write, overwrite=overwrite)
+        if push_to_hub:  # the files just saved, model card included
+            push_folder(save_directory, **push)
 
     def push_to_hub(
         self,
@@ -194,10 +209,13 @@ class TideRouter(PreTrainedModel):
         """Upload exactly what `save_pretrained` writes (TIDE model card included) as one commit.
 
         The inherited `push_to_hub` replaces README.md with a generic transformers card, which drops the
-        Hub metadata (library, base model, tags) and the validation table of `model_card()`.
+        Hub metadata (library, base model, tags) and the validation table of `model_card()`. The commit also
+        deletes the router weight files of an earlier push that this save does not write (an unsharded
+        model.safetensors under new shards), so the repo never serves this config with old weights. A repo
+        whose config.json is not a TIDE router's (a model's) is refused before anything is uploaded
+        (`TideRouterFileError`).
         """
-        api = HfApi(library_name="tide_hf")
-        repo_id = api.create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
+        check_repo_id(repo_id)
         with tempfile.TemporaryDirectory() as tmp_dir:
             self.save_pretrained(tmp_dir, max_shard_size=max_shard_size)
             extra_tags = [*(self.model_tags or []), *([tags] if isinstance(tags, str) else tags or [])]
@@ -205,17 +223,9 @@ class TideRouter(PreTrainedModel):
                 card = self.model_card()
                 card.data.tags = list(dict.fromkeys([*(card.data.tags or []), *extra_tags]))
                 card.save(os.path.join(tmp_dir, "README.md"))
-            if revision is not None and not revision.startswith("refs/pr"):
-                api.create_branch(repo_id, branch=revision, token=token, exist_ok=True)
-            return api.upload_folder(
-                repo_id=repo_id,
-                folder_path=tmp_dir,
-                commit_message=commit_message or "Upload TideRouter",
-                commit_description=commit_description,
-                token=token,
-                revision=revision,
-                create_pr=create_pr,
-            )
+            return push_folder(tmp_dir, repo_id, commit_message=commit_message,
+                               commit_description=commit_description, private=private, token=token,
+                               revision=revision, create_pr=create_pr)
 
     def model_card(self) -> ModelCard:
         """A Hub model card: metadata (library, base model, tags) and the per-router validation table."""

@@ -21,7 +21,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import TideOptions
 from ..errors import TideArgumentError, TideConcurrencyError, TideUnsupportedError
 from ..kernels import NormSpec, norm_router_scores, norm_spec
 from ..modeling import ModelAdapter, TideRouter, get_adapter, layer_output
@@ -30,6 +29,7 @@ from ..modeling.targets import check_served, select
 from .compiled import install_compiled_call
 from .kv import KVRecompute
 from .modes import check_mode
+from .options import TideOptions
 from .patching import Patches
 from .segments import SegmentedDecoding
 from .session import Session, Step, new_step

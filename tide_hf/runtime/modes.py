@@ -5,9 +5,9 @@ from __future__ import annotations
 from torch import nn
 
 from ..compat import is_stateful
-from ..config import TideOptions
 from ..errors import TideUnsupportedError
 from ..modeling import ModelAdapter, text_config
+from .options import TideOptions
 from .skip import LayerSkipper, SkipPlan
 
 

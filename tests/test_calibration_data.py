@@ -1,0 +1,133 @@
+"""Calibration text: documents in memory (lists, generators, `datasets` objects) read like a file's records,
+load errors that name the file and the cause, samples that fit the model's context, and a huge document that is
+tokenized only as far as the samples reach."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from helpers import ByteTokenizer, make_documents, make_tiny_llama
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import tide_hf
+from tide_hf.calibration import held_out_texts, load_texts, make_samples
+from tide_hf.errors import TideArgumentError, TideArgumentTypeError, TideDataError
+
+FAST = dict(seq_len=32, batch_size=8, num_epochs=2, progress=False)
+DOCS = make_documents(12, 60, seed=2)
+
+
+@pytest.fixture
+def records(tmp_path: Path) -> Path:
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": doc, "id": i}) + "\n" for i, doc in enumerate(DOCS)))
+    return path
+
+
+def in_memory() -> dict[str, object]:
+    table = datasets.Dataset.from_dict({"text": DOCS, "id": list(range(len(DOCS)))})
+    return {"list": list(DOCS), "tuple": tuple(DOCS), "generator": (d for d in DOCS), "Dataset": table,
+            "DatasetDict": datasets.DatasetDict({"train": table}), "IterableDataset": table.to_iterable_dataset()}
+
+
+@pytest.mark.parametrize("kind", list(in_memory()))
+def test_documents_in_memory_read_like_a_files_records(kind: str, records: Path) -> None:
+    """They raised a bare TypeError from os.fspath."""
+    assert load_texts(in_memory()[kind]) == load_texts(str(records)) == DOCS
+
+
+@pytest.mark.filterwarnings("ignore:TIDE calibration")  # so few samples certify no exit
+def test_a_router_calibrated_on_a_list_is_the_one_calibrated_on_the_same_file(records: Path) -> None:
+    """Same documents, same seeded split into calibration samples and held-out documents."""
+    model, tok = make_tiny_llama(), ByteTokenizer()
+    from_file = tide_hf.calibrate(model, tok, str(records), num_samples=12, **FAST)
+    from_list = tide_hf.calibrate(model, tok, list(DOCS), num_samples=12, **FAST)
+    assert from_list.config.dataset == "in-memory list" and from_file.config.dataset == str(records)
+    assert all(torch.equal(a, b) for a, b in zip(from_file.state_dict().values(), from_list.state_dict().values()))
+    assert held_out_texts(tok, list(DOCS), from_list.config) == held_out_texts(tok, load_texts(str(records)),
+                                                                              from_file.config)
+
+
+@pytest.mark.parametrize("data,error,message", [
+    ({"text": DOCS}, TideArgumentTypeError, "dataset must be a local .* got dict"),
+    (b"docs.txt", TideArgumentTypeError, "dataset must be .* got bytes"),
+    (7, TideArgumentTypeError, "dataset must be .* got int"),
+    (["one", 2], TideDataError, "1 items are not strings"),
+    (datasets.Dataset.from_dict({"body": DOCS}), TideDataError, r"no column 'text'; columns: \['body'\]"),
+    (datasets.DatasetDict({"validation": datasets.Dataset.from_dict({"text": DOCS})}), TideDataError,
+     r"no split 'train'; its splits: \['validation'\]"),
+])
+def test_in_memory_data_that_cannot_be_read_is_refused_naming_it(data, error, message) -> None:
+    with pytest.raises(error, match=message):
+        load_texts(data)
+
+
+def test_a_save_to_disk_folder_loads(tmp_path: Path) -> None:
+    """Its dataset_info.json / state.json were read as JSON records and failed without a cause."""
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": DOCS})}).save_to_disk(tmp_path / "saved")
+    assert load_texts(str(tmp_path / "saved")) == DOCS
+
+
+def test_load_errors_name_the_file_and_the_cause(tmp_path: Path) -> None:
+    """It said only "An error occurred while generating the dataset"."""
+    (tmp_path / "texts").mkdir()
+    for i, doc in enumerate(DOCS[:4]):
+        (tmp_path / "texts" / f"d{i}.txt").write_text(doc)
+    (tmp_path / "texts" / "d2.txt").write_bytes("Caf\u00e9 cr\u00e8me".encode("latin-1"))
+    with pytest.raises(TideDataError, match=r"d2.txt is not UTF-8 text \(byte 3: invalid continuation byte\)"):
+        load_texts(str(tmp_path / "texts"))
+    (tmp_path / "records.jsonl").write_text('{"text": "fine"}\n{"text": broken}\n')
+    with pytest.raises(TideDataError, match=r"records.jsonl line 2 is not a JSON record"):
+        load_texts(str(tmp_path / "records.jsonl"))
+
+
+def test_samples_longer_than_the_context_are_refused_before_any_work(tmp_path: Path) -> None:
+    """GPT-2 crashed mid-forward with an IndexError; Llama calibrated on positions it never had."""
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=9, n_head=4)).eval()
+    missing = str(tmp_path / "no-such-data")  # never read: the context is checked first
+    with pytest.raises(TideArgumentError, match=r"seq_len=100 is longer than the model's context "
+                                                r"\(max_position_embeddings=64 positions\)"):
+        tide_hf.calibrate(gpt2, ByteTokenizer(), missing, num_samples=4, seq_len=100)
+    llama = make_tiny_llama()  # max_position_embeddings=256
+    with pytest.raises(TideArgumentError, match="a sample of 300 tokens is longer than the model's context"):
+        tide_hf.calibrate_tokens(llama, [torch.randint(3, 256, (300,)), torch.randint(3, 256, (20,))])
+    with pytest.raises(TideArgumentError, match="seq_len=257"):
+        tide_hf.calibrate(llama, ByteTokenizer(), missing, num_samples=4, seq_len=257)
+
+
+class CountingTokenizer(ByteTokenizer):
+    """Records how many characters each call tokenized."""
+
+    def __init__(self) -> None:
+        self.lengths: list[int] = []
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        self.lengths.append(len(text))
+        return super().__call__(text, add_special_tokens)
+
+
+def test_a_huge_document_is_tokenized_only_as_far_as_the_samples_reach() -> None:
+    """One big .txt file was tokenized whole (~130 bytes of memory per byte of text) for a few samples."""
+    huge = " ".join(make_documents(400, 200, seed=3))  # ~400 KB, one document
+    order = torch.randperm(len(DOCS) + 1, generator=torch.Generator().manual_seed(0)).tolist()
+    for place in (order[0], order[2]):  # the huge document read first, or after two whole ones
+        texts = [*DOCS[:place], huge, *DOCS[place:]]
+        tok = CountingTokenizer()
+        samples = make_samples(tok, texts, 40, 32, seed=0)
+        cfg = tide_hf.TideRouterConfig(hidden_size=8, num_hidden_layers=9, num_samples=40, seq_len=32)
+        held_out = held_out_texts(tok, texts, cfg)
+        assert max(tok.lengths) < len(huge) // 20
+        expected, used = [], []  # the old way: every document tokenized whole, in the seeded order
+        for i in order:
+            if len(expected) >= 40:
+                break
+            ids = ByteTokenizer()(texts[i])["input_ids"]
+            expected += [torch.tensor(ids[s : s + 32]) for s in range(0, len(ids), 32)]
+            used.append(i)
+        assert place in used
+        assert all(torch.equal(a, b) for a, b in zip(samples, expected[:40], strict=True))
+        assert held_out == [t for i, t in enumerate(texts) if i not in used]

@@ -1,0 +1,64 @@
+"""Router folders that must not load as they are: non-finite weights, a subfolder that is not there, a config
+whose key misspells a field (through transformers' own config loaders too)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import make_model, new_router
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig
+
+from tide_hf import TideRouter, TideRouterConfig
+from tide_hf.errors import TideRouterFileError
+
+
+@pytest.mark.parametrize("key,value", [("exit_heads.4.down.weight", float("nan")),
+                                       ("routers.8.fc1.bias", float("inf"))])
+def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path: Path, key: str, value: float) -> None:
+    """They loaded: a NaN exit head made NaN logits for every exited token (token 0 generated), a NaN router
+    never fired."""
+    new_router(make_model(), exit_head="linear").save_pretrained(tmp_path / "r")
+    weights = load_file(tmp_path / "r" / "model.safetensors")
+    weights[key].view(-1)[:3] = value
+    save_file(weights, tmp_path / "r" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(TideRouterFileError, match=rf"NaN or inf values: {key} \(3 of \d+ values\)"):
+        TideRouter.from_pretrained(tmp_path / "r")
+
+
+def test_a_bf16_router_with_a_draft_vocabulary_still_loads(tmp_path: Path) -> None:
+    """The finiteness check reads floating tensors of any dtype and leaves integer ones (draft ids) alone."""
+    router = new_router(make_model(), exit_head="linear").to(torch.bfloat16)
+    router.set_draft_vocab(torch.arange(8), {"8": 0.5})
+    router.save_pretrained(tmp_path / "r")
+    loaded = TideRouter.from_pretrained(tmp_path / "r")
+    assert loaded.dtype == torch.bfloat16 and torch.equal(loaded.draft_vocab, torch.arange(8))
+
+
+def test_a_missing_subfolder_is_named(tmp_path: Path) -> None:
+    """The error said "<folder> has no config.json" of a folder that has one, and never named the subfolder."""
+    new_router(make_model()).save_pretrained(tmp_path / "r")
+    with pytest.raises(TideRouterFileError, match=r"no TIDE router folder at .*r: it has no subfolder 'v2'"):
+        TideRouter.from_pretrained(tmp_path / "r", subfolder="v2")
+    (tmp_path / "r" / "empty").mkdir()
+    with pytest.raises(TideRouterFileError, match=r"r \(subfolder 'empty'\) has no config.json"):
+        TideRouter.from_pretrained(tmp_path / "r", subfolder="empty")
+
+
+def test_config_loaders_refuse_a_misspelled_field(tmp_path: Path) -> None:
+    """TideRouter.from_pretrained refused `exit_treshold`; AutoConfig and TideRouterConfig.from_pretrained loaded
+    it with exit_threshold left at its default."""
+    new_router(make_model()).save_pretrained(tmp_path / "r")
+    path = tmp_path / "r" / "config.json"
+    config = json.loads(path.read_text())
+    config.pop("exit_threshold")
+    path.write_text(json.dumps({**config, "exit_treshold": 0.3}))
+    for load in (AutoConfig.from_pretrained, TideRouterConfig.from_pretrained):
+        with pytest.raises(TideRouterFileError, match="'exit_treshold' is not a TIDE router field; did you mean "
+                                                      "'exit_threshold'"):
+            load(tmp_path / "r")
+    path.write_text(json.dumps({**config, "my_notes": "kept"}))  # a key unlike every field stays, as in transformers
+    assert AutoConfig.from_pretrained(tmp_path / "r").my_notes == "kept"

@@ -1,0 +1,60 @@
+"""`TideOptions`: the serving options of one attach, checked against the model before any hook is placed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import KV_POLICIES, MODES, check_int, check_min_layers, check_threshold
+from ..errors import TideArgumentError
+
+
+@dataclass(frozen=True)
+class TideOptions:
+    """Serving options of one attach: how eagerly tokens exit and what an exit saves.
+
+    A row exits at the first checkpoint >= `min_layers` whose router score reaches that checkpoint's
+    threshold: `thresholds[k]` when given (chosen for a quality target, see `tide_hf.modeling.targets`),
+    else the global `exit_threshold` (1.0 closes a checkpoint; 1.0 everywhere disables exits). `target`
+    records the quality target the thresholds were chosen for (None: an explicit threshold). `mode`:
+    "select" runs every layer and feeds the exit state to the head (the paper's system); "skip" stops
+    computing layers once every row of a step has exited; "speculative" drafts with early exit while the
+    routers say converged and verifies every draft at full depth (lossless). `kv`: how skip mode fills the
+    cache of the layers it did not run. `draft_layer`: the checkpoint speculative mode drafts at (None:
+    chosen from the router's metrics).
+    """
+
+    exit_threshold: float = 0.85
+    min_layers: int = 1
+    mode: str = "select"
+    kv: str = "propagate"
+    draft_layer: int | None = None
+    thresholds: dict[int, float] | None = None
+    target: dict[str, float] | None = None
+
+    def threshold(self, layer: int) -> float:
+        """The exit threshold of checkpoint `layer`."""
+        return self.thresholds[layer] if self.thresholds is not None else self.exit_threshold
+
+    def validate(self, num_hidden_layers: int, checkpoints: list[int] | None = None) -> None:
+        """Raise before any work is done when an option cannot apply to this model (and, given its router's
+        `checkpoints`, when speculative mode would have no checkpoint to draft at)."""
+        check_threshold(self.exit_threshold)
+        for value in (self.thresholds or {}).values():
+            check_threshold(value)
+        check_min_layers(self.min_layers, num_hidden_layers)
+        if not isinstance(self.mode, str) or self.mode not in MODES:
+            raise TideArgumentError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not isinstance(self.kv, str) or self.kv not in KV_POLICIES:
+            raise TideArgumentError(f"kv must be one of {KV_POLICIES}, got {self.kv!r}")
+        if self.draft_layer is not None:
+            check_int("draft_layer", self.draft_layer)
+            if not 1 <= self.draft_layer < num_hidden_layers:
+                raise TideArgumentError(
+                    f"draft_layer must be in [1, {num_hidden_layers - 1}], got {self.draft_layer}")
+        if self.mode == "speculative" and checkpoints is not None:
+            if self.draft_layer is not None and self.draft_layer not in checkpoints:
+                raise TideArgumentError(f"draft_layer={self.draft_layer} has no router: speculative mode drafts at "
+                                        f"a router checkpoint, one of {checkpoints}")
+            if not any(k >= self.min_layers for k in checkpoints):
+                raise TideArgumentError(f"no router checkpoint at or after min_layers={self.min_layers} to draft at "
+                                        f"(checkpoints {checkpoints})")

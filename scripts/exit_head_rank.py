@@ -49,7 +49,7 @@ def main() -> None:
         rank_cfg.exit_head_rank = None if name == "full" else int(name)
         router = TideRouter(rank_cfg)
         started = time.perf_counter()
-        crossfit = fit_exit_heads(router, data, device=cpu)
+        crossfit = fit_exit_heads(router, data, device=cpu, scale_free=adapter.scale_free)
         label(data, adapter, router, device=cpu, exit_logits=partial(crossfit.exit_logits, router, adapter),
               progress=False)
         cells = []

@@ -73,7 +73,7 @@ def main() -> None:
     fit_samples = make_samples(tokenizer, texts[:cut], args.num_samples, args.seq_len, fit_cfg.seed)
     data = collect(model, adapter, fit_samples, fit_cfg, batch_size=8, pad_id=pad_token_id(tokenizer))
     linear = TideRouter(fit_cfg)
-    fit_exit_heads(linear, data, device=torch.device("cpu"))
+    fit_exit_heads(linear, data, device=torch.device("cpu"), scale_free=adapter.scale_free)
     lens = TideRouter(model_config(model, args.seq_len, {"exit_head": "lens"}))
     test_cfg = model_config(model, args.seq_len, {"max_train_tokens": 10**9})
     test_samples = make_samples(tokenizer, texts[cut:], args.test_samples, args.seq_len, test_cfg.seed)

@@ -1,5 +1,6 @@
 """`get_adapter` against the model's own forward: the head applied to the last layer's output must give the
-model's logits exactly, for every registered family (norm, projection and soft-capping included)."""
+model's logits exactly, for every registered family (norm, projection, logit scale and soft-capping included);
+`check_head` confirms it on the model or refuses the model; encoder-decoders are refused."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import transformers as tf
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+import tide_hf
 import tide_hf.modeling.adapters as adapters_mod
-from tide_hf import ModelAdapter, get_adapter, register_adapter
+from tide_hf import ModelAdapter, TideCompatibilityError, get_adapter, register_adapter
 from tide_hf.modeling import layer_output
+from tide_hf.modeling.head import check_head
 
 VOCAB = 160
 LAYERS = 5  # checkpoint interval 4 -> one checkpoint before the last layer
@@ -21,6 +24,10 @@ DECODER = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidde
 OPT = dict(vocab_size=VOCAB, hidden_size=48, ffn_dim=96, num_hidden_layers=LAYERS, num_attention_heads=4,
            max_position_embeddings=64, **IDS)
 SOFTCAP = 1.5  # small against the logits below, so tanh is far from the identity
+MLA = dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+# families whose forward scales the head's logits, and the factor (Cohere: x logit_scale, Granite: / logits_scaling,
+# MiniCPM3: the state / (hidden / dim_model_base) before its bias-free head)
+SCALED = {"cohere": 0.3, "granite": 0.25, "minicpm3": 0.25}
 
 FAMILIES = {
     "llama": lambda: tf.LlamaConfig(**DECODER),
@@ -46,6 +53,11 @@ FAMILIES = {
     "falcon_new_arch": lambda: tf.FalconConfig(vocab_size=VOCAB, hidden_size=48, num_hidden_layers=LAYERS,
                                                num_attention_heads=4, num_kv_heads=2,
                                                new_decoder_architecture=True, **IDS),
+    "cohere": lambda: tf.CohereConfig(**DECODER, logit_scale=SCALED["cohere"]),
+    "granite": lambda: tf.GraniteConfig(**DECODER, logits_scaling=1 / SCALED["granite"], embedding_multiplier=3.0,
+                                        residual_multiplier=0.5, attention_multiplier=0.2),
+    "minicpm3": lambda: tf.MiniCPM3Config(**{**DECODER, "num_key_value_heads": 4}, **MLA,
+                                          dim_model_base=int(48 * SCALED["minicpm3"])),
 }
 
 
@@ -98,6 +110,11 @@ def test_adapter_head_reproduces_model_logits(family: str) -> None:
             bare = model.get_output_embeddings()(hidden if adapter.pre_head is None else adapter.pre_head(hidden))
         assert (bare - logits).abs().max() > 1e-2
 
+    assert adapter.logit_scale == pytest.approx(SCALED.get(family, 1.0))
+    if family in SCALED:  # the scale matters: without it the logits are off by the factor
+        adapter.logit_scale = 1.0
+        with torch.no_grad():
+            torch.testing.assert_close(adapter.logits(hidden) * SCALED[family], logits, atol=1e-5, rtol=1e-5)
     if family in ("gemma2", "gemma3_text"):
         assert adapter.logit_softcap == SOFTCAP
         assert logits.abs().max() <= SOFTCAP
@@ -183,6 +200,7 @@ def registry(monkeypatch: pytest.MonkeyPatch) -> dict:
     """An isolated copy of the adapter registry, so registrations in a test do not leak."""
     paths = dict(adapters_mod._PATHS)
     monkeypatch.setattr(adapters_mod, "_PATHS", paths)
+    monkeypatch.setattr(adapters_mod, "_LOGIT_SCALES", dict(adapters_mod._LOGIT_SCALES))
     return paths
 
 
@@ -291,3 +309,83 @@ def test_multimodal_logits_are_the_models_own_capped_as_it_caps(wrapper: str) ->
     assert (logits.abs().max() <= SOFTCAP) == capped  # the model really caps (or does not)
     with torch.no_grad():
         torch.testing.assert_close(adapter.logits(hidden), logits, atol=1e-5, rtol=1e-5)
+
+
+# --- check_head: the adapter's head against the model's own forward -------------------------------------
+
+
+def module_state(model: nn.Module) -> tuple:
+    """Everything a check could leave behind: weights, hooks, training flags, gradients."""
+    hooks = [(name, dict(m._forward_hooks), dict(m._forward_pre_hooks)) for name, m in model.named_modules()]
+    return ({k: v.clone() for k, v in model.state_dict().items()}, hooks,
+            [m.training for m in model.modules()], [p.grad for p in model.parameters()])
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_check_head_accepts_every_family_and_leaves_the_model_as_found(family: str) -> None:
+    model = build(FAMILIES[family]())
+    model.train()
+    model.get_input_embeddings().train(False)  # mixed flags: each must come back as it was
+    before = module_state(model)
+    check_head(model)
+    after = module_state(model)
+    assert before[0].keys() == after[0].keys() and all(torch.equal(before[0][k], after[0][k]) for k in before[0])
+    assert before[1:] == after[1:]
+
+
+def test_check_head_refuses_a_logit_scale_it_does_not_know(registry: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Granite divides its logits by `logits_scaling`; without that entry the adapter's head is 4x the model's and
+    every label, analysis and draft would be at the wrong temperature: refused, naming the way out."""
+    model = build(FAMILIES["granite"]())
+    monkeypatch.delitem(adapters_mod._LOGIT_SCALES, "granite")
+    assert get_adapter(model).logit_scale == 1.0
+    with pytest.raises(TideCompatibilityError, match=r"GraniteForCausalLM \(model_type='granite'\): its head applies "
+                       r"a transform tide_hf does not reproduce.*register_adapter\(.*logit_scale="):
+        check_head(model)
+    register_adapter("granite", layers="model.layers", norm="model.norm",
+                     logit_scale=lambda config: 1 / config.logits_scaling)
+    check_head(model)
+
+
+def test_check_head_refuses_a_prediction_head_between_the_norm_and_the_logits(registry: dict) -> None:
+    """ModernBERT's decoder runs a dense + activation + norm head before its output embeddings: no scale fixes it."""
+    config = tf.ModernBertDecoderConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=96,
+                                        num_hidden_layers=LAYERS, num_attention_heads=4, max_position_embeddings=64,
+                                        **IDS)
+    model = build(config)
+    register_adapter(config.model_type, layers="model.layers", norm="model.final_norm")
+    with pytest.raises(TideCompatibilityError, match="does not reproduce"):
+        check_head(model)
+
+
+@pytest.mark.parametrize("decoder_layers", [LAYERS, 2 * LAYERS])
+def test_encoder_decoder_models_are_refused_before_any_change(decoder_layers: int) -> None:
+    """T5 with a deeper encoder than decoder has exactly one block list of `num_hidden_layers` (the encoder's): a
+    probe took it for the decoder layers and attach hooked the encoder. tide_hf serves decoder-only causal LMs."""
+    torch.manual_seed(0)
+    model = tf.T5ForConditionalGeneration(tf.T5Config(
+        vocab_size=VOCAB, d_model=48, d_ff=96, num_layers=2 * LAYERS, num_decoder_layers=decoder_layers, num_heads=4,
+        d_kv=12, decoder_start_token_id=0, **IDS)).eval()
+    router = tide_hf.TideRouter(tide_hf.TideRouterConfig(hidden_size=48, num_hidden_layers=2 * LAYERS,
+                                                         router_bottleneck_dim=8))  # fits the encoder
+    before = module_state(model)
+    message = r"T5ForConditionalGeneration .* encoder-decoder model: tide_hf supports decoder-only causal LMs"
+    with pytest.raises(TideCompatibilityError, match=message):
+        get_adapter(model)
+    with pytest.raises(TideCompatibilityError, match=message):
+        tide_hf.attach(model, router, exit_threshold=0.5, ignore_fingerprint=True)
+    after = module_state(model)
+    assert after[1:] == before[1:] and all(torch.equal(before[0][k], after[0][k]) for k in before[0])
+
+
+def test_recurrent_gemma_cap_is_read_from_its_own_config_field(registry: dict) -> None:
+    """RecurrentGemma caps its logits with `logits_soft_cap`, not `final_logit_softcapping`."""
+    torch.manual_seed(0)
+    model = tf.RecurrentGemmaForCausalLM(tf.RecurrentGemmaConfig(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, lru_width=48, attention_window_size=8, logits_soft_cap=SOFTCAP)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)  # logits far beyond the cap
+    register_adapter("recurrent_gemma", layers="model.layers", norm="model.final_norm")
+    assert get_adapter(model).logit_softcap == SOFTCAP
+    check_head(model)

@@ -197,6 +197,46 @@ def test_collect_kl_label_computes_kl_for_every_token(tiny_llama, ragged_samples
     assert 0 < int(data.labels(4, cfg).sum()) < len(clear)  # both classes: the comparison is not vacuous
 
 
+@pytest.mark.parametrize("family", ["granite", "cohere"])
+def test_labels_are_measured_on_the_logits_the_model_serves(family: str, ragged_samples) -> None:
+    """Granite divides its logits by `logits_scaling` and Cohere multiplies them by `logit_scale` after the head:
+    KL / NLL labels, the perplexity path and its certificate must see those logits. Reference: the model's own
+    logits, stock and with every token served its exit at layer 4 (the model's forward through TIDE's hook)."""
+    import transformers as tf
+
+    import tide_hf
+
+    base = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=9, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64)
+    config = (tf.GraniteConfig(**base, logits_scaling=0.25) if family == "granite"
+              else tf.CohereConfig(**base, logit_scale=4.0))
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # norms away from 1 and a peaked head: exits at layer 4 are far from the final layer
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.copy_(torch.randn_like(param) * 0.5 + 1.0)
+        model.lm_head.weight.mul_(5.0)
+    cfg = TideRouterConfig(hidden_size=32, num_hidden_layers=9, label="kl", max_train_tokens=10**6)
+    data = collect_labelled(model, ragged_samples, cfg, 3)
+    scale = 4.0  # both configs multiply the head's logits by 4
+    kl, nll, unscaled = [], [], []
+    with torch.no_grad():
+        for s in ragged_samples:
+            final = model(input_ids=s[None]).logits[0]
+            with tide_hf.attach(model, TideRouter(cfg), exit_threshold=0.0, min_layers=4, ignore_fingerprint=True):
+                served = model(input_ids=s[None]).logits[0]
+            for out, factor in ((kl, 1.0), (unscaled, scale)):  # the model's logits / without its scale
+                p, q = (final / factor).log_softmax(-1), (served / factor).log_softmax(-1)
+                out.append((p.exp() * (p - q)).sum(-1))
+            p, q = final.log_softmax(-1), served.log_softmax(-1)
+            change = (p[:-1].gather(1, s[1:, None]) - q[:-1].gather(1, s[1:, None])).squeeze(1)
+            nll.append(torch.cat([change, torch.tensor([float("nan")])]))
+    torch.testing.assert_close(data.kl[4], torch.cat(kl), atol=2e-5, rtol=1e-3)
+    torch.testing.assert_close(data.nll[4], torch.cat(nll), atol=2e-4, rtol=1e-3, equal_nan=True)
+    assert float((torch.cat(unscaled) - torch.cat(kl)).abs().max()) > 1e-2  # the scale matters here
+
+
 def reference_normed_final_cosine(model, samples: list[torch.Tensor], layer: int) -> torch.Tensor:
     with torch.no_grad():
         outs = [model(input_ids=s[None], output_hidden_states=True, use_cache=False).hidden_states for s in samples]

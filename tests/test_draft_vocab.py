@@ -84,6 +84,29 @@ def test_draft_head_is_the_model_head_on_the_draft_vocabulary(bias, softcap) -> 
     assert torch.equal(got.argmax(-1), ids[full[:, ids].argmax(-1)])
 
 
+@pytest.mark.parametrize("family", ["granite", "cohere"])
+def test_draft_head_scales_logits_like_the_model(family: str) -> None:
+    """Granite divides its logits by `logits_scaling`, Cohere multiplies them by `logit_scale`: sampled drafts
+    need the model's own distribution. Reference: the model's own logits from its forward."""
+    import transformers as tf
+
+    base = dict(vocab_size=600, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64)
+    config = (tf.GraniteConfig(**base, logits_scaling=4.0) if family == "granite"
+              else tf.CohereConfig(**base, logit_scale=0.3))
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    adapter = get_adapter(model)
+    router = ranked_router(model, torch.randperm(600)[:512], {"256": 0.5, "512": 0.9})
+    ids = torch.randint(3, 600, (1, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        normed = model.model(input_ids=ids).last_hidden_state[0]  # what a draft forward hands the draft head
+        got = DraftHead(adapter, router, 256)(normed)
+        own = model(input_ids=ids).logits[0]
+    covered = router.draft_vocab[:256]
+    torch.testing.assert_close(got[:, covered], own[:, covered], atol=1e-5, rtol=1e-5)
+
+
 def test_only_plain_linear_heads_are_sliced() -> None:
     adapter = get_adapter(make_tiny_llama())
     assert sliceable(adapter)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers as tf
 from helpers import make_tiny_llama, new_router
 
 import tide_hf
 from tide_hf import TideRouter, TideRouterFileError
 from tide_hf.calibration.heads import fit_exit_heads
-from tide_hf.calibration.labels import Collected, label
+from tide_hf.calibration.labels import Collected, collect, label
 
 LAYERS = [4, 8]
 HIDDEN = 32
@@ -32,12 +33,14 @@ def synthetic(n: int = 600, seed: int = 0, held_out: int = 100) -> Collected:
                      seconds={"forward": 0.0, "label": 0.0})
 
 
-def lstsq_solution(data: Collected, layer: int, rows: torch.Tensor, ridge: float) -> torch.Tensor:
+def lstsq_solution(data: Collected, layer: int, rows: torch.Tensor, ridge: float, unit_rms: bool = True
+                   ) -> torch.Tensor:
     """The ridge solution by an independent route: an ordinary least-squares solve of the system augmented
-    with sqrt(lambda) * I rows (lambda = ridge x the mean diagonal of X^T X)."""
+    with sqrt(lambda) * I rows (lambda = ridge x the mean diagonal of X^T X); targets at unit RMS or as they are."""
     x = torch.cat([data.features[layer][rows], torch.ones(len(rows), 1)], 1).double()
     y = data.final[rows].double()
-    y = y / y.pow(2).mean(-1, keepdim=True).sqrt()
+    if unit_rms:
+        y = y / y.pow(2).mean(-1, keepdim=True).sqrt()
     lam = ridge * float((x * x).sum(0).mean())
     a = torch.cat([x, lam ** 0.5 * torch.eye(x.shape[1], dtype=torch.float64)])
     b = torch.cat([y, torch.zeros(x.shape[1], y.shape[1], dtype=torch.float64)])
@@ -49,7 +52,7 @@ def lstsq_solution(data: Collected, layer: int, rows: torch.Tensor, ridge: float
 def test_fit_is_the_ridge_solution_and_each_fold_is_fitted_without_its_tokens(ridge: float) -> None:
     data = synthetic()
     router = new_router(make_tiny_llama(), exit_head="linear", exit_head_ridge=ridge, checkpoint_layers=LAYERS)
-    crossfit = fit_exit_heads(router, data, device=torch.device("cpu"))
+    crossfit = fit_exit_heads(router, data, device=torch.device("cpu"), scale_free=True)
     train = torch.nonzero(~data.is_val).squeeze(1)
     for k in LAYERS:
         head = router.exit_heads[str(k)].down
@@ -74,7 +77,7 @@ def test_low_rank_head_is_the_best_rank_r_map_of_the_fitted_values() -> None:
     top-r right singular vectors (an SVD of the values, not an eigendecomposition of their Gram matrix)."""
     data, rank = synthetic(), 5
     router = new_router(make_tiny_llama(), exit_head="linear", exit_head_rank=rank, checkpoint_layers=LAYERS)
-    crossfit = fit_exit_heads(router, data, device=torch.device("cpu"))
+    crossfit = fit_exit_heads(router, data, device=torch.device("cpu"), scale_free=True)
     train = torch.nonzero(~data.is_val).squeeze(1)
     full = lstsq_solution(data, 8, train, router.config.exit_head_ridge)
     x = torch.cat([data.features[8][train], torch.ones(len(train), 1)], 1).double()
@@ -92,7 +95,7 @@ def test_low_rank_head_is_the_best_rank_r_map_of_the_fitted_values() -> None:
 def test_lens_router_has_no_heads_and_fits_nothing() -> None:
     router = new_router(make_tiny_llama(), checkpoint_layers=LAYERS)
     assert router.config.exit_head == "lens" and len(router.exit_heads) == 0
-    assert fit_exit_heads(router, synthetic(), device=torch.device("cpu")) is None
+    assert fit_exit_heads(router, synthetic(), device=torch.device("cpu"), scale_free=True) is None
     hidden = torch.randn(3, HIDDEN)
     assert router.exit_state(tide_hf.get_adapter(make_tiny_llama()), 4, hidden) is hidden
 
@@ -104,7 +107,7 @@ def test_training_tokens_are_labelled_by_the_head_that_did_not_see_them() -> Non
     adapter = tide_hf.get_adapter(model)
     data = synthetic()
     router = new_router(model, exit_head="linear", checkpoint_layers=LAYERS)
-    crossfit = fit_exit_heads(router, data, device=torch.device("cpu"))
+    crossfit = fit_exit_heads(router, data, device=torch.device("cpu"), scale_free=True)
     label(data, adapter, router, device=torch.device("cpu"), progress=False,
           exit_logits=lambda k, rows, normed, dtype: crossfit.exit_logits(router, adapter, k, rows, normed, dtype))
     final_top1 = model.lm_head(model.model.norm(data.final)).argmax(-1)
@@ -147,3 +150,49 @@ def test_bad_exit_head_settings_are_refused() -> None:
         new_router(make_tiny_llama(), exit_head="lens", exit_head_rank=4)
     with pytest.raises(ValueError, match="exit_head_rank must be below hidden_size=32"):
         new_router(make_tiny_llama(), exit_head="linear", exit_head_rank=32)
+
+
+@torch.no_grad()
+def test_without_a_final_norm_the_head_predicts_the_state_itself() -> None:
+    """`scale_free=False` (no final norm: the head reads the state's scale) fits the raw last-layer states."""
+    data = synthetic()
+    router = new_router(make_tiny_llama(), exit_head="linear", checkpoint_layers=LAYERS)
+    fit_exit_heads(router, data, device=torch.device("cpu"), scale_free=False)
+    train = torch.nonzero(~data.is_val).squeeze(1)
+    head = router.exit_heads["8"].down
+    fitted = torch.cat([head.weight.T, head.bias[None]]).double()
+    want = lstsq_solution(data, 8, train, router.config.exit_head_ridge, unit_rms=False)
+    torch.testing.assert_close(fitted, want, atol=1e-5, rtol=1e-4)
+
+
+def test_exits_of_a_model_without_final_norm_are_served_at_the_models_scale() -> None:
+    """OPT-350m's layout (post-layer norms, no final norm, project_out): its exit state goes to the head as is.
+    Reference: the ridge least-squares map from the layer-4 state to the raw last-layer state, fitted here on
+    the calibration's own training tokens, through the model's project_out and head; served exit logits (every
+    token exits at 4) of a threshold-split sample must equal it, and keep the stock logits' spread."""
+    torch.manual_seed(0)
+    model = tf.OPTForCausalLM(tf.OPTConfig(vocab_size=256, hidden_size=32, ffn_dim=64, num_hidden_layers=9,
+                                           num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=16,
+                                           do_layer_norm_before=False, pad_token_id=0)).eval()
+    last_norm = model.model.decoder.layers[-1].final_layer_norm
+    with torch.no_grad():  # the model's output scale: far from the unit RMS of a direction
+        last_norm.weight.mul_(4.0)
+        last_norm.bias.mul_(4.0)
+    gen = torch.Generator().manual_seed(0)
+    samples = [torch.randint(3, 256, (24,), generator=gen) for _ in range(30)]
+    router = tide_hf.calibrate_tokens(model, samples, num_epochs=1, max_train_tokens=10**6, progress=False)
+    adapter = tide_hf.get_adapter(model)
+    data = collect(model, adapter, samples, router.config, batch_size=8, pad_id=0, progress=False)
+    weights = lstsq_solution(data, 4, torch.nonzero(~data.is_val).squeeze(1), router.config.exit_head_ridge,
+                             unit_rms=False).float()
+    ids = samples[-1]
+    rows = slice(len(data.final) - len(ids), None)  # every token kept: the last sample's tokens come last
+    with torch.no_grad():
+        state = data.features[4][rows] @ weights[:-1] + weights[-1]
+        want = model.lm_head(model.model.decoder.project_out(state))
+        with tide_hf.attach(model, router, exit_threshold=0.0, min_layers=4):
+            served = model(input_ids=ids[None]).logits[0]
+        stock = model(input_ids=ids[None]).logits[0]
+    torch.testing.assert_close(served, want, atol=1e-3 * float(want.abs().max()), rtol=1e-3)
+    assert 0.7 < float(served.std() / stock.std()) < 1.4
+    assert not adapter.scale_free

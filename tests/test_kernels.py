@@ -185,6 +185,48 @@ def test_norm_spec_rejects_unknown_formulas() -> None:
         assert norm_spec(LlamaRMSNorm(32)) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_norm_spec_confirms_layernorm_subclasses_on_the_probe(dtype: torch.dtype) -> None:
+    """An nn.LayerNorm subclass is LayerNorm only if it computes it: Nemotron's LayerNorm1P scales by (1 + w) and
+    was read as LayerNorm with weight w (wrong router scores, wrong fused K/V); a plain subclass still qualifies."""
+    from transformers.models.nemotron.modeling_nemotron import NemotronLayerNorm1P
+
+    class RenamedLayerNorm(nn.LayerNorm):  # same formula under another name
+        pass
+
+    for module in (nn.LayerNorm(64), RenamedLayerNorm(64), NemotronLayerNorm1P(64)):
+        nn.init.normal_(module.weight, 0.5, 0.3)
+        nn.init.normal_(module.bias, 0.0, 0.3)
+        spec = norm_spec(module.to(dtype))
+        if isinstance(module, NemotronLayerNorm1P):
+            assert spec is None
+        else:
+            assert spec is not None and spec.kind == "layernorm" and spec.weight is module.weight
+    assert norm_spec(nn.LayerNorm(64, elementwise_affine=False)).kind == "layernorm"
+
+
+def test_nemotron_is_scored_on_its_own_final_norm() -> None:
+    """Serving scores a checkpoint on the model's final norm, the representation calibration trains routers on
+    (reference: the router MLP applied by hand to `model.model.norm(h)`)."""
+    import transformers as tf
+
+    import tide_hf
+
+    torch.manual_seed(0)
+    model = tf.NemotronForCausalLM(tf.NemotronConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=9, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64)).eval()
+    with torch.no_grad():
+        model.model.norm.weight.normal_(0.5, 0.3)
+    router = tide_hf.TideRouter(tide_hf.TideRouterConfig(hidden_size=64, num_hidden_layers=9, router_bottleneck_dim=8))
+    hidden = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(1)) * 3
+    with tide_hf.attach(model, router, exit_threshold=1.0, ignore_fingerprint=True) as handle, torch.no_grad():
+        got = handle.score(4, hidden)
+        mlp = router.routers["4"]
+        want = torch.sigmoid(mlp.fc2(F.relu(mlp.fc1(model.model.norm(hidden).float())))).squeeze(-1)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
 @pytest.mark.usefixtures("cpu_kernels")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", COPY_DTYPES, ids=str)

@@ -14,6 +14,7 @@ from transformers import (
     GPT2Config,
     LlamaConfig,
     MistralConfig,
+    NemotronConfig,
     PhiConfig,
     Qwen2Config,
     Qwen3Config,
@@ -195,6 +196,39 @@ def test_fused_propagation_declines_layers_it_cannot_fold():
     layers = list(llama.model.layers)[4:]
     layers[2].input_layernorm.variance_epsilon = 1e-3  # a different eps than the others
     assert FusedPropagation.build(layers, 5) is None
+
+
+def test_propagated_kv_of_a_layernorm_subclass_is_what_the_layers_write():
+    """Nemotron's input norms are nn.LayerNorm subclasses scaling by (1 + w): folded as plain LayerNorms they
+    wrote wrong deep K/V. Reference: the model's own layers run on the layer-4 state (pre-hooks feed it to every
+    deeper layer) write their K/V into a stock cache."""
+    model = make(NemotronConfig)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.normal_(0.5, 0.3)
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(3))
+    ours = DynamicCache(config=model.config)
+    with tide_hf.attach(model, router_for(model, 30.0), exit_threshold=0.5, min_layers=4, mode="skip",
+                        kv="propagate"), torch.no_grad():
+        model(input_ids=ids, past_key_values=ours, use_cache=True)  # every token exits at 4
+    state: dict[str, torch.Tensor] = {}
+    layers = model.model.layers
+    hooks = [layers[3].register_forward_hook(lambda _m, _a, out: state.__setitem__("h", out[0] if isinstance(
+        out, tuple) else out))]
+    hooks += [layer.register_forward_pre_hook(lambda _m, args, kwargs: ((state["h"], *args[1:]), kwargs) if args
+                                              else (args, {**kwargs, "hidden_states": state["h"]}), with_kwargs=True)
+              for layer in layers[4:]]
+    reference = DynamicCache(config=model.config)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=reference, use_cache=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for mine, theirs in zip(ours.layers, reference.layers):
+        torch.testing.assert_close(mine.keys, theirs.keys)
+        torch.testing.assert_close(mine.values, theirs.values)
+    assert FusedPropagation.build(list(model.model.layers)[4:], 5) is None  # norm_spec declines: not folded
 
 
 def test_detach_restores_forward_and_keeps_accelerate_hooks():

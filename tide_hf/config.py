@@ -51,11 +51,11 @@ class TideRouterConfig(PretrainedConfig):
 
     Exit heads: with `exit_head="linear"` a token exiting at checkpoint `k` reads its logits from
     `final_norm(E_k(final_norm(h_k)))` through the model's head, where `E_k` is a linear map fitted at calibration
-    (ridge least squares, `exit_head_ridge`) to predict the last layer's state (its direction) from the
-    checkpoint's: a "linear shortcut" (Din et al., 2023), far closer to the full model's distribution than the
-    model's head on `h_k` alone (`"lens"`, what routers made before exit heads existed use). `exit_head_rank`
-    r < hidden stores each map as hidden x r and r x hidden factors (the best rank-r map, reduced-rank
-    regression), for models whose hidden x hidden maps would make the sidecar large.
+    (ridge least squares, `exit_head_ridge`) to predict the last layer's state (its direction, where the final
+    norm discards scale) from the checkpoint's: a "linear shortcut" (Din et al., 2023), far closer to the full
+    model's distribution than the model's head on `h_k` alone (`"lens"`, what routers made before exit heads
+    existed use). `exit_head_rank` r < hidden stores each map as hidden x r and r x hidden factors (the best
+    rank-r map, reduced-rank regression), for models whose hidden x hidden maps would make the sidecar large.
 
     Quality targets: `exit_paths` holds the calibrated exit paths (see `tide_hf.modeling.targets`), ordered on
     the validation samples with `path_grid` candidate thresholds per checkpoint and tested on the threshold

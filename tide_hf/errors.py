@@ -12,7 +12,8 @@ class TideError(Exception):
 
 
 class TideCompatibilityError(TideError, ValueError):
-    """A router was paired with a model it was not calibrated for."""
+    """A router was paired with a model it was not calibrated for, or tide_hf cannot read the model (decoder
+    layers or final norm not found, a head it does not reproduce, an encoder-decoder)."""
 
 
 class TideDataError(TideError, RuntimeError):

@@ -6,6 +6,8 @@ the training split of the kept calibration tokens (a "linear shortcut", Din et a
 Conclusions"), at full rank or, with `exit_head_rank`, projected on the leading directions of its fitted
 values (reduced-rank regression): it predicts the direction of the last layer's pre-norm state, which is all
 the final norm keeps (RMSNorm and LayerNorm are scale-invariant), so every token weighs the same in the fit.
+A model without a final norm (OPT-350m normalizes inside each layer) feeds the state as is to its head, so there
+the target is the state itself: a direction alone would give exit logits at the wrong temperature.
 The validation and threshold samples are left out, so the thresholds fitted on them see exit heads that
 never saw them.
 
@@ -53,11 +55,13 @@ class CrossFit:
 
 
 @torch.no_grad()
-def fit_exit_heads(router: TideRouter, data: Collected, *, device: torch.device) -> CrossFit | None:
+def fit_exit_heads(router: TideRouter, data: Collected, *, device: torch.device,
+                   scale_free: bool) -> CrossFit | None:
     """Fit every checkpoint's exit head of `router` (when `config.exit_head == "linear"`) on `data`'s training
     tokens: minimise |[x, 1] W - y|^2 + ridge |W|^2 in float64, x the final-normed features, y the last layer's
-    state scaled to unit RMS, ridge = `config.exit_head_ridge` times the mean diagonal of the Gram matrix.
-    Returns the out-of-fold heads to label the training tokens with (None without exit heads)."""
+    state, scaled to unit RMS when the final norm discards scale (`scale_free`, `ModelAdapter.scale_free`), ridge
+    = `config.exit_head_ridge` times the mean diagonal of the Gram matrix. Returns the out-of-fold heads to
+    label the training tokens with (None without exit heads)."""
     if not router.exit_heads:
         return None
     train = torch.nonzero(~data.is_val).squeeze(1)
@@ -69,7 +73,7 @@ def fit_exit_heads(router: TideRouter, data: Collected, *, device: torch.device)
     weights: dict[int, list[torch.Tensor]] = {}
     ridge, rank = router.config.exit_head_ridge, router.config.exit_head_rank
     for k in router.checkpoint_layers:
-        sums = [_normal_equations(data, k, rows, device, dtype) for rows in blocks]
+        sums = [_normal_equations(data, k, rows, device, dtype, scale_free) for rows in blocks]
         gram, cross = sum(g for g, _ in sums), sum(c for _, c in sums)
         w = _solve(gram, cross, ridge)  # (hidden + 1, hidden): the last row is the bias
         basis = _output_basis(w, gram, rank)
@@ -97,8 +101,9 @@ def _output_basis(weights: torch.Tensor, gram: torch.Tensor, rank: int | None) -
 
 
 def _normal_equations(data: Collected, layer: int, rows: torch.Tensor, device: torch.device,
-                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """X^T X and X^T Y over `rows` (X: features with a column of ones, Y: last-layer states at unit RMS)."""
+                      dtype: torch.dtype, scale_free: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """X^T X and X^T Y over `rows` (X: features with a column of ones, Y: last-layer states, at unit RMS when
+    `scale_free`)."""
     hidden = data.features[layer].shape[1]
     gram = torch.zeros(hidden + 1, hidden + 1, dtype=dtype, device=device)
     cross = torch.zeros(hidden + 1, hidden, dtype=dtype, device=device)
@@ -106,7 +111,8 @@ def _normal_equations(data: Collected, layer: int, rows: torch.Tensor, device: t
         x = data.features[layer][part].to(device, dtype)
         x = torch.cat([x, x.new_ones(len(x), 1)], 1)
         y = data.final[part].to(device, dtype)
-        y = y / y.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(RMS_FLOOR)
+        if scale_free:
+            y = y / y.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(RMS_FLOOR)
         gram += x.T @ x
         cross += x.T @ y
     return gram, cross

@@ -21,7 +21,7 @@ from torch import nn
 from ..compat import model_revision
 from ..config import CALIBRATED_EXIT_HEAD, CLOSED, LABEL_KINDS, TideRouterConfig, check_int
 from ..errors import TideArgumentError, TideArgumentTypeError
-from ..modeling import ModelAdapter, TideRouter, get_adapter, model_fingerprint, text_config
+from ..modeling import ModelAdapter, TideRouter, check_head, get_adapter, model_fingerprint, text_config
 from ..modeling.devices import execution_device
 from ..modeling.targets import select
 from .continuations import continue_samples
@@ -118,7 +118,7 @@ def fit(router: TideRouter, data: Collected, *, adapter: ModelAdapter, device: t
     work = torch.device(device) if device is not None else home
     router.to(work)
     try:
-        crossfit = fit_exit_heads(router, data, device=work)
+        crossfit = fit_exit_heads(router, data, device=work, scale_free=adapter.scale_free)
         exit_logits = None if crossfit is None else partial(crossfit.exit_logits, router, adapter)
         label(data, adapter, router, device=work, exit_logits=exit_logits, progress=progress)
         vocab_size = adapter.logits(data.final[:1].to(work, next(adapter.lm_head.parameters()).dtype)).shape[-1]
@@ -194,9 +194,11 @@ def calibrate_tokens(model: nn.Module, samples: list[torch.Tensor], *, batch_siz
 
 def model_config(model: nn.Module, seq_len: int, config_kwargs: dict[str, Any]) -> TideRouterConfig:
     """The router config of `model` (its shape and provenance) with `config_kwargs`, once `seq_len` is known to fit
-    its context; seeds torch's global RNG with its seed, which the routers' initial weights are drawn from."""
+    its context and the adapter's head to give the model's own logits (labels are made with it: `check_head`);
+    seeds torch's global RNG with its seed, which the routers' initial weights are drawn from."""
     check_context(model, seq_len)
     adapter = get_adapter(model)
+    check_head(model, adapter)
     text_cfg = text_config(model)
     cfg = TideRouterConfig(
         hidden_size=text_cfg.hidden_size,

@@ -27,7 +27,7 @@ from ..calibration import held_out_texts, load_texts, make_samples, pad_right, p
 from ..calibration.labels import LABEL_CHUNK_ROWS, FinalDistribution
 from ..config import default_checkpoints
 from ..errors import TideDataError
-from ..modeling import ModelAdapter, TideRouter, get_adapter, layer_output
+from ..modeling import ModelAdapter, TideRouter, check_head, get_adapter, layer_output
 from ..modeling.files import check_writable
 from ..modeling.targets import select
 from .plots import convergence as plot_convergence
@@ -102,8 +102,10 @@ def oracle(match: torch.Tensor, checkpoints: list[int], num_layers: int, agreeme
 def convergence(model: Any, tokenizer: Any, texts: list[str], *, num_samples: int, seq_len: int, batch_size: int,
                 checkpoint_interval: int, convergence_threshold: float, agreements: list[float], bins: int,
                 seed: int, progress: bool = True) -> dict:
-    """Per-layer convergence on `texts` and the oracle at `agreements` (the `convergence` section)."""
+    """Per-layer convergence on `texts` and the oracle at `agreements` (the `convergence` section); the model's
+    head is checked first (`check_head`): every exit's logits come from the adapter's."""
     adapter = get_adapter(model)
+    check_head(model, adapter)
     n = adapter.num_layers
     layers = list(range(1, n + 1))
     samples = make_samples(tokenizer, texts, num_samples, seq_len, seed)
@@ -178,8 +180,11 @@ def router_efficiency(model: Any, router: TideRouter, prompts: list[torch.Tensor
                       heldout: tuple[torch.Tensor, ...] | list[torch.Tensor] = ()) -> dict:
     """Layers saved by the routers / by the oracle at the same agreement, on the model's own greedy text, at
     global `thresholds` and at quality `targets` (min_agreement, the router's per-checkpoint thresholds; also
-    on the teacher-forced `heldout` samples when given: the agreement delivered on text like the calibration's)."""
-    n = get_adapter(model).num_layers
+    on the teacher-forced `heldout` samples when given: the agreement delivered on text like the calibration's).
+    The model's head is checked first (`check_head`)."""
+    adapter = get_adapter(model)
+    check_head(model, adapter)
+    n = adapter.num_layers
     cfg = router.config
     checkpoints = [k for k in cfg.checkpoint_layers if k >= cfg.min_layers]
     texts = [(seq, len(p) - 1) for seq, p in zip(greedy_text(model, prompts, new_tokens, pad_id), prompts)]

@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..calibration import load_texts, make_samples, pad_right
-from ..modeling import ModelAdapter, TideRouter, get_adapter
+from ..modeling import ModelAdapter, TideRouter, check_head, get_adapter
 from ..runtime import Patches, TideHandle, attach
 from .measure import generate, left_pad, match_rate, perplexity
 from .modes import truncated
@@ -127,7 +127,10 @@ def _stock(model: Any, batches: list[dict], new_tokens: int) -> tuple[torch.Tens
 
 def run_baselines(model: Any, tokenizer: Any, router: TideRouter, dataset: str, prompts: list[torch.Tensor],
                   chunks: list[torch.Tensor], pad_id: int, args: Any) -> dict:
-    """Every method at every setting (the `baselines` bench JSON), plus which side wins at equal quality."""
+    """Every method at every setting (the `baselines` bench JSON), plus which side wins at equal quality (the
+    confidence baseline scores with the adapter's head: `check_head` first)."""
+    if args.confidence_thresholds:
+        check_head(model)
     num_layers = router.config.num_hidden_layers
     calib = make_samples(tokenizer, load_texts(dataset), args.baseline_calib_samples, args.baseline_calib_len,
                          router.config.seed)

@@ -2,9 +2,10 @@
 
 The router's draft vocabulary (`tide_hf.calibration.vocab`) ranks tokens by how often the model emits them;
 a draft over the first n computes an n x hidden matmul instead of the vocab x hidden one. Its logits are the
-model's own logits on those n tokens (same weights, bias and soft-capping) and -inf elsewhere, so greedy
-drafts take the argmax among covered tokens and sampled drafts sample from the model's distribution
-restricted to them; stock's verification then keeps what the full model agrees with (sampling: speculative
+model's own logits on those n tokens (same weights, bias, logit scale and soft-capping) and -inf
+elsewhere, so greedy drafts take the argmax among covered tokens and sampled drafts sample from the model's
+distribution restricted to them (attach checks the adapter's head against the model's: `check_head`); stock's
+verification then keeps what the full model agrees with (sampling: speculative
 sampling with those draft probabilities), so the output is unchanged. Heads that are not a plain
 `nn.Linear` (quantized, or with a projection before them) or that accelerate offloads are not sliced.
 """
@@ -48,12 +49,14 @@ class DraftHead:
         self.ids = router.draft_vocab[:size].to(head.weight.device)
         self.weight = head.weight.index_select(0, self.ids)  # one copy per call: the head may change between calls
         self.bias = None if head.bias is None else head.bias.index_select(0, self.ids)
-        self.softcap = adapter.logit_softcap
+        self.scale, self.softcap = adapter.logit_scale, adapter.logit_softcap
 
     def __call__(self, normed: torch.Tensor) -> torch.Tensor:
         """Vocabulary-wide logits (rows, vocab) from final-normed states (rows, hidden): the model's on the draft
         vocabulary, -inf elsewhere."""
         logits = F.linear(normed.to(self.weight.device, self.weight.dtype), self.weight, self.bias)
+        if self.scale != 1.0:
+            logits = logits * self.scale
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         out = logits.new_full((logits.shape[0], self.vocab), float("-inf"))

@@ -50,27 +50,36 @@ def _rms_candidates(module: nn.Module) -> list[NormSpec]:
     return [NormSpec(kind, weight, None, float(eps)) for kind in kinds]  # ties (fp32: rms == rms_fp32) go first
 
 
+def _candidates(module: nn.Module) -> list[NormSpec]:
+    """Formulas `module` may compute: LayerNorm for nn.LayerNorm and its subclasses (whose forward may differ:
+    Nemotron's LayerNorm1P scales by 1 + w), else the RMSNorm variants."""
+    if isinstance(module, nn.LayerNorm):
+        if len(module.normalized_shape) != 1:
+            return []
+        return [NormSpec("layernorm", module.weight, module.bias, float(module.eps))]
+    return _rms_candidates(module)
+
+
 @torch.no_grad()
 def norm_spec(module: nn.Module) -> NormSpec | None:
     """Describe `module` (a model's final norm) as a NormSpec, or None when it is not one we reproduce.
 
-    The class name only proposes a formula; the one matching the module on a random probe wins (Qwen3-Next
-    uses Gemma's (1 + w) without the name, OLMo-2 / GPT-OSS / Gemma-3n scale in fp32), and an unknown variant
-    yields None rather than silently wrong scores.
+    The class only proposes a formula; the one matching the module on a random probe wins (Qwen3-Next uses
+    Gemma's (1 + w) without the name, OLMo-2 / GPT-OSS / Gemma-3n scale in fp32), and an unknown variant, an
+    nn.LayerNorm subclass computing something else included, yields None rather than silently wrong scores.
     """
     if isinstance(module, nn.Identity):
         return NormSpec("none")
-    if isinstance(module, nn.LayerNorm):
-        if len(module.normalized_shape) != 1:
-            return None
-        return NormSpec("layernorm", module.weight, module.bias, float(module.eps))
-    candidates = _rms_candidates(module)
+    candidates = _candidates(module)
     if not candidates:
         return None
     weight = candidates[0].weight
+    size = module.normalized_shape[0] if isinstance(module, nn.LayerNorm) else weight.numel()
+    device = weight.device if weight is not None else torch.device("cpu")
+    dtype = weight.dtype if weight is not None else torch.get_default_dtype()
     try:
-        gen = torch.Generator(device=weight.device).manual_seed(PROBE_SEED)
-        probe = torch.randn(PROBE_ROWS, weight.numel(), generator=gen, device=weight.device).to(weight.dtype)
+        gen = torch.Generator(device=device).manual_seed(PROBE_SEED)
+        probe = torch.randn(PROBE_ROWS, size, generator=gen, device=device).to(dtype)
         expected = module(probe).float()
         errors = [(apply_norm(probe, spec).float() - expected).abs().max().item() for spec in candidates]
     except Exception as err:  # meta / offloaded weights, exotic forward signatures
@@ -78,7 +87,7 @@ def norm_spec(module: nn.Module) -> NormSpec | None:
         return None
     best = min(range(len(candidates)), key=errors.__getitem__)
     scale = expected.abs().max().item()
-    return candidates[best] if errors[best] <= PROBE_ULPS * torch.finfo(weight.dtype).eps * max(scale, 1.0) else None
+    return candidates[best] if errors[best] <= PROBE_ULPS * torch.finfo(dtype).eps * max(scale, 1.0) else None
 
 
 def apply_norm(hidden: torch.Tensor, spec: NormSpec) -> torch.Tensor:

@@ -1,13 +1,16 @@
 """Find the decoder layers, final norm, LM head and embeddings of any causal LM.
 
 TIDE needs to hook the decoder layers and to turn an intermediate hidden state into logits exactly the
-way the model turns its final state into logits (final norm, optional projection, LM head, optional
-soft-capping). Known families are a table of attribute paths; other models go through `register_adapter`
-or a probing fallback whose error names what it could not find.
+way the model turns its final state into logits (final norm, optional projection, LM head, the family's logit
+scale, optional soft-capping). Known families are a table of attribute paths; other models go through
+`register_adapter` or a probing fallback whose error names what it could not find. `head.check_head` confirms
+the head on the model's own forward where it matters (calibration, analyze, speculative drafts).
+Encoder-decoder models are refused: TIDE serves decoder-only causal LMs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,11 +27,42 @@ _NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "norm_f")
 # Model types whose forward does not apply the text config's `final_logit_softcapping` (Gemma 3's multimodal
 # wrapper; PaliGemma, Gemma 3n / 4 and the others apply it, like the text models)
 SOFTCAP_NOT_APPLIED = {"gemma3"}
+SOFTCAP_ATTRIBUTES = {"recurrent_gemma": "logits_soft_cap"}  # where the cap is not `final_logit_softcapping`
+
+LogitScale = Callable[[Any], float]  # the text config -> the factor the model multiplies its head's logits by
 
 
-def register_adapter(model_type: str, *, layers: str, norm: str, pre_head: str | None = None) -> None:
-    """Teach tide_hf where a model family keeps its parts (dotted attribute paths from the CausalLM)."""
+def _config_scale(attribute: str, *, divides: bool = False) -> LogitScale:
+    """The scale a family reads from its text config's `attribute` (None: 1), multiplying or dividing by it."""
+    def scale(config: Any) -> float:
+        value = getattr(config, attribute, None)
+        value = 1.0 if value is None else float(value)
+        return 1.0 / value if divides else value
+    return scale
+
+
+# model_type (the model's own config, which says what its forward does) -> its logit scale, applied after the LM
+# head and before soft-capping, as transformers' forwards do. MiniCPM3 divides the state before its bias-free head,
+# the same factor.
+_LOGIT_SCALES: dict[str, LogitScale] = {
+    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe", "cohere_compass", "cohere_compass_text"),
+                    _config_scale("logit_scale")),
+    **dict.fromkeys(("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
+                     "granite4_vision", "granite_docling", "minicpm3"), _config_scale("logits_scaling", divides=True)),
+    **dict.fromkeys(("hyperclovax", "hyperclovax_vision_v2"), _config_scale("logits_scaling")),
+    "falcon_h1": _config_scale("lm_head_multiplier"),
+    **dict.fromkeys(("muse_glimmer", "muse_spark"), _config_scale("output_multiplier")),
+}
+
+
+def register_adapter(model_type: str, *, layers: str, norm: str, pre_head: str | None = None,
+                     logit_scale: LogitScale | None = None) -> None:
+    """Teach tide_hf where a model family keeps its parts (dotted attribute paths from the CausalLM) and, with
+    `logit_scale` (a function of the text config), the factor its forward multiplies the head's logits by
+    before any soft-capping (None keeps the known family's, or 1)."""
     _PATHS[model_type] = (layers, norm, pre_head)
+    if logit_scale is not None:
+        _LOGIT_SCALES[model_type] = logit_scale
 
 
 for _mt in ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "smollm3"):
@@ -51,10 +85,17 @@ class ModelAdapter:
     lm_head: nn.Module
     embeddings: nn.Module
     logit_softcap: float | None
+    logit_scale: float = 1.0  # Cohere's logit_scale, Granite's 1 / logits_scaling, ...: after the head, before capping
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def scale_free(self) -> bool:
+        """Whether the final norm discards a state's scale (RMSNorm, LayerNorm), so only its direction reaches the
+        head; without a final norm (OPT-350m normalizes inside each layer) the head reads the state as is."""
+        return not isinstance(self.final_norm, nn.Identity)
 
     def normed(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's final norm applied to any layer's output: the router's input representation."""
@@ -70,6 +111,8 @@ class ModelAdapter:
         if self.pre_head is not None:
             out = self.pre_head(out)
         out = self.lm_head(out)
+        if self.logit_scale != 1.0:
+            out = out * self.logit_scale
         if self.logit_softcap:
             out = torch.tanh(out / self.logit_softcap) * self.logit_softcap
         return out
@@ -118,11 +161,15 @@ def _probe(model: nn.Module) -> tuple[str, str]:
 
 
 def get_adapter(model: nn.Module) -> ModelAdapter:
-    """Return the `ModelAdapter` of a causal LM (registered family first, probing otherwise)."""
+    """Return the `ModelAdapter` of a causal LM (registered family first, probing otherwise); no forward runs."""
     if callable(getattr(model, "get_base_model", None)) and model.get_base_model() is not model:  # peft's wrapper
         raise TideCompatibilityError(f"{type(model).__name__} wraps the causal LM: attach to model.get_base_model() "
                                      "(the adapters stay active; generate through either model)")
     model_type = getattr(model.config, "model_type", None)
+    if getattr(model.config, "is_encoder_decoder", False):  # a probe could take the encoder's blocks for the layers
+        raise TideCompatibilityError(
+            f"{type(model).__name__} (model_type={model_type!r}) is an encoder-decoder model: tide_hf supports "
+            "decoder-only causal LMs (early exit decides per generated token, inside one decoder stack)")
     if model_type in _PATHS:
         layers_path, norm_path, pre_head_path = _PATHS[model_type]
     else:
@@ -141,8 +188,9 @@ def get_adapter(model: nn.Module) -> ModelAdapter:
         pre_head=_get(model, pre_head_path) if pre_head_path else None,
         lm_head=lm_head,
         embeddings=model.get_input_embeddings(),
-        logit_softcap=None if getattr(model.config, "model_type", None) in SOFTCAP_NOT_APPLIED
-        else getattr(text_config(model), "final_logit_softcapping", None),
+        logit_softcap=None if model_type in SOFTCAP_NOT_APPLIED
+        else getattr(text_config(model), SOFTCAP_ATTRIBUTES.get(model_type, "final_logit_softcapping"), None),
+        logit_scale=_LOGIT_SCALES[model_type](text_config(model)) if model_type in _LOGIT_SCALES else 1.0,
     )
 
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..errors import TideArgumentError, TideConcurrencyError, TideUnsupportedError
 from ..kernels import NormSpec, norm_router_scores, norm_spec
-from ..modeling import ModelAdapter, TideRouter, get_adapter, layer_output
+from ..modeling import ModelAdapter, TideRouter, check_head, get_adapter, layer_output
 from ..modeling.devices import execution_device, onloaded
 from ..modeling.targets import check_served, select
 from .compiled import install_compiled_call
@@ -306,7 +306,8 @@ def attach(
     router's global `exit_threshold`. `min_layers` defaults to the router's; `mode`, `kv` and `draft_layer`
     are described in `TideOptions`. `handle_class` is a `TideHandle` subclass that scores checkpoints
     differently (the bench's softmax-confidence baseline). Everything is checked before the model is
-    touched: options in range, and the router made for this model.
+    touched: options in range, the router made for this model, and in speculative mode with a draft
+    vocabulary the adapter's head against the model's own logits (`check_head`, one tiny forward).
     """
     with _REGISTRY_LOCK:
         if get_handle(model) is not None:
@@ -339,10 +340,9 @@ def attach_for_call(model: nn.Module, router: TideRouter) -> TideHandle:
 
 def _build(model: nn.Module, router: TideRouter, *, min_agreement: float | None = None,
            max_perplexity_increase: float | None = None, confidence: float | None = None,
-           exit_threshold: float | None = None,
-           min_layers: int | None = None, mode: str = "select", kv: str = "propagate", draft_layer: int | None = None,
-           ignore_fingerprint: bool = False, handle_class: type[TideHandle] = TideHandle,
-           owner: int | None = None) -> TideHandle:
+           exit_threshold: float | None = None, min_layers: int | None = None, mode: str = "select",
+           kv: str = "propagate", draft_layer: int | None = None, ignore_fingerprint: bool = False,
+           handle_class: type[TideHandle] = TideHandle, owner: int | None = None) -> TideHandle:
     """Check everything, then hook the model (the caller holds the registry lock and registers the handle)."""
     adapter = get_adapter(model)
     router.check_compatible(model, ignore_fingerprint=ignore_fingerprint, adapter=adapter)
@@ -374,8 +374,10 @@ def _build(model: nn.Module, router: TideRouter, *, min_agreement: float | None 
         target=target,
     )
     options.validate(adapter.num_layers, router.checkpoint_layers)
-    return handle_class(model, router, options, adapter, owner=owner,
-                        skip_plan=check_mode(model, adapter, options, router.checkpoint_layers))
+    plan = check_mode(model, adapter, options, router.checkpoint_layers)
+    if options.mode == "speculative" and cfg.draft_vocab_coverage:  # drafts may use the adapter's head, sliced
+        check_head(model, adapter)
+    return handle_class(model, router, options, adapter, owner=owner, skip_plan=plan)
 
 
 def get_handle(model: nn.Module) -> TideHandle | None:

@@ -134,6 +134,22 @@ def test_select_mode_compiles_without_graph_breaks(setup) -> None:
     assert torch.equal(first, eager) and torch.equal(second, eager)
 
 
+def test_select_mode_from_embeddings_compiles_one_step_graph(setup) -> None:
+    """generate(inputs_embeds=...) feeds the prefill no token ids: the finished-rows state must still be a tensor
+    from the first decode step on (it was None there, then a tensor: two step graphs)."""
+    model, ids, mask, router = setup
+    embeds = model.get_input_embeddings()(ids).detach()
+    settings = dict(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                    pad_token_id=0, cache_implementation="static")
+    with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4):
+        eager = model.generate(**settings)
+        torch._dynamo.reset()
+        counters.clear()
+        out = model.generate(**settings, compile_config=compiled())
+    assert not counters["graph_break"] and counters["stats"].get("unique_graphs", 0) == 1
+    assert torch.equal(out, eager)
+
+
 def test_compiled_decoding_sees_attach_and_detach() -> None:
     """A graph compiled for the stock model must not keep running after attach (nor TIDE's after detach)."""
     model = make_model(seed=3)

@@ -142,3 +142,41 @@ def test_recompute_with_guidance_on_a_static_cache_equals_select() -> None:
     assert torch.equal(outs[0], outs[1])
     # the guidance stream's forwards are not the call's tokens: 12 prompt tokens, 13 decode steps x 2 rows
     assert counts == [(12, 26), (12, 26)]
+
+
+def test_a_model_given_no_cache_before_its_first_forward_counts_every_step() -> None:
+    """generate passes MiniMax no cache at first (no default dynamic cache) and the model's own later: the call's
+    stream is the first cache seen, so the decode steps still count (they were all dropped)."""
+    torch.manual_seed(0)
+    config = transformers.MiniMaxConfig(**{**TINY, "num_hidden_layers": 9}, head_dim=16, num_local_experts=2,
+                                        num_experts_per_tok=1)
+    model = transformers.MiniMaxForCausalLM(config).eval()
+    assert not model._supports_default_dynamic_cache()
+    ids = torch.tensor([[17, 99, 45, 3, 200, 31, 7]])
+    with tide_hf.attach(model, constant_router(model, -30.0), exit_threshold=0.5, min_layers=4) as handle:
+        model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert (handle.last_stats.prefill.tokens, handle.last_stats.decode.tokens) == (7, 5)
+
+
+def test_user_chosen_assisted_decoding_in_speculative_mode_runs_stock_and_counts_its_tokens() -> None:
+    """The fallback's nested assistant generate calls must stay stock (not re-enter TIDE's drafting)."""
+    import tide_hf.integrations.generate as entry
+
+    model = make_model()
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor([[17, 99, 45, 3, 200, 31, 7]])
+    router = mixed_router(model, ids)
+    settings = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    original, entered = entry.speculative_generate, []
+    entry.speculative_generate = lambda *a, **k: entered.append(1) or original(*a, **k)
+    try:
+        for extra in (dict(assistant_early_exit=4), dict(prompt_lookup_num_tokens=3), dict(assistant_model=model)):
+            stock = model.generate(ids, **settings, **extra)
+            entered.clear()
+            with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="speculative") as handle:
+                assert torch.equal(model.generate(ids, **settings, **extra), stock)
+                stats = handle.last_stats
+            assert len(entered) == 1 and stats.speculative["fallback"] is not None, extra
+            assert (stats.prefill.tokens, stats.decode.tokens) == (7, 7), extra
+    finally:
+        entry.speculative_generate = original

@@ -341,6 +341,12 @@ def generate(handle: TideHandle, original: Callable, model: nn.Module, args: tup
     stats = SpeculativeStats(layer, expected, vocab)
     stats.fallback = "no 2-D input_ids" if batch == 0 else fallback_reason(model, args, kwargs, batch, config)
     try:
+        if stats.fallback is not None and (config.assistant_early_exit is not None or kwargs.get("assistant_model")
+                                           is not None or config.prompt_lookup_num_tokens is not None):
+            with handle.disabled():  # assisted decoding chosen by the user: its nested generate calls stay stock
+                out = original(model, *args, **kwargs)
+            _count_full_depth(handle, session, inputs, kwargs.get("attention_mask"), out, config)
+            return out
         if stats.fallback is not None:  # stock ran every layer: counted as select mode counts it, with no exits
             session.full_depth = True
             processors = LogitsProcessorList([*(kwargs.get("logits_processor") or []),
@@ -370,11 +376,17 @@ def _generate_row(handle: TideHandle, original: Callable, model: nn.Module, kwar
     with _patched(model, factory, handle, stats.draft_layer, owner):
         out = original(model, **kwargs, assistant_early_exit=stats.draft_layer)
     stats.reused += sum(generator.reuse.verified for generator in owner)
-    # every emitted token came from the full model: counted at full depth, as select mode counts them
-    prefill, decode = count_tokens(kwargs.get("inputs", kwargs.get("input_ids")), kwargs.get("attention_mask"),
-                                   out if isinstance(out, torch.Tensor) else out.sequences, config.pad_token_id,
-                                   session.eos)
+    _count_full_depth(handle, session, kwargs.get("inputs", kwargs.get("input_ids")), kwargs.get("attention_mask"),
+                      out, config)
+    return out
+
+
+def _count_full_depth(handle: TideHandle, session: Session, ids: torch.Tensor, mask: torch.Tensor | None, out: Any,
+                      config: GenerationConfig) -> None:
+    """Count a call's tokens from its output, every one at full depth (each emitted token came from the full
+    model), as select mode counts them."""
+    prefill, decode = count_tokens(ids, mask, out if isinstance(out, torch.Tensor) else out.sequences,
+                                   config.pad_token_id, session.eos)
     full = handle.num_layers
     session.stats.prefill.add(torch.full((prefill,), full), full)
     session.stats.decode.add(torch.full((decode,), full), full)
-    return out

@@ -21,7 +21,7 @@ from ..errors import TideCompatibilityError
 
 # model_type -> (decoder layers, final norm, optional projection before the LM head)
 _PATHS: dict[str, tuple[str, str, str | None]] = {}
-_NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "norm_f")
+_NORM_NAMES = ("norm", "ln_f", "final_layernorm", "final_layer_norm", "norm_f", "final_norm")
 
 
 # Model types whose forward does not apply the text config's `final_logit_softcapping` (Gemma 3's multimodal

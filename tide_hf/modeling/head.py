@@ -16,7 +16,8 @@ from ..errors import TideCompatibilityError
 from .adapters import ModelAdapter, get_adapter, layer_output, text_config
 from .devices import execution_device
 
-HEAD_CHECK_TOKENS = 4  # positions of the check's forward: a few, it runs at every calibration / analyze / attach
+HEAD_CHECK_TOKENS = 4  # positions of the check's forward: a few, it runs at every calibration / analyze and at
+# speculative attaches with a draft vocabulary
 # Tolerance, in units of the coarsest dtype's epsilon times the largest logit: the same ops in another order
 # (a scale before or after the head, a division as a multiplication) differ by a few roundings; a missing
 # transform differs by a share of the logits themselves.

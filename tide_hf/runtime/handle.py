@@ -106,9 +106,7 @@ class TideHandle:
         """
         if self.options.kv != "recompute" or cache is None:
             return None
-        if cache not in self._pending:
-            self._pending[cache] = KVRecompute(self.num_layers)
-        return self._pending[cache]
+        return self._pending.setdefault(cache, KVRecompute(self.num_layers))
 
     def __deepcopy__(self, memo: dict) -> TideHandle:  # reached through the hooks of `copy.deepcopy(model)`
         raise TideArgumentError("an attached model cannot be deep-copied (its hooks belong to this attach): copy "
@@ -133,7 +131,7 @@ class TideHandle:
         self._local.session = session
         try:
             yield session
-        finally:  # (a forward interrupted by a BaseException, e.g. Ctrl-C, skips `_end`: its step goes here)
+        finally:  # (a forward interrupted by a BaseException, e.g. Ctrl-C, skips `_end`: its step is dropped here)
             self.commit(session, None)
             self._local.session, self._local.step = outer, None
             _LAST_STATS[self.model] = session.stats
@@ -265,10 +263,13 @@ class TideHandle:
         ones are decode steps, of which only the newest position of rows still generating counts.
         `last_tokens` is the token each row fed into the step (None outside generate).
         """
-        if last_tokens is not None and session.eos is not None:  # rows finished, for `new_step` (a tensor from
-            # the prefill on: compiled decoding steps then trace one graph)
+        if session.eos is not None and session.finished is None and session.pending:  # rows finished, for
+            # `new_step`: a tensor from the prefill on, so compiled decoding steps trace one graph
+            first = session.pending[0].exit_layer
+            session.finished = torch.zeros(first.shape[0], dtype=torch.bool, device=first.device)
+        if last_tokens is not None and session.finished is not None:
             ended = torch.isin(last_tokens, session.eos.to(last_tokens.device)) & session.started_decode
-            session.finished = ended if session.finished is None else session.finished | ended
+            session.finished = session.finished | ended.to(session.finished.device)
         for step in filter(lambda step: step.counted, session.pending):  # (the call's own stream only)
             executed = self.num_layers - step.skipped
             if not session.generating or not session.started_decode:

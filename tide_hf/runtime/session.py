@@ -47,7 +47,7 @@ class Session:
     # the running masks, per cache (id): a call may feed a second stream (the unconditional forwards of
     # classifier-free guidance run with their own cache and 2-D mask)
     running_masks: dict[int, torch.Tensor] = field(default_factory=dict)
-    stream: int | None = None  # the cache (id) of the call's first forward: the statistics count its forwards only
+    stream: int | None = None  # the cache (id) of the call's first forward with one: only its forwards are counted
     chunked: bool = False  # generate prefills the prompt in chunks (`prefill_chunk_size`): the prompt mask's
     prompt_fed: int = 0  # first columns go to the first forwards, `prompt_fed` of them so far
     full_depth: bool = False  # count every token at full depth, decide no exits (speculative mode's stock fallbacks)
@@ -64,10 +64,11 @@ def new_step(session: Session, tokens: torch.Tensor, mask: Any, num_layers: int,
     batch, width = tokens.shape[:2]
     if torch.compiler.is_compiling():  # transformers' compiled decoding steps, the call's own stream (an id
         stream, counted = None, True  # read in a graph would be guarded on: one graph per call)
-    else:
+    else:  # the first forward with a cache names the stream (a model may get none before its first forward)
         stream = id(cache)
-        session.stream = stream if session.stream is None else session.stream
-        counted = stream == session.stream
+        counted = (cache is None and session.stream is None) or stream == session.stream
+        if cache is not None and session.stream is None:
+            session.stream, counted = stream, True
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         session.prompt_mask = None
         session.running_masks.pop(stream, None)

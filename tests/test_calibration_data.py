@@ -131,3 +131,11 @@ def test_a_huge_document_is_tokenized_only_as_far_as_the_samples_reach() -> None
         assert place in used
         assert all(torch.equal(a, b) for a, b in zip(samples, expected[:40], strict=True))
         assert held_out == [t for i, t in enumerate(texts) if i not in used]
+
+
+def test_too_little_text_is_named_as_the_cause() -> None:
+    """Two short documents give two samples: the error must say the text ran out (it said "raise num_samples=2",
+    already below the 64 asked for)."""
+    with pytest.warns(UserWarning), pytest.raises(tide_hf.TideArgumentError, match="give it more text"):
+        tide_hf.calibrate(make_tiny_llama(), ByteTokenizer(), ["First document.", "Second document."],
+                          num_samples=64, seq_len=16, progress=False)

@@ -199,3 +199,18 @@ def test_cuda_with_cpu_offloaded_layers(reference, mode) -> None:
     assert all(p.device == torch.device("cuda:0") for p in router.parameters())
     for (out, _), (ref_out, _) in zip(got, expected):
         assert torch.equal(out.cpu(), ref_out.cpu())
+
+
+def test_propagate_on_layers_offloaded_whole_gives_the_undispatched_tokens() -> None:
+    """With `preload_module_classes` accelerate loads a whole decoder layer around its forward, so its norm and
+    projections have no hook of their own: attach's check of propagate must bring the weights in like the
+    forward does (it refused: 'Tensor on device cpu is not on the expected device meta')."""
+    reference = make_model()
+    router = new_router(reference)
+    ids = torch.tensor([[5, 17, 99, 42, 7]])
+    with tide_hf.attach(reference, router, mode="skip", kv="propagate", exit_threshold=0.0, min_layers=4):
+        expected = reference.generate(ids, max_new_tokens=6, do_sample=False)
+    model = cpu_offload(copy.deepcopy(reference), execution_device="cpu",
+                        preload_module_classes=[type(reference.model.layers[0]).__name__])
+    with tide_hf.attach(model, router, mode="skip", kv="propagate", exit_threshold=0.0, min_layers=4):
+        assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), expected)

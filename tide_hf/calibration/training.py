@@ -173,11 +173,13 @@ def check_splits(data: Collected, cfg: TideRouterConfig) -> None:
     """Raise unless calibration kept training tokens and validation tokens (the threshold split stays unseen)."""
     train, val = ~data.is_val, data.is_val & ~data.is_test
     if not train.any():
-        raise TideArgumentError(f"calibration kept no training tokens (raise num_samples={cfg.num_samples} or "
-                                f"max_train_tokens={cfg.max_train_tokens})")
+        raise TideArgumentError(f"calibration kept no training tokens from its {cfg.num_samples} samples: give it "
+                                "more text (the samples are all the text held) or a larger num_samples, or raise "
+                                f"max_train_tokens={cfg.max_train_tokens}")
     if not val.any():
-        raise TideArgumentError(f"calibration kept no held-out validation tokens (raise num_samples="
-                                f"{cfg.num_samples} or validation_fraction={cfg.validation_fraction})")
+        raise TideArgumentError(f"calibration kept no held-out validation tokens from its {cfg.num_samples} samples: "
+                                "give it more text (the samples are all the text held) or a larger num_samples, or "
+                                f"raise validation_fraction={cfg.validation_fraction}")
 
 
 def train_routers(router: TideRouter, data: Collected, *, device: torch.device | str | None = None,

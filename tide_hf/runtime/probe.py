@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..errors import TideUnsupportedError
-from ..modeling.devices import execution_device
+from ..modeling.devices import execution_device, onloaded
 from .kv import FusedPropagation, propagate_kv
 
 PROBE_ROWS = 2  # rows of the probe forward
@@ -114,10 +114,11 @@ def check_layer(layer: nn.Module, number: int, captured: tuple[torch.Tensor, dic
     hidden, kwargs = captured
     recorder = Recorder()
     try:
-        if fused is not None:
-            fused.write(number - 1, hidden, dict(kwargs, past_key_values=recorder, use_cache=True))
-        else:
-            propagate_kv(layer, hidden, dict(kwargs, past_key_values=recorder, use_cache=True))
+        with onloaded(layer):  # (offloaded weights come in as the layer's own forward brings them in)
+            if fused is not None:
+                fused.write(number - 1, hidden, dict(kwargs, past_key_values=recorder, use_cache=True))
+            else:
+                propagate_kv(layer, hidden, dict(kwargs, past_key_values=recorder, use_cache=True))
         key, value = recorder.writes[index]
     except Exception as err:
         raise TideUnsupportedError(f"{where}: rebuilding this layer's K/V failed ({type(err).__name__}: {err}); "

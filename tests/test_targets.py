@@ -231,3 +231,37 @@ def test_paths_keep_checkpoints_below_min_layers_closed() -> None:
         router = new_router(make_tiny_llama(), seed=0, min_layers=min_layers)
         for kind, fitted_path in fit_exit_paths(router, data).items():
             assert any(p[0] < 1.0 for p in fitted_path["thresholds"]) == shallow_opens, (kind, min_layers)
+
+
+def test_a_perplexity_point_with_no_spread_is_not_certified() -> None:
+    """A path point that let no threshold-split token exit has NLL-change sum and sum of squares 0: no evidence
+    about the mean change where it does exit. It was certified at any confidence (p = 0), even for +0 %."""
+    from tide_hf.modeling.targets import normal_pvalue, select
+
+    assert normal_pvalue(0.0, 0.0, 2, 0.0) == 1.0
+    paths = {"perplexity": {"thresholds": [[1.0, 1.0], [0.2, 1.0]], "errors": [0, 0], "n": 2,
+                            "nll_sum": [0.0, 0.0], "nll_sumsq": [0.0, 0.0], "n_next": 2}}
+    assert select(paths, [4, 8], max_perplexity_increase=0.0, confidence=0.999999) == {4: 1.0, 8: 1.0}
+
+
+def test_an_always_right_checkpoint_opens_under_an_agreement_target() -> None:
+    """Layers after 4 add nothing: every exit at 4 is right, so its router is the constant 'always exit'. Its score
+    was sigmoid(30) == 1.0 in fp32, the closed threshold: no candidate, and no target could open it."""
+    import warnings
+
+
+    model = make_tiny_llama()
+    with torch.no_grad():
+        for layer in model.model.layers[4:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    gen = torch.Generator().manual_seed(0)
+    samples = [torch.randint(3, 256, (48,), generator=gen) for _ in range(200)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        router = tide_hf.calibrate_tokens(model, samples, num_epochs=3, router_bottleneck_dim=16, progress=False,
+                                          exit_head="lens")
+    ids = torch.stack(samples[:20])
+    with tide_hf.attach(model, router, min_agreement=0.5) as handle, torch.no_grad():
+        model(input_ids=ids)
+        assert dict(handle.last_stats.prefill.exits) == {4: ids.numel()}

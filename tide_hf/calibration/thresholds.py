@@ -25,6 +25,11 @@ from .labels import Collected
 DECIMALS = 6  # thresholds are rounded before they are evaluated, so the stored values are the tested ones
 
 
+def down(value: float) -> float:
+    """`value` rounded down to DECIMALS: a threshold at a score quantile keeps the tokens at that score."""
+    return math.floor(value * 10**DECIMALS) / 10**DECIMALS
+
+
 def exit_index(scores: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
     """Per token, the first checkpoint (column) whose score reaches its threshold; K (columns) for none."""
     fires = (scores >= thresholds) & (thresholds < CLOSED)
@@ -50,8 +55,8 @@ def build_path(scores: torch.Tensor, loss: torch.Tensor, saved: torch.Tensor, gr
     # Quadratic spacing: the first candidates exit a handful of tokens each (1/grid^2, 3/grid^2, ...), so the
     # first path points add little loss and fixed-sequence testing is not stopped by one coarse first step.
     levels = 1.0 - (torch.arange(1, grid + 1, dtype=torch.float64) / grid) ** 2
-    candidates = [[CLOSED] + sorted({round(float(v), DECIMALS) for v in torch.quantile(scores[:, j].double(), levels)
-                                     if round(float(v), DECIMALS) < CLOSED}, reverse=True) if served[j] else [CLOSED]
+    candidates = [[CLOSED] + sorted({down(float(v)) for v in torch.quantile(scores[:, j].double(), levels)
+                                     if down(float(v)) < CLOSED}, reverse=True) if served[j] else [CLOSED]
                   for j in range(k)]
     position = [0] * k
     current = torch.tensor([c[0] for c in candidates], dtype=scores.dtype)

@@ -24,7 +24,8 @@ from .labels import Collected
 
 ADAM_BETAS = (0.9, 0.999)  # torch.optim.Adam's defaults, which the routers were always trained with
 ADAM_EPS = 1e-8
-SATURATED_LOGIT = 30.0  # a single-class label's constant router: sigmoid(-30) < 1e-13, sigmoid(30) > 1 - 1e-13
+SATURATED_LOGIT = 10.0  # a single-class label's constant router: sigmoid(-10) < 5e-5; sigmoid(10) = 1 - 4.5e-5 stays
+# below 1.0 (a closed threshold) in fp32 and after the exit paths' rounding, so an always-right checkpoint can open
 DEVICE_MEMORY_SHARE = 0.5  # at most this share of the free accelerator memory holds training features at once
 
 

@@ -44,8 +44,8 @@ def normal_pvalue(total: float, total_sq: float, n: int, bound: float) -> float:
         return 1.0
     mean = total / n
     var = max(total_sq / n - mean * mean, 0.0) * n / (n - 1)
-    if var == 0.0:
-        return 0.0 if mean <= bound else 1.0
+    if var == 0.0:  # no spread seen (typically no token exited on the split): no evidence about the mean
+        return 1.0
     z = (mean - bound) / math.sqrt(var / n)
     return 0.5 * math.erfc(-z / math.sqrt(2.0))
 

@@ -4,7 +4,7 @@ stock reference TIDE must reproduce, and small local text datasets (all offline)
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, CohereConfig, GraniteConfig, LlamaConfig, LlamaForCausalLM
 
 import tide_hf
 from tide_hf import TideRouter, TideRouterConfig
@@ -157,3 +157,13 @@ def left_padded(seed: int = 0, lengths=(7, 5, 3)) -> tuple[torch.Tensor, torch.T
         ids[row, width - n:] = torch.randint(3, 256, (n,), generator=gen)
         mask[row, width - n:] = 1
     return ids, mask
+
+
+def scaled_logit_model(family: str, scale: float, *, vocab: int, layers: int) -> torch.nn.Module:
+    """A tiny random Granite (logits / `scale`) or Cohere (logits x `scale`): a head that scales the logits."""
+    base = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = GraniteConfig(**base, logits_scaling=scale) if family == "granite" else CohereConfig(**base,
+                                                                                                 logit_scale=scale)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()

@@ -202,16 +202,11 @@ def test_labels_are_measured_on_the_logits_the_model_serves(family: str, ragged_
     """Granite divides its logits by `logits_scaling` and Cohere multiplies them by `logit_scale` after the head:
     KL / NLL labels, the perplexity path and its certificate must see those logits. Reference: the model's own
     logits, stock and with every token served its exit at layer 4 (the model's forward through TIDE's hook)."""
-    import transformers as tf
+    from helpers import scaled_logit_model
 
     import tide_hf
 
-    base = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=9, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=64)
-    config = (tf.GraniteConfig(**base, logits_scaling=0.25) if family == "granite"
-              else tf.CohereConfig(**base, logit_scale=4.0))
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    model = scaled_logit_model(family, 0.25 if family == "granite" else 4.0, vocab=256, layers=9)
     with torch.no_grad():  # norms away from 1 and a peaked head: exits at layer 4 are far from the final layer
         for param in model.parameters():
             if param.dim() == 1:

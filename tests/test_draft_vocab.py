@@ -88,14 +88,9 @@ def test_draft_head_is_the_model_head_on_the_draft_vocabulary(bias, softcap) -> 
 def test_draft_head_scales_logits_like_the_model(family: str) -> None:
     """Granite divides its logits by `logits_scaling`, Cohere multiplies them by `logit_scale`: sampled drafts
     need the model's own distribution. Reference: the model's own logits from its forward."""
-    import transformers as tf
+    from helpers import scaled_logit_model
 
-    base = dict(vocab_size=600, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=64)
-    config = (tf.GraniteConfig(**base, logits_scaling=4.0) if family == "granite"
-              else tf.CohereConfig(**base, logit_scale=0.3))
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    model = scaled_logit_model(family, 4.0 if family == "granite" else 0.3, vocab=600, layers=5)
     adapter = get_adapter(model)
     router = ranked_router(model, torch.randperm(600)[:512], {"256": 0.5, "512": 0.9})
     ids = torch.randint(3, 600, (1, 6), generator=torch.Generator().manual_seed(1))

@@ -49,15 +49,11 @@ class DraftHead:
         self.ids = router.draft_vocab[:size].to(head.weight.device)
         self.weight = head.weight.index_select(0, self.ids)  # one copy per call: the head may change between calls
         self.bias = None if head.bias is None else head.bias.index_select(0, self.ids)
-        self.scale, self.softcap = adapter.logit_scale, adapter.logit_softcap
+        self.finish = adapter.finish  # the logit scale and soft-cap, as on the whole vocabulary
 
     def __call__(self, normed: torch.Tensor) -> torch.Tensor:
         """Vocabulary-wide logits (rows, vocab) from final-normed states (rows, hidden): the model's on the draft
         vocabulary, -inf elsewhere."""
-        logits = F.linear(normed.to(self.weight.device, self.weight.dtype), self.weight, self.bias)
-        if self.scale != 1.0:
-            logits = logits * self.scale
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
+        logits = self.finish(F.linear(normed.to(self.weight.device, self.weight.dtype), self.weight, self.bias))
         out = logits.new_full((logits.shape[0], self.vocab), float("-inf"))
         return out.index_copy_(1, self.ids, logits)

@@ -110,12 +110,15 @@ class ModelAdapter:
         out = normed
         if self.pre_head is not None:
             out = self.pre_head(out)
-        out = self.lm_head(out)
+        return self.finish(self.lm_head(out))
+
+    def finish(self, logits: torch.Tensor) -> torch.Tensor:
+        """What the model does to its LM head's logits: the family's logit scale, then soft-capping."""
         if self.logit_scale != 1.0:
-            out = out * self.logit_scale
+            logits = logits * self.logit_scale
         if self.logit_softcap:
-            out = torch.tanh(out / self.logit_softcap) * self.logit_softcap
-        return out
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits
 
 
 def _get(root: nn.Module, path: str) -> nn.Module | None:

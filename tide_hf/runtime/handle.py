@@ -23,7 +23,7 @@ from torch import nn
 
 from ..errors import TideArgumentError, TideConcurrencyError, TideUnsupportedError
 from ..kernels import NormSpec, norm_router_scores, norm_spec
-from ..modeling import ModelAdapter, TideRouter, check_head, get_adapter, layer_output
+from ..modeling import ModelAdapter, TideRouter, get_adapter, layer_output
 from ..modeling.devices import execution_device, onloaded
 from ..modeling.targets import check_served, select
 from .compiled import install_compiled_call
@@ -106,7 +106,7 @@ class TideHandle:
         """
         if self.options.kv != "recompute" or cache is None:
             return None
-        return self._pending.setdefault(cache, KVRecompute(self.num_layers))
+        return self._pending.get(cache) or self._pending.setdefault(cache, KVRecompute(self.num_layers))
 
     def __deepcopy__(self, memo: dict) -> TideHandle:  # reached through the hooks of `copy.deepcopy(model)`
         raise TideArgumentError("an attached model cannot be deep-copied (its hooks belong to this attach): copy "
@@ -375,9 +375,7 @@ def _build(model: nn.Module, router: TideRouter, *, min_agreement: float | None 
         target=target,
     )
     options.validate(adapter.num_layers, router.checkpoint_layers)
-    plan = check_mode(model, adapter, options, router.checkpoint_layers)
-    if options.mode == "speculative" and cfg.draft_vocab_coverage:  # drafts may use the adapter's head, sliced
-        check_head(model, adapter)
+    plan = check_mode(model, adapter, options, router)
     return handle_class(model, router, options, adapter, owner=owner, skip_plan=plan)
 
 

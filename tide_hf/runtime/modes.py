@@ -6,18 +6,19 @@ from torch import nn
 
 from ..compat import is_stateful
 from ..errors import TideUnsupportedError
-from ..modeling import ModelAdapter, text_config
+from ..modeling import ModelAdapter, TideRouter, check_head, text_config
 from .options import TideOptions
 from .skip import LayerSkipper, SkipPlan
 
 
-def check_mode(model: nn.Module, adapter: ModelAdapter, options: TideOptions, checkpoints: list[int]
+def check_mode(model: nn.Module, adapter: ModelAdapter, options: TideOptions, router: TideRouter
                ) -> SkipPlan | None:
     """Raise a `TideUnsupportedError` when `options.mode` cannot run on `model`: skip mode where a layer it may
     skip cannot keep its cache sound (`LayerSkipper.check`, which also returns skip mode's plan); speculative
     mode on a model that keeps a recurrent state (stock assisted decoding takes back rejected drafts by cropping
-    the KV cache, and transformers refuses such a model only once generate runs)."""
-    eligible = [k for k in checkpoints if k >= options.min_layers and options.threshold(k) < 1.0]
+    the KV cache, and transformers refuses such a model only once generate runs). Speculative drafts over a
+    draft vocabulary use the adapter's head, sliced: it is checked against the model's (`check_head`)."""
+    eligible = [k for k in router.checkpoint_layers if k >= options.min_layers and options.threshold(k) < 1.0]
     if options.mode == "skip" and eligible:
         return LayerSkipper.check(model, adapter.layers, eligible[0], options.kv, text_config(model))
     if options.mode == "speculative" and is_stateful(model):
@@ -25,4 +26,6 @@ def check_mode(model: nn.Module, adapter: ModelAdapter, options: TideOptions, ch
             f"mode='speculative' on {type(model).__name__}: it keeps a recurrent (state-space or linear-attention) "
             "state, which assisted decoding cannot roll back to the last accepted token the way it crops a KV "
             "cache; use mode='select'")
+    if options.mode == "speculative" and router.config.draft_vocab_coverage:
+        check_head(model, adapter)
     return None

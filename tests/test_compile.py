@@ -196,3 +196,39 @@ def test_a_per_call_router_compiles_without_graph_breaks_and_other_threads_stay_
     finally:
         handle.detach()
     assert torch.equal(other["out"], stock)  # another thread's compiled stock call does not see the hooks
+
+
+@pytest.mark.parametrize("mode", ["select", "skip"])
+def test_chunked_prefill_compiles_no_graph_per_chunk(setup, mode: str) -> None:
+    """generate's chunked prefill sends every chunk through the compiled call: the chunks run uncompiled, as
+    generate's usual prefill does (select mode traced a graph per chunk, guarding on the prompt offset, and
+    `fullgraph=True` failed at dynamo's recompile limit after 8 chunks)."""
+    model, _, _, _ = setup
+    ids, mask = left_padded(lengths=(30, 27, 20))  # 10 chunks of 3
+    router = mixed_router(model, ids, mask)
+    options = dict(exit_threshold=0.5, min_layers=4, mode=mode)
+    settings = dict(cache_implementation="static", prefill_chunk_size=3)
+    with tide_hf.attach(model, router, **options) as handle:
+        eager = generate(model, ids, mask, 6, **settings)
+        eager_stats = handle.last_stats
+        torch._dynamo.reset()
+        counters.clear()
+        out = generate(model, ids, mask, 6, compile_config=compiled(), **settings)
+        assert torch.equal(out, eager)
+        assert handle.last_stats.prefill.tokens == eager_stats.prefill.tokens == int(mask.sum())
+        if mode == "select":
+            assert counters["stats"].get("unique_graphs", 0) == 1
+
+
+def test_per_call_routers_compile_past_the_recompile_limit() -> None:
+    """Each `generate(tide=router)` places new hooks, which the graphs of an earlier call guard against: all
+    shared one code object, and the 9th call failed at dynamo's recompile limit under `fullgraph=True`."""
+    model = make_model()
+    ids, mask = left_padded()
+    router = mixed_router(model, ids, mask)
+    router.config.exit_threshold, router.config.exit_paths = 0.5, {}
+    static = dict(cache_implementation="static")
+    eager = generate(model, ids, mask, 4, tide=router, **static)
+    torch._dynamo.reset()
+    for _ in range(torch._dynamo.config.recompile_limit + 2):
+        assert torch.equal(generate(model, ids, mask, 4, tide=router, compile_config=compiled(), **static), eager)

@@ -7,6 +7,7 @@ the call (nothing may be left behind).
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -24,6 +25,7 @@ from transformers import (
 import tide_hf
 from tide_hf import TideRouter, TideRouterConfig
 from tide_hf.eval.easy import make_near_identity
+from tide_hf.integrations import speculative as spec_module
 from tide_hf.integrations.draft import (
     DEFAULT_ACCEPTANCE,
     MAX_DRAFT_TOKENS,
@@ -349,29 +351,31 @@ def test_policy_falls_back_while_drafts_lose_and_probes(frozen_costs):
 
 
 # -- the model is left exactly as before ---------------------------------------------------------------
-class Boom(LogitsProcessor):
-    def __init__(self, after: int) -> None:
-        self.calls, self.after = 0, after
-
-    def __call__(self, input_ids, scores):
-        self.calls += 1
-        if self.calls > self.after:
-            raise RuntimeError("boom")
-        return scores
-
-
-@pytest.mark.parametrize("after", [1, 5])  # in the verification pass / inside a draft
-def test_model_restored_after_errors(after):
+@pytest.mark.parametrize("where", ["verification", "draft"])
+def test_model_restored_after_errors(where):
+    """An error raised in a full-depth forward (a hook on the last layer) or inside a draft (a hook on the draft
+    layer while `config.num_hidden_layers` is lowered) leaves the model exactly as before."""
     model = make_model("shallow")
     router = make_router(model, "always")
     before = snapshot(model)
     handle = tide_hf.attach(model, router, mode="speculative", exit_threshold=0.5, draft_layer=4)
+    layer = model.model.layers[-1 if where == "verification" else 3]
+    calls = []
+
+    def boom(*_):
+        if where == "verification" or model.config.num_hidden_layers == 4:
+            calls.append(1)
+            if len(calls) > 2:
+                raise RuntimeError("boom")
+
+    hook = layer.register_forward_hook(boom)
     try:
         with pytest.raises(RuntimeError, match="boom"):
-            model.generate(prompts(0)[0][:1], max_new_tokens=NEW, logits_processor=LogitsProcessorList([Boom(after)]))
+            model.generate(prompts(0)[0][:1], max_new_tokens=NEW, do_sample=False)
         assert "_get_candidate_generator" not in model.__dict__
         assert model.config.num_hidden_layers == NUM_LAYERS
     finally:
+        hook.remove()
         handle.detach()
     assert snapshot(model) == before
 
@@ -444,7 +448,6 @@ def test_smollm2_greedy_identical_to_stock(monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tide_hf.assets import smollm2_path, sotu_path
-    from tide_hf.integrations import speculative as spec_module
 
     try:
         path = smollm2_path()
@@ -655,3 +658,104 @@ def test_recurrent_state_models_are_refused_at_attach(family):
         tide_hf.attach(model, router, mode="speculative", draft_layer=2)
     assert snapshot(model) == before and tide_hf.get_handle(model) is None
     tide_hf.attach(model, router, mode="select").detach()
+
+
+# -- settings stock assisted decoding would not reproduce -------------------------------------------------
+class ForceAtCall(LogitsProcessor):
+    """Force token 77 at its 6th call: stock calls it once per emitted token, drafts would call it more often."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, input_ids, scores):
+        self.calls += 1
+        if self.calls == 6:
+            scores = torch.full_like(scores, -float("inf"))
+            scores[:, 77] = 0
+        return scores
+
+
+def test_settings_assisted_decoding_changes_run_stock(monkeypatch):
+    """Stop strings set in a generation config, a one-row logits processor that counts its calls, and
+    `assistant_ensemble_weight` (stock sampling ignores it) run stock generate: equal output, fallback named.
+    Drafting is forced every round, so a missed fallback would change the output."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from tide_hf.assets import smollm2_path
+
+    monkeypatch.setattr(spec_module.DraftEstimates, "plan", lambda _self, room: (min(room, 4), 1.0))
+    model = make_model("shallow")
+    router = make_router(model, "always")
+    tok = AutoTokenizer.from_pretrained(smollm2_path())
+
+    def stop_string(ids):  # an ASCII new token from the 3rd on, not generated before it (None: there is none)
+        with torch.no_grad():
+            new = model.generate(ids, max_new_tokens=NEW, do_sample=False)[0, ids.shape[1]:].tolist()
+        return next((tok.decode([t]) for i, t in enumerate(new) if i >= 2 and t not in new[:i]
+                     and tok.decode([t]).strip().isascii() and tok.decode([t]).strip().isalnum()), None)
+
+    ids, stop = next((ids, stop) for ids in (prompts(seed)[0][:1] for seed in range(8))
+                     if (stop := stop_string(ids)) is not None)
+    stop_config = GenerationConfig(max_new_tokens=NEW, do_sample=False, stop_strings=[stop])
+    cases = {
+        "stop_strings": ({"generation_config": stop_config, "tokenizer": tok}, "stop strings"),
+        "processor": ({"max_new_tokens": NEW, "do_sample": False}, "user logits processors"),
+        "ensemble": ({"max_new_tokens": NEW, "do_sample": False, "assistant_ensemble_weight": 0.5},
+                     "assistant_ensemble_weight"),
+    }
+    for name, (call, reason) in cases.items():
+        extra = {"logits_processor": LogitsProcessorList([ForceAtCall()])} if name == "processor" else {}
+        with torch.no_grad():
+            stock = model.generate(ids, **call, **extra)
+        extra = {"logits_processor": LogitsProcessorList([ForceAtCall()])} if name == "processor" else {}
+        out, stats = speculative(model, router, ids, **call, **extra)
+        assert torch.equal(out, stock), name
+        assert reason in (stats.speculative["fallback"] or ""), name
+        if name == "stop_strings":
+            assert out.shape[1] < ids.shape[1] + NEW  # stopped early, as stock did
+    out, stats = speculative(model, router, ids, max_new_tokens=NEW, do_sample=False)
+    assert stats.speculative["fallback"] is None and stats.speculative["drafted"] > 0  # the control drafts
+
+
+def test_draft_ending_in_eos_counts_as_accepted(monkeypatch):
+    """Stock reports a fully matched draft whose last token is EOS one short (it emits that EOS as the
+    verification's own token); the statistics and the policy's acceptance must count it accepted."""
+    monkeypatch.setattr(spec_module.DraftEstimates, "plan", lambda _self, room: (min(room, 4), 1.0))
+    model = make_model("shallow")
+    router = make_router(model, "always")
+
+    def fresh(ids):  # a new token from the 4th on, not generated before it (None: there is none)
+        with torch.no_grad():
+            new = model.generate(ids, max_new_tokens=NEW, do_sample=False)[0, ids.shape[1]:].tolist()
+        return next((t for i, t in enumerate(new) if i >= 3 and t not in new[:i]), None)
+
+    ids, eos = next((ids, eos) for ids in (prompts(seed)[0][:1] for seed in range(8))
+                    if (eos := fresh(ids)) is not None)
+    call = {"max_new_tokens": NEW, "do_sample": False, "eos_token_id": eos, "pad_token_id": 0}
+    with torch.no_grad():
+        stock = model.generate(ids, **call)
+    out, stats = speculative(model, router, ids, **call)
+    spec = stats.speculative
+    assert torch.equal(out, stock) and out[0, -1] == eos
+    assert spec["drafted"] > 0 and spec["accepted"] == spec["drafted"]  # every draft of the shallow model is right
+
+
+def test_generation_config_with_speculative_logs_nothing_stock_does_not(caplog):
+    """Speculative mode puts its draft layer into the given generation config, not beside it as a keyword
+    (transformers warns about a generation_config given together with generation keywords)."""
+    from transformers import GenerationConfig
+    from transformers.utils import logging as hf_logging
+
+    model = make_model("shallow")
+    router = make_router(model, "always")
+    config = GenerationConfig(max_new_tokens=8, do_sample=False)
+    logging.Logger.warning_once.cache_clear()  # (transformers logs that warning once per process)
+    hf_logging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING"):
+            out, _ = speculative(model, router, prompts(0)[0][:1], generation_config=config)
+    finally:
+        hf_logging.disable_propagation()
+    assert "generation_config" not in caplog.text and config.assistant_early_exit is None
+    with torch.no_grad():
+        assert torch.equal(out, model.generate(prompts(0)[0][:1], generation_config=config))

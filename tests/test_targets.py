@@ -244,6 +244,23 @@ def test_a_perplexity_point_with_no_spread_is_not_certified() -> None:
     assert select(paths, [4, 8], max_perplexity_increase=0.0, confidence=0.999999) == {4: 1.0, 8: 1.0}
 
 
+def test_a_perplexity_target_passes_the_closed_start_of_its_path() -> None:
+    """Every path starts with all checkpoints closed: nothing exits there, so its NLL changes are all 0 (no spread).
+    That point needs no test (its risk is 0 by construction); treated as untestable it stopped the fixed sequence at
+    once, and no perplexity target opened any checkpoint on real routers. Later points are tested: a point with
+    spread well within the bound is certified, one without spread ends the sequence."""
+    from tide_hf.modeling.targets import select
+
+    n = 1000
+    changes = torch.cat([torch.full((10,), 0.02), torch.full((10,), -0.01), torch.zeros(n - 20)]).double()
+    paths = {"perplexity": {"thresholds": [[1.0, 1.0], [0.9, 1.0], [0.5, 1.0]], "errors": [0, 0, 0], "n": n,
+                            "nll_sum": [0.0, float(changes.sum()), 0.0],
+                            "nll_sumsq": [0.0, float(changes.pow(2).sum()), 0.0], "n_next": n}}
+    assert select(paths, [4, 8], max_perplexity_increase=0.05, confidence=0.9) == {4: 0.9, 8: 1.0}
+    paths["perplexity"]["thresholds"][0] = [0.99, 1.0]  # an open start is tested like any point: no spread, none
+    assert select(paths, [4, 8], max_perplexity_increase=0.05, confidence=0.9) == {4: 1.0, 8: 1.0}
+
+
 def test_an_always_right_checkpoint_opens_under_an_agreement_target() -> None:
     """Layers after 4 add nothing: every exit at 4 is right, so its router is the constant 'always exit'. Its score
     was sigmoid(30) == 1.0 in fp32, the closed threshold: no candidate, and no target could open it."""

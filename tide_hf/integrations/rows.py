@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from ..errors import TideArgumentError
+from ..runtime import Session
 
 # generate() arguments assisted decoding cannot take (or would change the output with)
-FALLBACK_KWARGS = ("assistant_model", "custom_generate", "past_key_values", "inputs_embeds", "stop_strings",
-                   "negative_prompt_ids")
+FALLBACK_KWARGS = ("assistant_model", "custom_generate", "past_key_values", "inputs_embeds", "negative_prompt_ids")
 
 
 def fallback_reason(model: nn.Module, args: tuple, kwargs: dict, batch: int, gc: Any) -> str | None:
@@ -28,8 +28,13 @@ def fallback_reason(model: nn.Module, args: tuple, kwargs: dict, batch: int, gc:
     given = [k for k in FALLBACK_KWARGS if kwargs.get(k) is not None]
     if given:
         return f"{given[0]}= given"
-    if kwargs.get("stopping_criteria"):
-        return "custom stopping criteria (assisted decoding checks them once per round, not per token)"
+    if kwargs.get("stopping_criteria") or gc.stop_strings:
+        return "stop strings or custom stopping criteria (assisted decoding checks them once per round, not per token)"
+    if kwargs.get("logits_processor"):  # (a draft position the verifier rejects is one stock never scores)
+        return "user logits processors (drafts call them for positions stock never scores: one that keeps state " \
+               "between calls would see other calls)"
+    if getattr(gc, "assistant_ensemble_weight", None) is not None:
+        return "assistant_ensemble_weight (stock sampling ignores it; assisted decoding would mix the drafts in)"
     if model.device.type == "meta":  # stock moves candidates to `model.device`, its first parameter's device
         return "the model's first parameter is offloaded (on the meta device)"
     if gc.output_attentions and gc.return_dict_in_generate:
@@ -42,8 +47,6 @@ def fallback_reason(model: nn.Module, args: tuple, kwargs: dict, batch: int, gc:
         return "classifier-free guidance or DoLa"
     if gc.assistant_early_exit is not None or gc.prompt_lookup_num_tokens is not None:
         return "another assisted-decoding method requested"
-    if batch > 1 and kwargs.get("logits_processor"):
-        return "logits processors with batch size > 1 (decoded row by row, a processor would see one row at a time)"
     if batch > 1 and gc.max_time is not None:
         return "max_time with batch size > 1 (decoded row by row, each row would get the whole time)"
     if batch > 1 and (gc.return_dict_in_generate or kwargs.get("streamer") is not None):
@@ -103,3 +106,13 @@ def stack_rows(rows: list[torch.Tensor], gc: Any) -> torch.Tensor:
         raise TideArgumentError("rows ended at different lengths but there is neither a pad nor an EOS token id to "
                                 "pad with")
     return torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=pad or 0) for r in rows], dim=0)
+
+
+def count_full_depth(session: Session, num_layers: int, ids: torch.Tensor, mask: torch.Tensor | None, out: Any,
+                     pad: Any) -> None:
+    """Count a call's tokens from its output, every one at full depth (each emitted token came from the full
+    model), as select mode counts them."""
+    prefill, decode = count_tokens(ids, mask, out if isinstance(out, torch.Tensor) else out.sequences, pad,
+                                   session.eos)
+    session.stats.prefill.add(torch.full((prefill,), num_layers), num_layers)
+    session.stats.decode.add(torch.full((decode,), num_layers), num_layers)

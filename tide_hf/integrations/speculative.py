@@ -32,16 +32,17 @@ same): `tide-hf bench --modes` reports the divergence rate beside transformers' 
 
 Stock assisted decoding supports batch size 1 only, so a batch is decoded row by row (each row keeps its
 left padding and mask) and re-assembled like stock batched generate pads it. Configurations assisted
-decoding cannot reproduce exactly (beam search, custom stopping criteria, user caches, and with several rows
-user logits processors and `max_time`: `rows.fallback_reason`) run stock generate instead: the output is the
-same, only the speed-up is missing. Either way the statistics count every token at full depth, as select
-mode counts them (a fallback through the handle's own hooks, told to decide no exits). Like stock early-exit
-drafting, a draft forward lowers the shared `config.num_hidden_layers` (of the module owning the layers): do
-not run other forwards of the same model from another thread during a speculative call.
+decoding cannot reproduce exactly (beam search, stop strings and custom stopping criteria, user logits
+processors, user caches, and with several rows `max_time`: `rows.fallback_reason`) run stock generate
+instead: the output is the same, only the speed-up is missing. Either way the statistics count every token
+at full depth, as select mode counts them (a fallback through the handle's own hooks, told to decide no exits).
+Like stock early-exit drafting, a draft forward lowers the shared `config.num_hidden_layers` (of the module
+owning the layers): forwards of the same model from other threads wait while a speculative call runs.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -70,7 +71,7 @@ from .draft import (
 )
 from .processor import TideLogitsProcessor
 from .reuse import DraftReuse, install_reuse
-from .rows import count_tokens, fallback_reason, row_kwargs, stack_rows
+from .rows import count_full_depth, fallback_reason, row_kwargs, stack_rows
 from .vocab import DraftHead, coverage
 
 # A rejected draft token costs one draft forward, nothing else: the gate stops a draft only where the router
@@ -171,6 +172,7 @@ class TideCandidateGenerator(CandidateGenerator):
         self.prefill = True  # the open round is the prefill (not a plain step's time)
         # (proposed, draft forwards, their seconds, whether the verification is a timing sample) of the open round
         self.last: tuple[int, int, float, bool] | None = None
+        self.ended, self.draft_end = False, None  # whether the last round's draft ended with an EOS id; its last token
         self.declined = 0  # rounds the plan declined since the last drafted one
         self.since_plain = 0  # rounds since the last plain step (timed: drafting rounds leave no plain time)
 
@@ -230,6 +232,8 @@ class TideCandidateGenerator(CandidateGenerator):
             self.stats.plain_steps += 1
             return
         proposed = self.last[0]
+        if self.ended and matches == proposed - 1 and bool(input_ids[0, -1] == self.draft_end):
+            matches = proposed  # stock counts a matched final EOS one short: it emits it as the verifier's own token
         self.stats.rounds += 1
         self.stats.drafted += proposed
         self.stats.accepted += matches
@@ -271,6 +275,8 @@ class TideCandidateGenerator(CandidateGenerator):
         self.stats.tail_forwards += tail
         # a verification whose first position the last draft forward ran is cheaper than the model's v(k + 1)
         self.last, self.window = (proposed, forwards, draft_seconds, tail or not reuse), proposed + 1
+        self.draft_end = ids[0, -1]
+        self.ended = proposed > 0 and self.eos is not None and bool(torch.isin(self.draft_end, self.eos.to(ids.device)))
         if proposed == 0:
             return input_ids, None
         return ids, (torch.stack(scores, dim=1) if self.do_sample else None)
@@ -325,7 +331,8 @@ def _patched(model: nn.Module, factory: Callable[..., CandidateGenerator], handl
         patches.hook(layers[layer - 1].register_forward_hook(lambda *a: owner[-1].gate_hook(*a) if owner else None))
         patches.hook(layers[layer].register_forward_pre_hook(lambda *a: owner[-1].depth_guard(*a) if owner else None))
         patches.set_attr(model, CANDIDATE_GENERATOR_FACTORY, factory)
-        yield
+        with handle.exclusive():  # other threads' forwards wait: drafts truncate the shared model
+            yield
 
 
 # -- entry point ------------------------------------------------------------------------------------------
@@ -345,7 +352,7 @@ def generate(handle: TideHandle, original: Callable, model: nn.Module, args: tup
                                            is not None or config.prompt_lookup_num_tokens is not None):
             with handle.disabled():  # assisted decoding chosen by the user: its nested generate calls stay stock
                 out = original(model, *args, **kwargs)
-            _count_full_depth(handle, session, inputs, kwargs.get("attention_mask"), out, config)
+            count_full_depth(session, handle.num_layers, inputs, kwargs.get("attention_mask"), out, config.pad_token_id)
             return out
         if stats.fallback is not None:  # stock ran every layer: counted as select mode counts it, with no exits
             session.full_depth = True
@@ -374,19 +381,15 @@ def _generate_row(handle: TideHandle, original: Callable, model: nn.Module, kwar
         return owner[-1]
 
     with _patched(model, factory, handle, stats.draft_layer, owner):
-        out = original(model, **kwargs, assistant_early_exit=stats.draft_layer)
+        given = kwargs.get("generation_config")
+        if given is None:
+            out = original(model, **kwargs, assistant_early_exit=stats.draft_layer)
+        else:  # in the config given: stock warns about a generation_config given beside generation keywords
+            given = copy.deepcopy(given)
+            given.assistant_early_exit = stats.draft_layer
+            out = original(model, **{**kwargs, "generation_config": given})
     stats.reused += sum(generator.reuse.verified for generator in owner)
-    _count_full_depth(handle, session, kwargs.get("inputs", kwargs.get("input_ids")), kwargs.get("attention_mask"),
-                      out, config)
+    count_full_depth(session, handle.num_layers, kwargs.get("inputs", kwargs.get("input_ids")),
+                     kwargs.get("attention_mask"), out, config.pad_token_id)
     return out
 
-
-def _count_full_depth(handle: TideHandle, session: Session, ids: torch.Tensor, mask: torch.Tensor | None, out: Any,
-                      config: GenerationConfig) -> None:
-    """Count a call's tokens from its output, every one at full depth (each emitted token came from the full
-    model), as select mode counts them."""
-    prefill, decode = count_tokens(ids, mask, out if isinstance(out, torch.Tensor) else out.sequences,
-                                   config.pad_token_id, session.eos)
-    full = handle.num_layers
-    session.stats.prefill.add(torch.full((prefill,), full), full)
-    session.stats.decode.add(torch.full((decode,), full), full)

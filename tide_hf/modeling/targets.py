@@ -72,8 +72,11 @@ def select(paths: dict[str, Any], checkpoints: list[int], *, min_agreement: floa
         raise TideTargetError(f"this router has no calibrated {kind} path: recalibrate it with this tide_hf "
                               "version, or pass exit_threshold=")
     delta = 1.0 - float(confidence)
-    chosen = 0
+    chosen = None
     for j in range(len(path["thresholds"])):
+        if all(float(t) >= 1.0 for t in path["thresholds"][j]):  # every checkpoint closed (the path's start):
+            chosen = j  # nothing exits, so the risk is 0 by construction, not a hypothesis to test
+            continue
         pvalues = []
         if min_agreement is not None:
             pvalues.append(binomial_pvalue(int(path["errors"][j]), int(path["n"]), 1.0 - float(min_agreement)))
@@ -83,6 +86,8 @@ def select(paths: dict[str, Any], checkpoints: list[int], *, min_agreement: floa
         if max(pvalues) > delta:
             break
         chosen = j
+    if chosen is None:  # not even the first point: every checkpoint stays closed
+        return dict.fromkeys(checkpoints, 1.0)
     return {k: float(t) for k, t in zip(checkpoints, path["thresholds"][chosen])}
 
 

@@ -9,6 +9,7 @@ hooks, silently without exits. While attached, `get_compiled_call` compiles a di
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -21,31 +22,44 @@ from .patching import Patches
 COMPILED_CALL = "get_compiled_call"  # transformers' PreTrainedModel method that compiles decoding steps
 
 
-def model_call(model: nn.Module) -> Callable:
-    """`model(...)` behind a code object of tide_hf's own, whose compiled graphs are TIDE's alone."""
+def model_call(model: nn.Module, name: str) -> Callable:
+    """`model(...)` behind a code object of its own, named `name`: dynamo caches graphs (and counts recompiles)
+    per code object, so the graphs of one attach are neither guarded against nor counted with another's (each
+    attach places new hooks, which an earlier attach's graphs would fail to match)."""
     def call(*args: Any, **kwargs: Any) -> Any:
         return model(*args, **kwargs)
-    return call
+    return types.FunctionType(call.__code__.replace(co_name=name), call.__globals__, name, None, call.__closure__)
 
 
 class CompiledCall:
     """Stands in for `model.get_compiled_call` while a handle is attached (same signature and caching)."""
 
-    def __init__(self, model: nn.Module, steps: Callable[[Any], Callable] | None = None) -> None:
-        """`steps(config)`, when given, makes the compiled step instead (skip mode's segments, `segments.py`)."""
-        self.model, self.steps = model, steps
+    def __init__(self, model: nn.Module, steps: Callable[[Any], Callable] | None = None,
+                 eager: Callable[[], bool] | None = None) -> None:
+        """`steps(config)`, when given, makes the compiled step instead (skip mode's segments, `segments.py`);
+        while `eager()` holds, the model runs uncompiled (a prompt prefilled in chunks: generate's usual prefill
+        is not compiled, and each chunk would meet the graphs with a new prompt offset and width)."""
+        self.model, self.steps, self.eager = model, steps, eager
         self._compiled: tuple[Any, Callable] | None = None
 
     def __call__(self, compile_config: Any = None) -> Callable:
         config = compile_config or getattr(self.model.generation_config, "compile_config", None) or CompileConfig()
         if self.steps is not None:
-            return self.steps(config)
-        if self._compiled is None or self._compiled[0] != config:
-            self._compiled = (config, torch.compile(model_call(self.model), **config.to_dict()))
-        return self._compiled[1]
+            compiled = self.steps(config)
+        else:
+            if self._compiled is None or self._compiled[0] != config:
+                self._compiled = (config, torch.compile(model_call(self.model, f"tide_step_{id(self)}"),
+                                                        **config.to_dict()))
+            compiled = self._compiled[1]
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            return (self.model if self.eager is not None and self.eager() else compiled)(*args, **kwargs)
+        return step
 
 
-def install_compiled_call(model: nn.Module, patches: Patches, steps: Callable[[Any], Callable] | None = None) -> None:
-    """Replace `model.get_compiled_call` (recorded in `patches`) when the model has one; `steps`: see `CompiledCall`."""
+def install_compiled_call(model: nn.Module, patches: Patches, steps: Callable[[Any], Callable] | None = None,
+                          eager: Callable[[], bool] | None = None) -> None:
+    """Replace `model.get_compiled_call` (recorded in `patches`) when the model has one; `steps`, `eager`: see
+    `CompiledCall`."""
     if hasattr(model, COMPILED_CALL):
-        patches.set_attr(model, COMPILED_CALL, CompiledCall(model, steps))
+        patches.set_attr(model, COMPILED_CALL, CompiledCall(model, steps, eager))

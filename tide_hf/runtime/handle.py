@@ -25,7 +25,6 @@ from ..errors import TideArgumentError, TideConcurrencyError, TideUnsupportedErr
 from ..kernels import NormSpec, norm_router_scores, norm_spec
 from ..modeling import ModelAdapter, TideRouter, get_adapter, layer_output
 from ..modeling.devices import execution_device, onloaded
-from ..modeling.targets import check_served, select
 from .compiled import install_compiled_call
 from .kv import KVRecompute
 from .modes import check_mode
@@ -60,6 +59,7 @@ class TideHandle:
         self.checkpoints = [k for k in router.checkpoint_layers if k >= options.min_layers]
         self.open_checkpoints = [k for k in self.checkpoints if options.threshold(k) < 1.0]  # those that can exit
         self.enabled = True
+        self._exclusive, self._exclusive_lock = None, threading.Lock()  # see `exclusive`
         self._local = threading.local()
         self._local.owner = owner is not None  # set in the owner's thread only (`_bypassed`)
         self._pending: weakref.WeakKeyDictionary[Any, KVRecompute] = weakref.WeakKeyDictionary()
@@ -87,7 +87,8 @@ class TideHandle:
                                      self.recompute_state, self._skipper, self._patches) \
             if self._skipper is not None and SegmentedDecoding.supported(adapter.layers) else None
         # transformers' compiled decoding steps: graphs of TIDE's own (skip mode: one per segment of layers)
-        install_compiled_call(model, self._patches, None if segments is None else segments.compiled_call)
+        install_compiled_call(model, self._patches, None if segments is None else segments.compiled_call,
+                              self._prefilling)
 
     def __enter__(self) -> TideHandle:
         return self
@@ -119,6 +120,8 @@ class TideHandle:
         return _LAST_STATS.get(self.model)
 
     def _new_session(self, generating: bool, eos: torch.Tensor | None = None) -> Session:
+        if self._skipper is not None and self._skipper.fused is not None and not torch.compiler.is_compiling():
+            self._skipper.fused.refresh()  # the model may have been cast, moved or loaded since the last call
         return Session(ExitStats(self.num_layers, list(self.router.checkpoint_layers)), generating, eos)
 
     @contextmanager
@@ -148,6 +151,17 @@ class TideHandle:
         finally:
             self._local.disabled = previous
 
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Only this thread's forwards run while the block does; other threads' wait for its end (a speculative
+        call's drafts lower the shared `config.num_hidden_layers`)."""
+        with self._exclusive_lock:
+            self._exclusive = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._exclusive = None
+
     def is_disabled(self) -> bool:
         """Inside `disabled()` in this thread: a nested `generate` (stock assisted decoding's assistant
         calls it on the model itself) must run stock too."""
@@ -164,8 +178,16 @@ class TideHandle:
 
     # -- hooks ------------------------------------------------------------------------------------
     def _begin(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._exclusive is not None and self._exclusive != threading.get_ident():
+            with self._exclusive_lock:  # another thread's `exclusive` block: wait for its end
+                pass
         if self._bypassed():  # a stock call: no exits and no stats (keeps `last_stats` of the last TIDE call)
             self._local.step = None
+            cache = kwargs.get("past_key_values")  # kv="recompute": a cache TIDE filled, tokens waiting in it
+            waiting = self._pending.get(cache) if cache is not None and len(self._pending) else None
+            if waiting is not None:  # its waiting tokens catch up in this call: padding from its 2-D mask
+                mask = kwargs.get("attention_mask")
+                waiting.stock_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
             return
         if self._skipper is not None and kwargs.get("output_attentions", self.model.config.output_attentions):
             raise TideUnsupportedError("output_attentions with mode='skip': the layers it skips compute no attention "
@@ -231,6 +253,11 @@ class TideHandle:
                     or self._local.session.full_depth:
                 return  # (skip mode: once every row has exited, later checkpoints have nothing to decide)
             hidden = layer_output(output)
+            if hidden.shape[:2] != step.exit_layer.shape:
+                raise TideUnsupportedError(
+                    f"checkpoint layer {layer} got {tuple(hidden.shape[:2])} (rows, positions) where the model's "
+                    f"forward got {tuple(step.exit_layer.shape)}: a forward pre-hook registered on the model after "
+                    "attach changed its inputs; register it before attach")
             fresh = step.exit_layer == self.num_layers
             exits = fresh & self.exit_mask(self.score(layer, hidden), hidden, threshold).to(fresh.device)
             # Device-side writes only (no `exits.any()`, no row indices): select mode never waits for the device.
@@ -257,26 +284,13 @@ class TideHandle:
 
     # -- accounting -------------------------------------------------------------------------------
     def commit(self, session: Session, last_tokens: torch.Tensor | None) -> None:
-        """Move the pending forwards of `session` into its stats.
+        """Move the pending forwards of `session` into its stats (`Session.commit`)."""
+        session.commit(last_tokens, self.num_layers)
 
-        The first forwards of a generate call are prefill (every non-padding prompt position); later
-        ones are decode steps, of which only the newest position of rows still generating counts.
-        `last_tokens` is the token each row fed into the step (None outside generate).
-        """
-        if session.eos is not None and session.finished is None and session.pending:  # rows finished, for
-            # `new_step`: a tensor from the prefill on, so compiled decoding steps trace one graph
-            first = session.pending[0].exit_layer
-            session.finished = torch.zeros(first.shape[0], dtype=torch.bool, device=first.device)
-        if last_tokens is not None and session.finished is not None:
-            ended = torch.isin(last_tokens, session.eos.to(last_tokens.device)) & session.started_decode
-            session.finished = session.finished | ended.to(session.finished.device)
-        for step in filter(lambda step: step.counted, session.pending):  # (the call's own stream only)
-            executed = self.num_layers - step.skipped
-            if not session.generating or not session.started_decode:
-                session.stats.prefill.add(step.exit_layer, executed, step.valid, step.recomputed)
-                continue
-            session.stats.decode.add(step.exit_layer[:, -1], executed, step.valid[:, -1], step.recomputed)
-        session.pending.clear()
+    def _prefilling(self) -> bool:
+        """A generate call in this thread before its first decode step."""
+        session = getattr(self._local, "session", None)
+        return session is not None and session.generating and not session.started_decode
 
     def detach(self) -> None:
         """Remove every hook and replaced forward: the model is exactly as before `attach`.
@@ -347,33 +361,9 @@ def _build(model: nn.Module, router: TideRouter, *, min_agreement: float | None 
     """Check everything, then hook the model (the caller holds the registry lock and registers the handle)."""
     adapter = get_adapter(model)
     router.check_compatible(model, ignore_fingerprint=ignore_fingerprint, adapter=adapter)
-    cfg = router.config
-    targeted = min_agreement is not None or max_perplexity_increase is not None
-    if exit_threshold is not None and (targeted or confidence is not None):
-        raise TideArgumentError("give either exit_threshold (one global threshold) or a quality target "
-                                "(min_agreement / max_perplexity_increase / confidence), not both")
-    if exit_threshold is None and not targeted and cfg.exit_paths and cfg.min_agreement is not None:
-        min_agreement = cfg.min_agreement  # the router's default target
-    thresholds, target = None, None
-    if exit_threshold is None and (min_agreement is not None or max_perplexity_increase is not None):
-        level = cfg.confidence if confidence is None else confidence
-        thresholds = select(cfg.exit_paths, list(cfg.checkpoint_layers), min_agreement=min_agreement,
-                            max_perplexity_increase=max_perplexity_increase, confidence=level)
-        target = {k: v for k, v in (("min_agreement", min_agreement), ("confidence", level),
-                                    ("max_perplexity_increase", max_perplexity_increase)) if v is not None}
-        check_served(thresholds, cfg.min_layers if min_layers is None else min_layers, cfg.min_layers)
-    elif confidence is not None:
-        raise TideArgumentError("confidence applies only with a quality target (min_agreement= or "
-                                "max_perplexity_increase=), and none is in effect for this router")
-    options = TideOptions(
-        exit_threshold=cfg.exit_threshold if exit_threshold is None else exit_threshold,
-        min_layers=cfg.min_layers if min_layers is None else min_layers,
-        mode=mode,
-        kv=kv,
-        draft_layer=draft_layer,
-        thresholds=thresholds,
-        target=target,
-    )
+    options = TideOptions.resolve(router.config, min_agreement=min_agreement, confidence=confidence,
+                                  max_perplexity_increase=max_perplexity_increase, exit_threshold=exit_threshold,
+                                  min_layers=min_layers, mode=mode, kv=kv, draft_layer=draft_layer)
     options.validate(adapter.num_layers, router.checkpoint_layers)
     plan = check_mode(model, adapter, options, router)
     return handle_class(model, router, options, adapter, owner=owner, skip_plan=plan)

@@ -98,11 +98,15 @@ class FusedPropagation:
             return None
         return cls(layers, attns, specs, first_number)
 
-    @torch.no_grad()
     def __init__(self, layers: list[nn.Module], attns: list[nn.Module], specs: list[Any], first_number: int) -> None:
         self.layers, self.first_number, self.spec = layers, first_number, specs[0]
         self.head_dim, self.k_out = attns[0].head_dim, attns[0].k_proj.out_features
         self.width = self.k_out + attns[0].v_proj.out_features
+        self._fold(attns, specs)
+
+    @torch.no_grad()
+    def _fold(self, attns: list[nn.Module], specs: list[Any]) -> None:
+        """Stack the layers' K/V projections with their input norms' weights folded in."""
         weights, biases = [], []
         for attn, spec in zip(attns, specs):
             scale = 1.0 + spec.weight.float() if spec.kind == "rms_gemma" else spec.weight.float()
@@ -115,6 +119,20 @@ class FusedPropagation:
                 biases.append(bias)
         dtype = attns[0].k_proj.weight.dtype
         self.weight, self.bias = torch.cat(weights).to(dtype), torch.cat(biases).to(dtype)
+        self.folded_from = self.sources()
+
+    def sources(self) -> tuple:
+        """Identity, storage, version, dtype and device of every tensor the stacked weights were folded from."""
+        return tuple((id(t), t.data_ptr(), t._version, t.dtype, t.device) for layer in self.layers
+                     for module in (layer.input_layernorm, layer.self_attn.k_proj, layer.self_attn.v_proj)
+                     for t in module.parameters(recurse=False))
+
+    def refresh(self) -> None:
+        """Fold again when the layers changed since (`model.to(dtype or device)`, `load_state_dict`, an edit in
+        place): the stacked weights are a copy, and a stale one would write the old weights' K/V."""
+        if self.sources() != self.folded_from:
+            self._fold([layer.self_attn for layer in self.layers],
+                       [norm_spec(layer.input_layernorm) for layer in self.layers])
 
     def _normalize(self, hidden: torch.Tensor) -> torch.Tensor:
         """The input norm without its weight (folded into the projections)."""
@@ -212,6 +230,7 @@ class KVRecompute:
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers
         self.pending: list[Pending] = []
+        self.stock_mask: torch.Tensor | None = None  # the 2-D mask of a call without TIDE using this cache now
 
     def park(self, hidden: torch.Tensor, depth: int, kwargs: dict[str, Any]) -> None:
         """Remember the exit state of a step whose layers after `depth` are being skipped."""
@@ -246,8 +265,9 @@ class KVRecompute:
     def run(self, number: int, layer: nn.Module, original: Callable, hidden: torch.Tensor,
             kwargs: dict[str, Any], step: Step | None) -> Any:
         """Run layer `number` on [pending tokens at depth number-1, step tokens]; return the step's part. The
-        pending positions run are added to `step.recomputed` (work the step's own depth does not show)."""
-        extended = self.extend(number, layer, hidden, kwargs, None if step is None else step.mask2d)
+        pending positions run are added to `step.recomputed` (work the step's own depth does not show). Without
+        a step (a call without TIDE) padding comes from `stock_mask`."""
+        extended = self.extend(number, layer, hidden, kwargs, self.stock_mask if step is None else step.mask2d)
         if extended is None:
             return original(hidden, **kwargs)
         due, block, ext = extended

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..config import KV_POLICIES, MODES, check_int, check_min_layers, check_threshold
 from ..errors import TideArgumentError
+from ..modeling.targets import check_served, select
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,35 @@ class TideOptions:
     draft_layer: int | None = None
     thresholds: dict[int, float] | None = None
     target: dict[str, float] | None = None
+
+    @classmethod
+    def resolve(cls, cfg: Any, *, min_agreement: float | None = None, max_perplexity_increase: float | None = None,
+                confidence: float | None = None, exit_threshold: float | None = None, min_layers: int | None = None,
+                **rest: Any) -> TideOptions:
+        """The options `attach` asks for on a router with config `cfg` (`rest`: mode, kv, draft_layer), thresholds
+        chosen in order of precedence: an explicit global `exit_threshold`; else the quality target (per-checkpoint
+        thresholds from the router's exit paths, `tide_hf.modeling.targets`); else the router's default target;
+        else, for routers calibrated before exit paths existed, the router's global `exit_threshold`."""
+        targeted = min_agreement is not None or max_perplexity_increase is not None
+        if exit_threshold is not None and (targeted or confidence is not None):
+            raise TideArgumentError("give either exit_threshold (one global threshold) or a quality target "
+                                    "(min_agreement / max_perplexity_increase / confidence), not both")
+        if exit_threshold is None and not targeted and cfg.exit_paths and cfg.min_agreement is not None:
+            min_agreement = cfg.min_agreement  # the router's default target
+        thresholds, target = None, None
+        if exit_threshold is None and (min_agreement is not None or max_perplexity_increase is not None):
+            level = cfg.confidence if confidence is None else confidence
+            thresholds = select(cfg.exit_paths, list(cfg.checkpoint_layers), min_agreement=min_agreement,
+                                max_perplexity_increase=max_perplexity_increase, confidence=level)
+            target = {k: v for k, v in (("min_agreement", min_agreement), ("confidence", level),
+                                        ("max_perplexity_increase", max_perplexity_increase)) if v is not None}
+            check_served(thresholds, cfg.min_layers if min_layers is None else min_layers, cfg.min_layers)
+        elif confidence is not None:
+            raise TideArgumentError("confidence applies only with a quality target (min_agreement= or "
+                                    "max_perplexity_increase=), and none is in effect for this router")
+        return cls(exit_threshold=cfg.exit_threshold if exit_threshold is None else exit_threshold,
+                   min_layers=cfg.min_layers if min_layers is None else min_layers,
+                   thresholds=thresholds, target=target, **rest)
 
     def threshold(self, layer: int) -> float:
         """The exit threshold of checkpoint `layer`."""

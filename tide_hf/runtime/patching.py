@@ -54,6 +54,31 @@ def _found(obj: Any, name: str) -> Any:
     return getattr(obj, name)  # computed on access (e.g. a config's attribute_map alias): set the old value back
 
 
+# Where another library moves a forward it wraps (accelerate's `add_hook_to_module` keeps the wrapped forward as
+# `_old_forward`; `remove_hook_from_module` moves `_old_forward` back to `forward`).
+RELOCATED = {"forward": ("_old_forward",), "_old_forward": ("forward",)}
+
+
+def _put_back(obj: Any, name: str, ours: Any, base: Any) -> None:
+    """Undo our patch `ours` of `obj.name`: `base` (the value it replaced; MISSING: delete ours) back in its
+    place. When another library patched the attribute after us, its value stays: if it moved ours elsewhere
+    (`RELOCATED`), the value found goes there instead; if it wrapped ours out of reach, ours stays inside its
+    wrapper (tide_hf's wrappers pass through once detached)."""
+    own = vars(obj) if hasattr(obj, "__dict__") else {}
+    current = getattr(obj, name, MISSING)
+    if current is ours or (isinstance(ours, (bool, int, float, str)) and current == ours):  # (a value, maybe a copy)
+        where = name
+    else:
+        where = next((n for n in RELOCATED.get(name, ()) if own.get(n) is ours), None)
+    if where == name and base is MISSING:
+        delattr(obj, name)
+    elif where is not None:
+        if base is MISSING:  # the inherited value, as `obj.name` reads it once ours is gone
+            base = getattr(type(obj), name)
+            base = base.__get__(obj, type(obj)) if hasattr(base, "__get__") else base
+        setattr(obj, where, base)
+
+
 def forward_attribute(module: nn.Module) -> str:
     """The attribute holding `module`'s forward: accelerate's `_old_forward` when it wraps the module (so its
     device hooks keep running around ours), else `forward`."""
@@ -103,12 +128,9 @@ class Patches:
                 if not layers.stack:
                     if key in _LAYERS and _LAYERS[key]() is layers:
                         del _LAYERS[key]
-                    if layers.base is MISSING:
-                        delattr(obj, name)
-                    else:
-                        setattr(obj, name, layers.base)
+                    _put_back(obj, name, value, layers.base)
                 elif top:
-                    setattr(obj, name, layers.stack[-1][0])
+                    _put_back(obj, name, value, layers.stack[-1][0])
 
         self._undo.append(undo)
 

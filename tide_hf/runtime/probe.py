@@ -86,6 +86,8 @@ def probe_skipped_layers(model: nn.Module, layers: nn.ModuleList, first_checkpoi
     device = execution_device(embeddings)
     generator = torch.Generator().manual_seed(PROBE_SEED)
     ids = torch.randint(0, embeddings.num_embeddings, (PROBE_ROWS, probe_tokens(text_config)), generator=generator)
+    training = {module: module.training for module in model.modules()}
+    model.eval()  # as served: training with gradient checkpointing would turn the cache off
     try:
         cache = model(input_ids=ids.to(device), use_cache=True).past_key_values
     except Exception as err:
@@ -96,6 +98,8 @@ def probe_skipped_layers(model: nn.Module, layers: nn.ModuleList, first_checkpoi
     finally:
         for handle in handles:
             handle.remove()
+        for module, mode in training.items():
+            module.training = mode
     if kv == "propagate":
         for number in numbers:
             check_layer(layers[number - 1], number, inputs.get(number), cache, fused)

@@ -52,6 +52,28 @@ class Session:
     prompt_fed: int = 0  # first columns go to the first forwards, `prompt_fed` of them so far
     full_depth: bool = False  # count every token at full depth, decide no exits (speculative mode's stock fallbacks)
 
+    def commit(self, last_tokens: torch.Tensor | None, num_layers: int) -> None:
+        """Move the pending forwards into the stats.
+
+        The first forwards of a generate call are prefill (every non-padding prompt position); later
+        ones are decode steps, of which only the newest position of rows still generating counts.
+        `last_tokens` is the token each row fed into the step (None outside generate, and after a compiled
+        step, before generate's processors see its tokens).
+        """
+        if self.eos is not None and self.finished is None and self.pending:  # rows finished, for `new_step`:
+            first = self.pending[0].exit_layer  # a tensor from the prefill on, so compiled steps trace one graph
+            self.finished = torch.zeros(first.shape[0], dtype=torch.bool, device=first.device)
+        if last_tokens is not None and self.finished is not None:
+            ended = torch.isin(last_tokens, self.eos.to(last_tokens.device)) & self.started_decode
+            self.finished = self.finished | ended.to(self.finished.device)
+        for step in filter(lambda step: step.counted, self.pending):  # (the call's own stream only)
+            executed = num_layers - step.skipped
+            if not self.generating or not self.started_decode:
+                self.stats.prefill.add(step.exit_layer, executed, step.valid, step.recomputed)
+                continue
+            self.stats.decode.add(step.exit_layer[:, -1], executed, step.valid[:, -1], step.recomputed)
+        self.pending.clear()
+
 
 def new_step(session: Session, tokens: torch.Tensor, mask: Any, num_layers: int, *, running: bool,
              cache: Any = None) -> Step:

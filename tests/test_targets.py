@@ -282,3 +282,28 @@ def test_an_always_right_checkpoint_opens_under_an_agreement_target() -> None:
     with tide_hf.attach(model, router, min_agreement=0.5) as handle, torch.no_grad():
         model(input_ids=ids)
         assert dict(handle.last_stats.prefill.exits) == {4: ids.numel()}
+
+
+def test_a_perplexity_target_exits_end_to_end_and_holds() -> None:
+    """A calibrated router on a model whose layers after 4 barely write (o_proj / down_proj x 0.01): a +5 %
+    perplexity target must open checkpoint 4, and the held-out perplexity change must stay within it (the closed
+    start of the path stopped every perplexity target before any exit, a regression no synthetic path showed)."""
+    import warnings
+
+    from tide_hf.eval.easy import make_near_identity
+
+    model = make_near_identity(make_tiny_llama(), 4, scale=0.01)
+    gen = torch.Generator().manual_seed(0)
+    samples = [torch.randint(3, 256, (48,), generator=gen) for _ in range(240)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        router = tide_hf.calibrate_tokens(model, samples[:200], num_epochs=3, router_bottleneck_dim=16,
+                                          progress=False)
+    held_out = torch.stack(samples[200:])
+    with torch.no_grad():
+        stock = model(input_ids=held_out, labels=held_out).loss
+        with tide_hf.attach(model, router, max_perplexity_increase=0.05) as handle:
+            served = model(input_ids=held_out, labels=held_out).loss
+            exits = handle.last_stats.prefill.exits
+    assert handle.options.thresholds[4] < 1.0 and exits.get(4, 0) > held_out.numel() // 2
+    assert math.exp(float(served - stock)) <= 1.05

@@ -183,3 +183,46 @@ def test_other_threads_wait_during_a_speculative_call(monkeypatch):
     assert all(torch.equal(out, stock_one) for out in results["spec"]) and len(results["spec"]) == 4
     assert min(results["drafted"]) > 0  # every speculative call drafted while the other thread ran
     assert all(torch.equal(out, stock_other) for out in results["stock"]) and len(results["stock"]) == 4
+
+
+def test_a_speculative_call_waits_for_a_call_in_flight(monkeypatch):
+    """A stock call of another thread already running (held inside its first logits processor call) when a
+    speculative call starts: the speculative call waits for it (its drafts would truncate the model under it), then
+    both give stock output."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from tide_hf.integrations import draft
+
+    monkeypatch.setattr(draft.DraftEstimates, "plan", lambda _self, room: (min(room, 4), 1.0))
+    torch.manual_seed(0)
+    model = make_model()
+    make_near_identity(model, 8)
+    ids, _ = left_padded()
+    one, other = ids[:1], ids[1:2, 2:]
+    call = {"max_new_tokens": 16, "do_sample": False}
+    started, release = threading.Event(), threading.Event()
+
+    class Hold(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            started.set()
+            assert release.wait(60)
+            return scores
+
+    with torch.no_grad():
+        stock_one, stock_other = model.generate(one, **call), model.generate(other, **call)
+    out: dict[str, torch.Tensor] = {}
+    with tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, mode="speculative",
+                        draft_layer=8) as handle:
+        held = threading.Thread(target=lambda: out.setdefault("other", model.generate(
+            other, **call, logits_processor=LogitsProcessorList([Hold()]), tide=False)))
+        held.start()
+        assert started.wait(60)
+        speculative = threading.Thread(target=lambda: out.setdefault("one", model.generate(one, **call)))
+        speculative.start()
+        speculative.join(0.5)
+        assert speculative.is_alive() and handle.turns.owner is None  # waiting for the call in flight
+        release.set()
+        held.join()
+        speculative.join()
+        assert tide_hf.last_stats(model).speculative["drafted"] > 0
+    assert torch.equal(out["other"], stock_other) and torch.equal(out["one"], stock_one)

@@ -247,8 +247,9 @@ def test_a_perplexity_point_with_no_spread_is_not_certified() -> None:
 def test_a_perplexity_target_passes_the_closed_start_of_its_path() -> None:
     """Every path starts with all checkpoints closed: nothing exits there, so its NLL changes are all 0 (no spread).
     That point needs no test (its risk is 0 by construction); treated as untestable it stopped the fixed sequence at
-    once, and no perplexity target opened any checkpoint on real routers. Later points are tested: a point with
-    spread well within the bound is certified, one without spread ends the sequence."""
+    once, and no perplexity target opened any checkpoint on real routers. The first open points may let no
+    threshold-split token exit either (no evidence): they are passed over, never chosen. Points with spread are
+    tested in order; the first without spread after them ends the sequence."""
     from tide_hf.modeling.targets import select
 
     n = 1000
@@ -257,8 +258,12 @@ def test_a_perplexity_target_passes_the_closed_start_of_its_path() -> None:
                             "nll_sum": [0.0, float(changes.sum()), 0.0],
                             "nll_sumsq": [0.0, float(changes.pow(2).sum()), 0.0], "n_next": n}}
     assert select(paths, [4, 8], max_perplexity_increase=0.05, confidence=0.9) == {4: 0.9, 8: 1.0}
-    paths["perplexity"]["thresholds"][0] = [0.99, 1.0]  # an open start is tested like any point: no spread, none
-    assert select(paths, [4, 8], max_perplexity_increase=0.05, confidence=0.9) == {4: 1.0, 8: 1.0}
+    paths["perplexity"]["thresholds"][0] = [0.99, 1.0]  # no token exited there either: passed over, not chosen
+    assert select(paths, [4, 8], max_perplexity_increase=0.05, confidence=0.9) == {4: 0.9, 8: 1.0}
+    silent = {k: [v[0], v[0], *v[1:]] if isinstance(v, list) else v for k, v in paths["perplexity"].items()}
+    silent["thresholds"] = [[1.0, 1.0], [1.0, 0.95], [0.9, 1.0], [0.5, 1.0]]  # a small step no split token took
+    assert select({"perplexity": silent}, [4, 8], max_perplexity_increase=0.05, confidence=0.9) == {4: 0.9, 8: 1.0}
+    assert select({"perplexity": silent}, [4, 8], max_perplexity_increase=0.0, confidence=0.9) == {4: 1.0, 8: 1.0}
 
 
 def test_an_always_right_checkpoint_opens_under_an_agreement_target() -> None:

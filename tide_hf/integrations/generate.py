@@ -165,16 +165,18 @@ def install() -> None:
         if tide is False or (tide is None and (handle is None or handle.is_disabled())):
             if handle is None:
                 return original(self, *args, **kwargs)
-            with handle.disabled():
+            with handle.disabled(), handle.turns.shared():
                 return original(self, *args, **kwargs)
         if tide is True or tide is None:
             if handle is None:
                 raise TideArgumentError("generate(tide=True) needs a router: call tide_hf.attach(model, router) first, "
                                  "or pass tide=<TideRouter | local dir | Hub repo id>")
-            return _run(handle, original, self, args, kwargs)
+            with handle.turns.shared():
+                return _run(handle, original, self, args, kwargs)
         router = resolve_router(tide)
         if handle is not None and same_router(handle.router, router):
-            return _run(handle, original, self, args, kwargs)
+            with handle.turns.shared():
+                return _run(handle, original, self, args, kwargs)
         handle = attach_for_call(self, router)  # this thread only; refused if another router is attached
         try:
             return _run(handle, original, self, args, kwargs)

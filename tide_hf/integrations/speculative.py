@@ -37,7 +37,7 @@ processors, user caches, and with several rows `max_time`: `rows.fallback_reason
 instead: the output is the same, only the speed-up is missing. Either way the statistics count every token
 at full depth, as select mode counts them (a fallback through the handle's own hooks, told to decide no exits).
 Like stock early-exit drafting, a draft forward lowers the shared `config.num_hidden_layers` (of the module
-owning the layers): forwards of the same model from other threads wait while a speculative call runs.
+owning the layers): a speculative call runs alone, other threads' calls of the model waiting (`turns.py`).
 """
 
 from __future__ import annotations
@@ -331,7 +331,7 @@ def _patched(model: nn.Module, factory: Callable[..., CandidateGenerator], handl
         patches.hook(layers[layer - 1].register_forward_hook(lambda *a: owner[-1].gate_hook(*a) if owner else None))
         patches.hook(layers[layer].register_forward_pre_hook(lambda *a: owner[-1].depth_guard(*a) if owner else None))
         patches.set_attr(model, CANDIDATE_GENERATOR_FACTORY, factory)
-        with handle.exclusive():  # other threads' forwards wait: drafts truncate the shared model
+        with handle.turns.exclusive():  # other threads' calls wait: drafts truncate the shared model
             yield
 
 

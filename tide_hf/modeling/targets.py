@@ -72,20 +72,25 @@ def select(paths: dict[str, Any], checkpoints: list[int], *, min_agreement: floa
         raise TideTargetError(f"this router has no calibrated {kind} path: recalibrate it with this tide_hf "
                               "version, or pass exit_threshold=")
     delta = 1.0 - float(confidence)
-    chosen = None
+    chosen, tested = None, False
     for j in range(len(path["thresholds"])):
         if all(float(t) >= 1.0 for t in path["thresholds"][j]):  # every checkpoint closed (the path's start):
             chosen = j  # nothing exits, so the risk is 0 by construction, not a hypothesis to test
             continue
-        pvalues = []
+        pvalues, silent = [], False
         if min_agreement is not None:
             pvalues.append(binomial_pvalue(int(path["errors"][j]), int(path["n"]), 1.0 - float(min_agreement)))
         if max_perplexity_increase is not None:
-            pvalues.append(normal_pvalue(path["nll_sum"][j], path["nll_sumsq"][j], int(path["n_next"]),
-                                         math.log1p(float(max_perplexity_increase))))
-        if max(pvalues) > delta:
+            # Each point lets exit every token the one before did, so points where no threshold-split NLL changed
+            # (no token exited there) come first: they carry no evidence, so they are passed over, never chosen.
+            silent = not tested and path["nll_sumsq"][j] == 0.0
+            if not silent:
+                pvalues.append(normal_pvalue(path["nll_sum"][j], path["nll_sumsq"][j], int(path["n_next"]),
+                                             math.log1p(float(max_perplexity_increase))))
+        if pvalues and max(pvalues) > delta:
             break
-        chosen = j
+        if not silent:
+            chosen, tested = j, True
     if chosen is None:  # not even the first point: every checkpoint stays closed
         return dict.fromkeys(checkpoints, 1.0)
     return {k: float(t) for k, t in zip(checkpoints, path["thresholds"][chosen])}

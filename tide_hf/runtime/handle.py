@@ -34,6 +34,7 @@ from .segments import SegmentedDecoding
 from .session import Session, Step, new_step
 from .skip import LayerSkipper, SkipPlan
 from .stats import ExitStats
+from .turns import Turns
 
 # Handles are held weakly too: a handle references its model, so a strong value would keep every attached
 # model alive forever. The model's own hooks keep its handle alive while the model lives.
@@ -59,7 +60,7 @@ class TideHandle:
         self.checkpoints = [k for k in router.checkpoint_layers if k >= options.min_layers]
         self.open_checkpoints = [k for k in self.checkpoints if options.threshold(k) < 1.0]  # those that can exit
         self.enabled = True
-        self._exclusive, self._exclusive_lock = None, threading.Lock()  # see `exclusive`
+        self.turns = Turns(options.mode == "speculative")  # a speculative call runs alone (`turns.py`)
         self._local = threading.local()
         self._local.owner = owner is not None  # set in the owner's thread only (`_bypassed`)
         self._pending: weakref.WeakKeyDictionary[Any, KVRecompute] = weakref.WeakKeyDictionary()
@@ -151,17 +152,6 @@ class TideHandle:
         finally:
             self._local.disabled = previous
 
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        """Only this thread's forwards run while the block does; other threads' wait for its end (a speculative
-        call's drafts lower the shared `config.num_hidden_layers`)."""
-        with self._exclusive_lock:
-            self._exclusive = threading.get_ident()
-            try:
-                yield
-            finally:
-                self._exclusive = None
-
     def is_disabled(self) -> bool:
         """Inside `disabled()` in this thread: a nested `generate` (stock assisted decoding's assistant
         calls it on the model itself) must run stock too."""
@@ -178,9 +168,8 @@ class TideHandle:
 
     # -- hooks ------------------------------------------------------------------------------------
     def _begin(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._exclusive is not None and self._exclusive != threading.get_ident():
-            with self._exclusive_lock:  # another thread's `exclusive` block: wait for its end
-                pass
+        if self.turns.owner is not None and self.turns.owner != threading.get_ident():
+            self.turns.wait()  # a speculative call of another thread runs: wait for its end
         if self._bypassed():  # a stock call: no exits and no stats (keeps `last_stats` of the last TIDE call)
             self._local.step = None
             cache = kwargs.get("past_key_values")  # kv="recompute": a cache TIDE filled, tokens waiting in it

@@ -226,3 +226,44 @@ def test_a_speculative_call_waits_for_a_call_in_flight(monkeypatch):
         speculative.join()
         assert tide_hf.last_stats(model).speculative["drafted"] > 0
     assert torch.equal(out["other"], stock_other) and torch.equal(out["one"], stock_one)
+
+
+def test_compiled_forwards_beside_an_exclusive_turn():
+    """The hooks are traced into compiled forwards. The thread holding a speculative call's turn compiles with
+    `fullgraph=True` (asking for `threading.get_ident()` there failed to trace), and another thread's compiled
+    forward waits for the turn's end (a graph break: the wait runs eagerly), so it never sees the depth a draft
+    lowered meanwhile and gives stock logits."""
+    model = make_model()
+    ids, mask = left_padded()
+    depth = model.config.num_hidden_layers
+    with torch.no_grad():
+        stock = model(input_ids=ids, attention_mask=mask).logits
+    with tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, mode="speculative",
+                        draft_layer=8) as handle, torch.no_grad():
+        torch._dynamo.reset()
+        with handle.turns.exclusive():
+            own = torch.compile(model, fullgraph=True, backend="eager")(input_ids=ids, attention_mask=mask).logits
+        torch.testing.assert_close(own, stock)
+        other = torch.compile(model, backend="eager")
+        other(input_ids=ids, attention_mask=mask)  # warm
+        out, started, release = {}, threading.Event(), threading.Event()
+
+        def draft():  # a speculative call's draft holds the turn with the depth lowered
+            with handle.turns.exclusive():
+                model.config.num_hidden_layers = 3
+                started.set()
+                assert release.wait(60)
+                model.config.num_hidden_layers = depth
+
+        holder = threading.Thread(target=draft)
+        holder.start()
+        assert started.wait(60)
+        waiting = threading.Thread(target=lambda: out.setdefault("logits", other(input_ids=ids,
+                                                                                  attention_mask=mask).logits))
+        waiting.start()
+        waiting.join(5.0)
+        assert "logits" not in out  # still waiting for the turn
+        release.set()
+        holder.join()
+        waiting.join(60)
+    torch.testing.assert_close(out["logits"], stock)

@@ -95,6 +95,63 @@ def test_handle_is_a_context_manager_that_detaches_on_errors() -> None:
     assert not any("forward" in vars(layer) for layer in model.model.layers), "skip-mode forwards left behind"
 
 
+def test_class_descriptors_are_restored() -> None:
+    """A staticmethod / classmethod patched on a class is put back: `getattr` returns the function inside the
+    descriptor, so comparing it with the stored patch found nothing to restore."""
+    class Holder:
+        @staticmethod
+        def build() -> str:
+            return "stock"
+
+        @classmethod
+        def name(cls) -> str:
+            return "stock"
+
+    found = dict(vars(Holder))
+    with Patches() as patches:
+        patches.set_attr(Holder, "build", staticmethod(lambda: "patched"))
+        patches.set_attr(Holder, "name", classmethod(lambda cls: "patched"))
+        assert Holder.build() == Holder.name() == "patched"
+    assert Holder.build() == Holder.name() == "stock"
+    assert vars(Holder)["build"] is found["build"] and vars(Holder)["name"] is found["name"]
+
+
+def test_uninstall_under_another_wrapper_passes_through() -> None:
+    """Another library wrapped `generate` after tide_hf: `uninstall()` cannot unwrap theirs, so tide_hf's wrapper
+    stays inside it and must pass through (stock refuses `tide=`, an attached router runs no exits in generate's
+    statistics), and `install()` again must count a call once (two nested wrappers reset each other's stats)."""
+    model = make_model()
+    ids, mask = left_padded()
+    router = constant_router(model, 30.0)
+    call = {"input_ids": ids, "attention_mask": mask, "max_new_tokens": 3, "do_sample": False}
+    with tide_hf.attach(model, router, exit_threshold=0.5) as handle:
+        model.generate(**call)
+        expected = handle.last_stats
+    uninstall()
+    stock = GenerationMixin.generate
+    install()
+    inner = GenerationMixin.generate
+
+    def theirs(self, *args, **kwargs):  # e.g. a tracing library's wrapper
+        return inner(self, *args, **kwargs)
+
+    try:
+        GenerationMixin.generate = theirs
+        uninstall()
+        assert GenerationMixin.generate is theirs
+        with pytest.raises((TypeError, ValueError), match="tide"):
+            model.generate(**call, tide=router)
+        install()
+        with tide_hf.attach(model, router, exit_threshold=0.5) as handle:
+            model.generate(**call)
+            assert handle.last_stats.prefill.tokens == expected.prefill.tokens > 0
+            assert handle.last_stats.decode.exits == expected.decode.exits != {}
+    finally:
+        uninstall()
+        GenerationMixin.generate = stock
+        install()
+
+
 def test_generate_keyword_can_be_uninstalled_and_installed_again() -> None:
     model = make_model()
     ids, mask = left_padded()

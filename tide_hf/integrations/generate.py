@@ -36,6 +36,7 @@ _ROUTER_CACHE_SIZE = 8
 _SAME_ROUTER: weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, tuple[int, bool]]] = \
     weakref.WeakKeyDictionary()
 _INSTALLED = Patches()  # the wrapped `GenerationMixin.generate`, while installed
+_CURRENT: list[Any] = [None]  # the wrapper installed now: an older one another library still wraps passes through
 TRAMPOLINE_FLAG = "__tide_trampoline__"  # `import tide_hf`'s placeholder wrapper (see tide_hf/__init__.py)
 
 
@@ -161,6 +162,8 @@ def install() -> None:
 
     @functools.wraps(original)
     def generate(self, *args: Any, tide: Any = None, **kwargs: Any) -> Any:
+        if _CURRENT[0] is not generate:  # uninstalled, but kept inside a wrapper that another library put on top
+            return original(self, *args, **kwargs, **({} if tide is None else {"tide": tide}))
         handle = get_handle(self)
         if tide is False or (tide is None and (handle is None or handle.is_disabled())):
             if handle is None:
@@ -184,6 +187,7 @@ def install() -> None:
             handle.detach()
 
     _INSTALLED.set_attr(GenerationMixin, "generate", generate)
+    _CURRENT[0] = generate
 
 
 def _drop_trampoline() -> None:
@@ -195,4 +199,5 @@ def _drop_trampoline() -> None:
 def uninstall() -> None:
     """Put stock `GenerationMixin.generate` back (`install` wraps it again)."""
     _INSTALLED.restore()
+    _CURRENT[0] = None
     _drop_trampoline()

@@ -168,8 +168,9 @@ class TideHandle:
 
     # -- hooks ------------------------------------------------------------------------------------
     def _begin(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.turns.owner is not None and self.turns.owner != threading.get_ident():
-            self.turns.wait()  # a speculative call of another thread runs: wait for its end
+        if self.turns.owner is not None and not self.turns.mine():
+            self.turns.wait()  # a plain forward during another thread's speculative call (generate calls waited for
+            # their turn before starting: `Turns.shared`)
         if self._bypassed():  # a stock call: no exits and no stats (keeps `last_stats` of the last TIDE call)
             self._local.step = None
             cache = kwargs.get("past_key_values")  # kv="recompute": a cache TIDE filled, tokens waiting in it

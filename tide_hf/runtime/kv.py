@@ -128,8 +128,9 @@ class FusedPropagation:
                      for t in module.parameters(recurse=False))
 
     def refresh(self) -> None:
-        """Fold again when the layers changed since (`model.to(dtype or device)`, `load_state_dict`, an edit in
-        place): the stacked weights are a copy, and a stale one would write the old weights' K/V."""
+        """Fold again when the layers changed since (`model.to(dtype or device)`, `load_state_dict`, an in-place
+        edit that bumps the tensor's version; not one through `.data`, which autograd does not see either): the
+        stacked weights are a copy, and a stale one would write the old weights' K/V."""
         if self.sources() != self.folded_from:
             self._fold([layer.self_attn for layer in self.layers],
                        [norm_spec(layer.input_layernorm) for layer in self.layers])

@@ -65,7 +65,8 @@ def _put_back(obj: Any, name: str, ours: Any, base: Any) -> None:
     (`RELOCATED`), the value found goes there instead; if it wrapped ours out of reach, ours stays inside its
     wrapper (tide_hf's wrappers pass through once detached)."""
     own = vars(obj) if hasattr(obj, "__dict__") else {}
-    current = getattr(obj, name, MISSING)
+    # (a class's own entry as stored: staticmethod / classmethod objects differ from what `getattr` returns)
+    current = own.get(name, MISSING) if isinstance(obj, type) else getattr(obj, name, MISSING)
     if current is ours or (isinstance(ours, (bool, int, float, str)) and current == ours):  # (a value, maybe a copy)
         where = name
     else:

@@ -22,6 +22,7 @@ class Turns:
         """`enabled`: the handle serves speculative mode (no other mode takes an exclusive turn)."""
         self.enabled = enabled
         self.owner: int | None = None  # the thread holding the exclusive turn
+        self._mine = threading.local()  # `mine()` without `threading.get_ident`, which compiled graphs cannot trace
         self._shared: dict[int, int] = {}  # thread -> its calls in flight
         self._wanting: set[int] = set()
         self._changed = threading.Condition()
@@ -59,14 +60,20 @@ class Turns:
             finally:
                 self._wanting.discard(me)
             outer, self.owner = self.owner, me
+            self._mine.owner = True
         try:
             yield
         finally:
             with self._changed:
-                self.owner = outer
+                self.owner, self._mine.owner = outer, outer is not None
                 self._changed.notify_all()
 
+    def mine(self) -> bool:
+        """This thread holds the exclusive turn (read in the forward hooks, traced into compiled graphs)."""
+        return getattr(self._mine, "owner", False)
+
     def wait(self) -> None:
-        """A plain forward of another thread than the exclusive turn's: wait for that turn's end."""
+        """A plain forward of another thread than the exclusive turn's: wait for that turn's end (in a compiled
+        forward, a graph break: the wait runs eagerly, before the rest of the forward is traced)."""
         with self._changed:
             self._changed.wait_for(lambda: self.owner in (None, threading.get_ident()))

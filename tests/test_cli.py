@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tide_hf.cli import CALIBRATED_EXIT_HEAD, CONTINUATIONS, EXIT_HEADS, LABEL_KINDS, ROUTER_DEFAULTS, build_parser
 
@@ -71,9 +72,10 @@ def test_router_defaults_are_the_library_defaults() -> None:
 
 def test_synthetic_choices_match_the_bench() -> None:
     from tide_hf.cli import SYNTHETIC_CONFIGS, SYNTHETIC_SHAPES
-    from tide_hf.eval.synthetic import CONFIGS, SHAPES
+    from tide_hf.eval.synthetic import SHAPES, build_model, configurations
 
-    assert SYNTHETIC_CONFIGS == CONFIGS and SYNTHETIC_SHAPES == tuple(SHAPES)
+    model = build_model("tiny", "cpu", torch.float32)
+    assert SYNTHETIC_CONFIGS == tuple(configurations(model, 4)) and SYNTHETIC_SHAPES == tuple(SHAPES)
 
 
 @pytest.mark.parametrize("argv,message", [

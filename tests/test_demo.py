@@ -11,7 +11,7 @@ import pytest
 from helpers import make_model, new_router
 
 from tide_hf.assets import default_dataset
-from tide_hf.errors import TideArgumentError, TideRouterFileError
+from tide_hf.errors import TideArgumentError, TideError, TideRouterFileError
 from tide_hf.eval import demo
 
 
@@ -34,12 +34,14 @@ def test_second_run_reuses_the_cached_router(tmp_path: Path, monkeypatch: pytest
     def load(name, dtype):
         return model, "tok"
 
+    monkeypatch.setattr(demo, "calibrate_from_args", calibrate)
+    monkeypatch.setattr(demo, "load_model", load)
     args = demo_args()
     folder = demo.router_folder(args)
     assert folder.is_relative_to(tmp_path) and folder != Path.cwd()
-    *_, first, reused = demo.get_router(args, calibrate=calibrate, load=load)
+    *_, first, reused = demo.get_router(args)
     assert not reused and len(calls) == 1 and demo.is_complete(folder)
-    *_, second, reused = demo.get_router(demo_args(), calibrate=calibrate, load=load)
+    *_, second, reused = demo.get_router(demo_args())
     assert reused and len(calls) == 1, "the second run calibrated again"
     assert second.config.base_fingerprint == first.config.base_fingerprint
     assert all((a == b).all() for a, b in zip(first.state_dict().values(), second.state_dict().values()))
@@ -54,12 +56,13 @@ def test_a_half_written_folder_is_not_reused(tmp_path: Path, monkeypatch: pytest
     (folder / "config.json").write_text("{}")  # a run killed before the weights were written
     assert not demo.is_complete(folder)
     model = make_model()
-    *_, router, reused = demo.get_router(demo_args(), calibrate=lambda args: (model, "tok", new_router(model)),
-                                         load=lambda name, dtype: (model, "tok"))
+    monkeypatch.setattr(demo, "calibrate_from_args", lambda args: (model, "tok", new_router(model)))
+    monkeypatch.setattr(demo, "load_model", lambda name, dtype: (model, "tok"))
+    *_, router, reused = demo.get_router(demo_args())
     assert not reused and demo.is_complete(folder) and not list(folder.parent.glob(".*tmp*"))
 
 
-def test_an_output_folder_is_checked_before_calibration(tmp_path: Path) -> None:
+def test_an_output_folder_is_checked_before_calibration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--output holding the user's files is refused, never emptied; one holding a router made with other
     settings is neither reused nor replaced without --recalibrate."""
     model = make_model()
@@ -70,24 +73,21 @@ def test_an_output_folder_is_checked_before_calibration(tmp_path: Path) -> None:
         made = {name: getattr(args, name) for name in ("num_samples", "seq_len", "exit_head", "max_train_tokens")}
         return model, "tok", new_router(model, **made, dataset=default_dataset(args.dataset))
 
-    load = lambda name, dtype: (model, "tok")  # noqa: E731
+    monkeypatch.setattr(demo, "calibrate_from_args", calibrate)
+    monkeypatch.setattr(demo, "load_model", lambda name, dtype: (model, "tok"))
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("precious")
     with pytest.raises(TideRouterFileError, match="not a TIDE router"):
-        demo.get_router(demo_args(output=mine), calibrate=calibrate, load=load)
+        demo.get_router(demo_args(output=mine))
     assert not calls and (mine / "notes.txt").read_text() == "precious"
     out = tmp_path / "out"
-    demo.get_router(demo_args(output=out), calibrate=calibrate, load=load)
+    demo.get_router(demo_args(output=out))
     with pytest.raises(TideArgumentError, match=r"other settings: --num-samples 7 \(router: 128\);"):
-        demo.get_router(demo_args(output=out, num_samples=7), calibrate=calibrate, load=load)
+        demo.get_router(demo_args(output=out, num_samples=7))
     assert len(calls) == 1
-    *_, reused = demo.get_router(demo_args(output=out), calibrate=calibrate, load=load)
+    *_, reused = demo.get_router(demo_args(output=out))
     assert reused and len(calls) == 1
-
-
-def test_attach_options_live_in_one_place() -> None:
-    assert demo.attach_options(None) == demo.DEMO_ATTACH == {"mode": "skip", "kv": "recompute"}
 
 
 def test_plot_without_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -101,8 +101,9 @@ def test_plot_without_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
-    with pytest.raises(PlottingUnavailable, match=r"pip install 'tide_hf\[plot\]'"):
+    with pytest.raises(PlottingUnavailable, match=r"pip install 'tide_hf\[plot\]'") as caught:
         pyplot()
+    assert isinstance(caught.value, TideError)  # the CLI prints it as one line, not a traceback
 
 
 def test_the_demo_states_its_quality_target() -> None:

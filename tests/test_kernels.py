@@ -47,7 +47,7 @@ DEVICES = ("cpu", pytest.param("cuda", marks=cuda_only))
 @pytest.fixture(scope="module")
 def cpu_kernels() -> None:
     """Build (first run) or load (cached) the CPU extension once; a failed build fails the tests here."""
-    if not kernels.kernels_available("cpu"):
+    if kernels.active_backend("cpu") == "pytorch":
         reason = kernels.kernel_build_error("cpu") or f"{kernels.ENV_NO_KERNELS} is set"
         if "build failed" in reason:
             pytest.fail(f"CPU extension did not build: {reason}")
@@ -317,7 +317,7 @@ def test_second_load_uses_the_cache() -> None:
     out = _python(
         "import json, time; from tide_hf import kernels; from tide_hf.kernels import build as kernel_build; "
         "t = time.perf_counter(); "
-        "ok = kernels.kernels_available('cpu'); s = time.perf_counter() - t; "
+        "ok = kernels.active_backend('cpu') != 'pytorch'; s = time.perf_counter() - t; "
         "print(json.dumps({'ok': ok, 's': s, 'file': kernel_build.extension('cpu').__file__}))"
     )
     assert out["ok"] and Path(out["file"]) == ext_file
@@ -334,7 +334,7 @@ def test_env_var_forces_pytorch() -> None:
         "h = torch.randn(3, 64); s = k.NormSpec('rms', torch.ones(64), None, 1e-6); "
         "r = [torch.randn(8, 64), torch.randn(8), torch.randn(1, 8), torch.randn(1)]; "
         "same = torch.equal(k.norm_router_scores(h, s, *r), k.norm_router_scores_reference(h, s, *r)); "
-        "print(json.dumps({'backend': k.active_backend('cpu'), 'avail': k.kernels_available('cpu'), "
+        "print(json.dumps({'backend': k.active_backend('cpu'), 'avail': k.active_backend('cpu') != 'pytorch', "
         "'tried': k.kernel_build_error('cpu'), 'same': same}))",
         TIDE_HF_NO_KERNELS="1",
     )
@@ -367,7 +367,7 @@ def test_build_failure_warns_once_and_falls_back(
 
 def test_missing_compiler_falls_back(fresh_state: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CXX", "tide-hf-no-such-compiler")
-    assert not kernels.kernels_available("cpu")
+    assert kernels.active_backend("cpu") == "pytorch"
     assert "no C++ compiler" in kernels.kernel_build_error("cpu")
     assert torch.equal(gather_rows(torch.arange(6).view(3, 2), torch.tensor([2])), torch.tensor([[4, 5]]))
 
@@ -382,7 +382,7 @@ def test_concurrent_first_use_builds_once(fresh_state: None, monkeypatch: pytest
 
     monkeypatch.setattr(kernel_build, "_build", slow_build)
     monkeypatch.setattr(kernel_build, "_toolchain_missing", lambda flavour: None)
-    threads = [threading.Thread(target=kernels.kernels_available, args=("cpu",)) for _ in range(8)]
+    threads = [threading.Thread(target=kernels.active_backend, args=("cpu",)) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:

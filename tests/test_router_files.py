@@ -62,3 +62,14 @@ def test_config_loaders_refuse_a_misspelled_field(tmp_path: Path) -> None:
             load(tmp_path / "r")
     path.write_text(json.dumps({**config, "my_notes": "kept"}))  # a key unlike every field stays, as in transformers
     assert AutoConfig.from_pretrained(tmp_path / "r").my_notes == "kept"
+
+
+def test_model_card_loads_the_base_model_at_the_calibrated_revision(tmp_path: Path) -> None:
+    """The card's snippet pins the Hub commit of the weights the routers were calibrated on (a newer commit of the
+    base model fails the fingerprint check at attach), and names the model type."""
+    model = make_model()
+    pinned = new_router(model, base_model_name_or_path="org/base", base_model_revision="0123abc",
+                        base_model_type="llama").model_card().text
+    assert "from_pretrained('org/base', revision='0123abc')" in pinned and "model type `llama`" in pinned
+    local = new_router(model, base_model_name_or_path="org/base").model_card().text
+    assert "from_pretrained('org/base')" in local and "revision" not in local

@@ -30,6 +30,7 @@ _API = {  # public name -> the room that holds it
     "TideCompatibilityError": "errors", "TideDataError": "errors", "TideError": "errors",
     "TideArgumentError": "errors", "TideArgumentTypeError": "errors", "TideConcurrencyError": "errors",
     "TideRouterFileError": "errors", "TideTargetError": "errors", "TideUnsupportedError": "errors",
+    "TideMissingError": "errors", "TideDependencyError": "errors", "TideIndexError": "errors",
     "TideLogitsProcessor": "integrations",
     "ModelAdapter": "modeling", "TideRouter": "modeling", "get_adapter": "modeling",
     "model_fingerprint": "modeling", "register_adapter": "modeling",

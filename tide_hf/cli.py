@@ -150,7 +150,9 @@ def _add_calibration_args(p: argparse.ArgumentParser, rank_default: str) -> None
     p.add_argument("--max-train-tokens", type=int, default=d.max_train_tokens,
                    help="kept tokens per checkpoint (bounds memory)")
     p.add_argument("--exit-threshold", type=float, default=d.exit_threshold,
-                   help="router score at which a token exits (saved in the router; attach can override it)")
+                   help="global router score at which a token exits, used only without a quality target "
+                        "(attach with min_agreement=None, or routers without exit paths); saved in the router, "
+                        "and the card's validation table is taken at it")
     p.add_argument("--min-layers", type=int, default=None,
                    help="no exit before this many layers (default: the first checkpoint)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of sampling, the split and training")
@@ -268,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--router", nargs="+", default=[], metavar="DIR",
                    help="REQUIRED except with --kernels, --synthetic or --near-identity-after: router folders / Hub "
                         "ids (e.g. one cosine, one top1); --modes uses the last one")
-    p.add_argument("--modes", action="store_true", help="skip mode vs stock and vs the ideal truncated model")
+    p.add_argument("--modes", action="store_true", help="skip mode vs stock and vs the ideal truncated model, and "
+                        "speculative mode vs stock and assistant_early_exit")
     p.add_argument("--depths", nargs="+", type=positive_int, default=[8, 16, 24], help="--modes: forced exit depths")
     p.add_argument("--near-identity-after", type=positive_int, default=None, metavar="K",
                    help="--modes on an easy model: layers after K made near-identity (o_proj / down_proj scaled), "

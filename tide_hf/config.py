@@ -247,7 +247,8 @@ class TideRouterConfig(PretrainedConfig):
 
     @classmethod
     def field_names(cls) -> frozenset[str]:
-        """The fields `__init__` names explicitly (what `calibrate(**config_kwargs)` may set)."""
+        """The fields `__init__` names explicitly (`calibrate(**config_kwargs)` may set these, less the fields it
+        derives from the model)."""
         params = inspect.signature(cls.__init__).parameters
         return frozenset(n for n, p in params.items() if n != "self" and p.kind is p.POSITIONAL_OR_KEYWORD)
 

@@ -17,7 +17,21 @@ class TideCompatibilityError(TideError, ValueError):
 
 
 class TideDataError(TideError, RuntimeError):
-    """Calibration text could not be loaded (the message names the source and the cause)."""
+    """Calibration or evaluation text could not be loaded, or is too short (the message names the source and the
+    cause)."""
+
+
+class TideMissingError(TideError, FileNotFoundError):
+    """A folder the user named, or the package or tool that fetches an embedded asset, is missing (the message
+    says how to get it)."""
+
+
+class TideDependencyError(TideError, ImportError):
+    """An optional dependency a feature needs is not installed (the message names the extra that brings it)."""
+
+
+class TideIndexError(TideError, IndexError):
+    """A row index is out of range (the message names it)."""
 
 
 class TideArgumentError(TideError, ValueError):

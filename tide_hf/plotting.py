@@ -5,13 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .errors import TideDependencyError
+
 PLOT_DPI = 110
 
 
 PLOT_EXTRA = "pip install 'tide_hf[plot]'"
 
 
-class PlottingUnavailable(ImportError):
+class PlottingUnavailable(TideDependencyError):
     """matplotlib is not installed: the message says which extra brings it."""
 
 

@@ -49,7 +49,7 @@ class Collected:
     nll: dict[int, torch.Tensor]  # layer -> (n,) NLL(next token | exit) - NLL(next token | final); NaN: not computed
     is_val: torch.Tensor  # (n,) bool, token comes from a held-out sample (validation or threshold split)
     is_test: torch.Tensor  # (n,) bool, token comes from the threshold split (never used to train or to order)
-    labelled: dict[str, torch.Tensor]  # "top1" / "kl" -> (n,) bool, computed for this token
+    labelled: dict[str, torch.Tensor]  # "top1" / "kl" / "top1_kl" -> (n,) bool, computed for this token
     seconds: dict[str, float]  # wall time of the model body ("forward") and of labelling ("label", in `label`)
 
     def labels(self, layer: int, cfg: TideRouterConfig) -> torch.Tensor:
@@ -115,7 +115,7 @@ def collect(
     tokens. Head-based labels are left empty for `label`.
 
     Under `accelerate launch` each process runs its own block of batches and every process returns the
-    gathered tokens of all of them, equal to a single process's (see `tide_hf.distributed`)."""
+    gathered tokens of all of them, equal to a single process's (see `tide_hf.calibration.distributed`)."""
     gen = torch.Generator().manual_seed(cfg.seed)
     total = sum(len(s) for s in samples)
     keep_p = min(1.0, cfg.max_train_tokens / max(total, 1))
@@ -147,7 +147,7 @@ def collect(
     captured: dict[int, torch.Tensor] = {}
     selection: list[torch.Tensor] = []
 
-    def hook_for(k: int):
+    def hook_for(k: int) -> Callable[[nn.Module, Any, Any], None]:
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
             hidden = layer_output(output)  # on its layer's device when the model is split over devices
             captured[k] = hidden[selection[0].to(hidden.device)].to(device)

@@ -44,7 +44,8 @@ def auc(scores: torch.Tensor, labels: torch.Tensor) -> float | None:
 
 
 def evaluate(scores: torch.Tensor, labels: torch.Tensor, threshold: float) -> dict[str, float | None]:
-    """Validation metrics of one router at the serving threshold."""
+    """Validation metrics of one router at `threshold` (the config's global `exit_threshold`: the router card's
+    table; a quality target serves per-checkpoint thresholds instead)."""
     pred = scores >= threshold
     tp = int((pred & labels).sum())
     return {

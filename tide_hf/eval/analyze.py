@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from tqdm.auto import tqdm
 from ..assets import default_dataset, load_model
 from ..calibration import held_out_texts, load_texts, make_samples, pad_right, pad_token_id
 from ..calibration.labels import LABEL_CHUNK_ROWS, FinalDistribution
+from ..calibration.thresholds import exit_index
 from ..config import default_checkpoints
 from ..errors import TideDataError
 from ..modeling import ModelAdapter, TideRouter, check_head, get_adapter, layer_output
@@ -34,6 +36,8 @@ from .plots import convergence as plot_convergence
 from .plots import efficiency as plot_efficiency
 from .plots import heatmap as plot_heatmap
 
+ORACLE_CURVE = [1.0 - i / 20 for i in range(11)]  # agreements 1.0 down to 0.5 in steps of 0.05, beside the rows'
+AGREEMENT_DECIMALS = 4  # agreements closer than this are one point of the oracle's curve
 COUNT_SLACK = 1e-6  # an agreement given as a float may sit a rounding error below the count it came from
 
 
@@ -44,7 +48,7 @@ def _layer_states(model: Any, adapter: ModelAdapter, ids: torch.Tensor, mask: to
     captured: dict[int, torch.Tensor] = {}
     keep = mask.bool().to(model.device)
 
-    def hook_for(k: int):
+    def hook_for(k: int) -> Callable[[Any, Any, Any], None]:
         def hook(_m: Any, _a: Any, output: Any) -> None:
             captured[k] = layer_output(output)[keep]
         return hook
@@ -164,8 +168,7 @@ def scored_text(model: Any, router: TideRouter, texts: list[tuple[torch.Tensor, 
 def exit_summary(match: torch.Tensor, score: torch.Tensor, thresholds: torch.Tensor, checkpoints: list[int], n: int
            ) -> dict[str, Any]:
     """Agreement and layers saved (the routers', the oracle's at that agreement) under per-checkpoint thresholds."""
-    fires = (score >= thresholds) & (thresholds < 1.0)
-    first = torch.where(fires.any(1), fires.int().argmax(1), len(checkpoints))
+    first = exit_index(score, thresholds)
     correct = torch.cat([match, torch.ones(len(match), 1, dtype=torch.bool)], 1).gather(1, first[:, None])
     agreement = int(correct.sum()) / len(correct)  # exact count: the oracle gets the same budget
     saved = n - float(torch.tensor([*checkpoints, n], dtype=torch.float64)[first].mean())
@@ -206,7 +209,7 @@ def router_efficiency(model: Any, router: TideRouter, prompts: list[torch.Tensor
             out["heldout_targets"] = [{"target": a, **exit_summary(h_match, h_score, vectors[a], checkpoints, n)}
                                       for a in targets]
     agreements = [r["agreement"] for r in rows + out.get("targets", [])]
-    curve = sorted({round(x, 4) for x in [*(1.0 - i / 20 for i in range(11)), *agreements]})
+    curve = sorted({round(x, AGREEMENT_DECIMALS) for x in [*ORACLE_CURVE, *agreements]})
     out["oracle"] = oracle(match, checkpoints, n, curve[::-1])
     return out
 

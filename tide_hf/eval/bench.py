@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from ..assets import default_dataset, load_model
 from ..calibration import pad_token_id
+from ..config import CLOSED
 from ..modeling import TideRouter
 from ..modeling.files import check_writable
 from ..runtime import attach
@@ -26,13 +27,13 @@ from .measure import check_exit_depths, evaluation_text, generate, left_pad, mat
 
 def overhead(model: Any, router: TideRouter, prompts: list[torch.Tensor], pad_id: int, batch_sizes: list[int],
              new_tokens: int, reps: int) -> list[dict]:
-    """Tokens/s of stock vs TIDE attached with exits disabled (threshold 1.0), interleaved."""
+    """Tokens/s of stock vs TIDE attached with exits disabled (threshold `CLOSED`), interleaved."""
     rows = []
     for bs in batch_sizes:
         batch = left_pad(prompts[:bs], pad_id)
         generate(model, batch, 2)  # warm-up
         times = {"stock": 0.0, "tide": 0.0}
-        handle = attach(model, router, exit_threshold=1.0)
+        handle = attach(model, router, exit_threshold=CLOSED)
         try:
             for _ in tqdm(range(reps), desc=f"overhead bs{bs}", leave=False):
                 for name, flag in (("stock", False), ("tide", True)):
@@ -100,9 +101,10 @@ def format_table(result: dict) -> str:
 def run(args: Any) -> dict:
     """The `tide-hf bench` command: writes JSON and Markdown tables to `args.output` and prints them.
 
-    Default: overhead and quality of TIDE vs stock. `--modes`: skip mode vs stock and ideal.
-    `--baselines`: TIDE vs fixed depth, static skipping and softmax confidence. `--kernels`: fused kernels
-    vs the PyTorch path.
+    Default: overhead and quality of TIDE vs stock. `--modes`: skip mode vs stock and ideal, and speculative mode
+    vs stock and `assistant_early_exit` (`--near-identity-after K`: the same on the model with the layers after K
+    made near-identity). `--baselines`: TIDE vs fixed depth, static skipping and softmax confidence. `--kernels`:
+    fused kernels vs the PyTorch path. `--synthetic`: a real architecture's shape with random weights.
     """
     out = Path(args.output)
     check_writable(out, "--output", folder=True)  # made when the first file is written (a refusal leaves none)

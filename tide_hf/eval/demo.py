@@ -2,7 +2,7 @@
 prompt answered by stock generate and by TIDE, and the two side by side: text, tokens/s, layers executed per
 token, agreement with stock, under the quality target the demo states.
 
-The TIDE options the demo attaches with live in `DEMO_ATTACH` / `attach_options()` alone.
+The TIDE options the demo attaches with live in `DEMO_ATTACH` alone.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ DEMO_ATTACH: dict[str, Any] = {"mode": "skip", "kv": "recompute"}
 # Options that change what the demo shows, not the router it calibrates (left out of the cache key).
 NOT_CALIBRATION = {"output", "recalibrate", "prompt", "max_new_tokens", "stats_png", "func", "command"}
 ROUTER_FILES = ("config.json", "model.safetensors")
+CACHE_KEY_CHARS, MODEL_SLUG_CHARS = 12, 40  # the cache folder's name: a hash of the settings, the model's name
 # Calibration options (CLI names) a reused `--output` router must have been made with.
 COMPARED = ("label", "exit_head", "exit_head_rank", "exit_head_ridge", "num_samples", "seq_len", "continuation",
             "continuation_prompt_len", "checkpoint_interval", "convergence_threshold", "kl_threshold", "num_epochs",
@@ -43,18 +43,13 @@ COMPARED = ("label", "exit_head", "exit_head_rank", "exit_head_ridge", "num_samp
             "confidence", "seed")
 
 
-def attach_options(router: TideRouter) -> dict[str, Any]:
-    """Keyword arguments of the demo's `attach(model, router, ...)`."""
-    return dict(DEMO_ATTACH)
-
-
 def router_folder(args: argparse.Namespace) -> Path:
     """`--output`, else a folder under the tide_hf cache keyed by the model and every calibration setting."""
     if args.output:
         return Path(os.path.abspath(args.output))  # "." and ".." name a folder too
     settings = {k: v for k, v in sorted(vars(args).items()) if k not in NOT_CALIBRATION}
-    key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    slug = "".join(c if c.isalnum() or c in "-_." else "-" for c in str(args.model))[-40:]
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:CACHE_KEY_CHARS]
+    slug = "".join(c if c.isalnum() or c in "-_." else "-" for c in str(args.model))[-MODEL_SLUG_CHARS:]
     return cache_dir() / "demo" / f"router-{slug}-{key}"
 
 
@@ -80,8 +75,7 @@ def differences(router: TideRouter, args: argparse.Namespace) -> list[str]:
     return [f"--{name.replace('_', '-')} {wanted[name]} (router: {getattr(cfg, name)})" for name in changed]
 
 
-def get_router(args: argparse.Namespace, *, calibrate: Callable = calibrate_from_args,
-               load: Callable = load_model) -> tuple[Any, Any, TideRouter | None, bool]:
+def get_router(args: argparse.Namespace) -> tuple[Any, Any, TideRouter | None, bool]:
     """(model, tokenizer, router, reused): the cached router when its folder is complete, else a calibrated one
     (saved to the folder). The router is None on the non-main processes of `accelerate launch`. An `--output`
     folder is checked before calibration: a folder holding anything but a TIDE router is refused, and one
@@ -95,7 +89,7 @@ def get_router(args: argparse.Namespace, *, calibrate: Callable = calibrate_from
             raise TideArgumentError(f"{folder} holds a router calibrated with other settings: {', '.join(changed)}; "
                                     "pass --recalibrate to replace it, or choose another --output")
         print(f"tide_hf demo: reusing the router calibrated earlier in {folder} (--recalibrate to redo)")
-        model, tokenizer = load(args.model, args.dtype)
+        model, tokenizer = load_model(args.model, args.dtype)
         return model, tokenizer, router, True
     if not args.output and folder.exists() and not is_complete(folder):  # the cache's own, left by a killed run
         shutil.rmtree(folder)
@@ -104,7 +98,7 @@ def get_router(args: argparse.Namespace, *, calibrate: Callable = calibrate_from
     check_save_target(folder, overwrite=True)  # only a router may be replaced: refused before the work
     print(f"tide_hf demo: calibrating routers on {args.num_samples} samples x {args.seq_len} tokens "
           f"(once; cached in {folder})")
-    model, tokenizer, router = calibrate(args)
+    model, tokenizer, router = calibrate_from_args(args)
     if not is_main_process():  # under `accelerate launch` the main process saves and generates
         return model, tokenizer, None, False
     router.save_pretrained(folder, overwrite=True)  # written next to the folder, then moved into place
@@ -151,7 +145,7 @@ def compare(model: Any, tokenizer: Any, router: TideRouter, prompt: str, new_tok
     num_layers = get_adapter(model).num_layers
     model.generate(**inputs, max_new_tokens=2, do_sample=False)  # warm-up: first-call costs out of the timing
     stock, stock_s = timed_generate(model, inputs, new_tokens, "stock generate")
-    with attach(model, router, **attach_options(router)) as handle:
+    with attach(model, router, **DEMO_ATTACH) as handle:
         model.generate(**inputs, max_new_tokens=2, do_sample=False)  # warm-up (builds the kernels once)
         tide, tide_s = timed_generate(model, inputs, new_tokens, "TIDE generate")
         decode = handle.last_stats.decode

@@ -35,6 +35,8 @@ ROUTER_PATHS = {"auto": 0, "small": 1, "tensor": 2, "gemm": 3}  # cuda/tide_cuda
 GPU_HIDDEN, GPU_BOTTLENECK, SMOL_HIDDEN = 4096, 128, 576
 GPU_ROWS = (1, 8, 64, 256, 4096, 32768)
 SMOL_ROWS = (1, 8, 64, 256, 4096)
+CPU_SMOL_ROWS, CPU_8B_ROWS = (1, 8, 64), (1, 256)  # the CPU run's rows at SmolLM2's and an 8B model's hidden size
+BENCH_NORM_KIND, BENCH_NORM_EPS = "rms", 1e-6  # the final norm the benchmarked routers read through (Llama's)
 
 
 def _time_us(fn: Callable[[], Any], device: torch.device) -> float:
@@ -57,10 +59,10 @@ def _time_us(fn: Callable[[], Any], device: torch.device) -> float:
     return statistics.median(blocks) * 1e6
 
 
-def _event_us(run: Callable[[], Any], repeats: int = DEVICE_REPEATS) -> float:
-    """Median device microseconds of `run()` between two CUDA events."""
+def _event_us(run: Callable[[], Any]) -> float:
+    """Median device microseconds of `run()` between two CUDA events (DEVICE_REPEATS runs)."""
     times = []
-    for _ in range(repeats):
+    for _ in range(DEVICE_REPEATS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         run()
@@ -127,10 +129,11 @@ def device_roofline(device: torch.device) -> dict[str, Any]:
             "matmul_tflops": 2 * MATMUL_SIZE**3 / matmul_us / 1e6}
 
 
-def _router(n: int, h: int, b: int, dtype: torch.dtype, device: torch.device, kind: str) -> tuple:
+def _router(n: int, h: int, b: int, dtype: torch.dtype, device: torch.device) -> tuple:
     """One input set: hidden rows in `dtype`, norm params in `dtype`, fp32 router (nn.Linear init)."""
     fc1, fc2 = nn.Linear(h, b).to(device), nn.Linear(b, 1).to(device)
-    norm = NormSpec(kind, torch.randn(h, device=device).to(dtype), torch.randn(h, device=device).to(dtype), 1e-6)
+    norm = NormSpec(BENCH_NORM_KIND, torch.randn(h, device=device).to(dtype), torch.randn(h, device=device).to(dtype),
+                    BENCH_NORM_EPS)
     hidden = torch.randn(n, h, device=device).to(dtype)
     return hidden, norm, fc1.weight.detach(), fc1.bias.detach(), fc2.weight.detach(), fc2.bias.detach()
 
@@ -169,10 +172,10 @@ def _roofline_fields(us: float, n: int, h: int, b: int, dtype: torch.dtype, roof
 
 
 def device_bench(n: int, h: int, b: int, dtype: torch.dtype, device: torch.device, roof: dict,
-                 fn: Callable[..., torch.Tensor], kind: str = "rms") -> dict[str, Any]:
+                 fn: Callable[..., torch.Tensor]) -> dict[str, Any]:
     """Device and host µs per call of fn (a norm_router_scores variant) at one shape, with its roofline."""
     sets = max(2, min(MAX_ROTATIONS, ROTATE_BYTES // max(moved_bytes(n, h, b, dtype), 1)))
-    inputs = [_router(n, h, b, dtype, device, kind) for _ in range(sets)]
+    inputs = [_router(n, h, b, dtype, device) for _ in range(sets)]
     calls = [partial(fn, *args) for args in inputs]
     with torch.inference_mode():
         err = (fn(*inputs[0]) - norm_router_scores_reference(*inputs[0])).abs().max().item()
@@ -186,7 +189,6 @@ def microbench(
     shapes: list[tuple[int, int, int]],
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-    kind: str = "rms",
 ) -> list[dict[str, Any]]:
     """Time norm_router_scores (kernel) against the PyTorch reference for each (rows, hidden, bottleneck).
 
@@ -201,8 +203,8 @@ def microbench(
         row = {"rows": n, "hidden": h, "bottleneck": b, "dtype": str(dtype).removeprefix("torch."),
                "device": str(device), "backend": backend}
         if roof is not None:
-            kernel = device_bench(n, h, b, dtype, device, roof, norm_router_scores, kind)
-            torch_path = device_bench(n, h, b, dtype, device, roof, norm_router_scores_reference, kind)
+            kernel = device_bench(n, h, b, dtype, device, roof, norm_router_scores)
+            torch_path = device_bench(n, h, b, dtype, device, roof, norm_router_scores_reference)
             row.update(roof)
             row.update({"kernel_us": kernel["device_us"], "torch_us": torch_path["device_us"],
                         "kernel_host_us": kernel["host_us"], "torch_host_us": torch_path["host_us"],
@@ -213,7 +215,7 @@ def microbench(
                         "roofline_share": kernel["roofline_share"], "max_abs_diff": kernel["max_abs_diff"]})
             rows.append(row)
             continue
-        args = _router(n, h, b, dtype, device, kind)
+        args = _router(n, h, b, dtype, device)
         with torch.inference_mode():
             kernel_us = _time_us(partial(norm_router_scores, *args), device)
             torch_us = _time_us(partial(norm_router_scores_reference, *args), device)
@@ -235,7 +237,8 @@ def kernel_rows(dtype: str) -> list[dict]:
         shapes = [(n, GPU_HIDDEN, GPU_BOTTLENECK) for n in GPU_ROWS]
         shapes += [(n, SMOL_HIDDEN, GPU_BOTTLENECK) for n in SMOL_ROWS]
         return microbench(shapes, getattr(torch, dtype), "cuda")
-    shapes = [(1, 576, 128), (8, 576, 128), (64, 576, 128), (1, 4096, 128), (256, 4096, 128)]
+    shapes = [(n, SMOL_HIDDEN, GPU_BOTTLENECK) for n in CPU_SMOL_ROWS]
+    shapes += [(n, GPU_HIDDEN, GPU_BOTTLENECK) for n in CPU_8B_ROWS]
     return microbench(shapes, getattr(torch, dtype), "cpu")
 
 

@@ -1,4 +1,4 @@
-"""Measurement helpers shared by bench, modes, baselines and analyze: held-out prompts, timed greedy
+"""Measurement helpers shared by bench, modes, baselines and synthetic: held-out prompts, timed greedy
 generation, teacher-forced perplexity and greedy continuation match against stock."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ every threshold's run on the same prompts. All in one process.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -36,7 +36,10 @@ def truncated(model: Any, depth: int) -> Iterator[None]:
         yield
 
 
-def _truncated_runner(model: Any, depth: int):
+Runner = Callable[[dict, int], tuple[torch.Tensor, float]]  # (batch, new tokens) -> (sequences, seconds)
+
+
+def _truncated_runner(model: Any, depth: int) -> Runner:
     def run(batch: dict, new_tokens: int) -> tuple[torch.Tensor, float]:
         with truncated(model, depth):
             return generate(model, batch, new_tokens)
@@ -84,9 +87,9 @@ def forced_exits(model: Any, router: TideRouter, batch: dict, depths: list[int],
     return {"rows": rows, "ideal_fit": {"a_ms": 1e3 * a, "b_ms_per_layer": 1e3 * b}}
 
 
-def _skip_runner(model: Any, router: TideRouter, min_layers: int, kv: str, threshold: float = 0.0):
-    def run(batch: dict, new_tokens: int) -> tuple[torch.Tensor, float]:
-        handle = attach(model, router, exit_threshold=threshold, min_layers=min_layers, mode="skip", kv=kv)
+def _skip_runner(model: Any, router: TideRouter, min_layers: int, kv: str) -> Runner:
+    def run(batch: dict, new_tokens: int) -> tuple[torch.Tensor, float]:  # every token exits at `min_layers`
+        handle = attach(model, router, exit_threshold=0.0, min_layers=min_layers, mode="skip", kv=kv)
         try:
             return generate(model, batch, new_tokens, tide=True)
         finally:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..config import TideRouterConfig, default_checkpoints
+from ..config import CLOSED, TideRouterConfig, default_checkpoints
 from ..errors import TideArgumentError
 from ..modeling import TideRouter
 from ..modeling.fingerprint import model_fingerprint
@@ -43,15 +43,18 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 CONSTANT_LOGIT = 30.0  # a router logit of +-30: score 1.0 / 0.0 in fp32, far from any threshold
 THRESHOLD = 0.5
+SEED = 0  # random weights and prompts: every run of one shape measures the same model on the same tokens
+SPECIAL_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+FIRST_TEXT_ID = max(SPECIAL_IDS.values()) + 1  # random prompts draw from the ids after the special ones
 RECOMPILE_LIMIT = 64  # each configuration compiles graphs of its own; dynamo's default limit (8) is too low
 
 
-def build_model(shape: str, device: str, dtype: torch.dtype, seed: int = 0) -> Any:
+def build_model(shape: str, device: str, dtype: torch.dtype) -> Any:
     """A Llama of `shape` with random weights, built directly on `device` in `dtype` (no fp32 copy)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(seed)
-    config = LlamaConfig(**SHAPES[shape], pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(SEED)
+    config = LlamaConfig(**SHAPES[shape], **SPECIAL_IDS)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -77,7 +80,7 @@ def constant_router(model: Any, logit: float) -> TideRouter:
 
 
 def configurations(model: Any, depth: int) -> dict[str, tuple[str, Callable[[], AbstractContextManager]]]:
-    """Key (CONFIGS) -> (table name, a context in which `generate` runs that configuration)."""
+    """Key (the CLI's `--configs` choices) -> (table name, a context in which `generate` runs that configuration)."""
     never, always = constant_router(model, -CONSTANT_LOGIT), constant_router(model, CONSTANT_LOGIT)
 
     def attached(router: TideRouter, **options: Any) -> Callable[[], AbstractContextManager]:
@@ -85,7 +88,7 @@ def configurations(model: Any, depth: int) -> dict[str, tuple[str, Callable[[], 
 
     return {
         "stock": ("stock", nullcontext),
-        "exits-off": ("exits off", attached(never, exit_threshold=1.0)),
+        "exits-off": ("exits off", attached(never, exit_threshold=CLOSED)),
         "select-scored": ("select, scored, no exits", attached(never, exit_threshold=THRESHOLD)),
         "select-exit": (f"select, all exit at {depth}", attached(always, exit_threshold=THRESHOLD, min_layers=depth)),
         "skip-recompute": (f"skip, all exit at {depth}, kv=recompute",
@@ -96,9 +99,6 @@ def configurations(model: Any, depth: int) -> dict[str, tuple[str, Callable[[], 
     }
 
 
-CONFIGS = ("stock", "exits-off", "select-scored", "select-exit", "skip-recompute", "skip-propagate", "truncated")
-
-
 def _generate(model: Any, ids: torch.Tensor, new_tokens: int, compiled: bool) -> float:
     """Wall seconds of one greedy generate call (device synchronized before and after)."""
     kwargs = {"cache_implementation": "static"} if compiled else {}
@@ -106,7 +106,7 @@ def _generate(model: Any, ids: torch.Tensor, new_tokens: int, compiled: bool) ->
     sync()
     start = time.perf_counter()
     model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                   min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs)
+                   min_new_tokens=new_tokens, do_sample=False, pad_token_id=SPECIAL_IDS["pad_token_id"], **kwargs)
     sync()
     return time.perf_counter() - start
 
@@ -124,15 +124,15 @@ def _recompile_limit() -> Iterator[None]:
 
 
 def measure(model: Any, configs: dict[str, Callable[[], AbstractContextManager]], batch_size: int, prompt_len: int,
-            new_tokens: int, reps: int, compiled: bool, seed: int = 0) -> list[dict]:
+            new_tokens: int, reps: int, compiled: bool) -> list[dict]:
     """Median ms per decode token of each configuration, interleaved over `reps` repetitions.
 
     Compiled: each configuration stays attached through its own warm-up and timed runs, one after another
     (attaching anew would compile anew); eager: everything is interleaved repetition by repetition.
     """
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(SEED)
     device = next(model.parameters()).device
-    ids = torch.randint(3, model.config.vocab_size, (batch_size, prompt_len), generator=gen).to(device)
+    ids = torch.randint(FIRST_TEXT_ID, model.config.vocab_size, (batch_size, prompt_len), generator=gen).to(device)
     times: dict[str, list[float]] = {name: [] for name in configs}
 
     def one(name: str) -> None:

@@ -376,7 +376,8 @@ def _generate_row(handle: TideHandle, original: Callable, model: nn.Module, kwar
                   head: DraftHead | None, session: Session, config: GenerationConfig) -> Any:
     owner: list[TideCandidateGenerator] = []
 
-    def factory(*, generation_config: GenerationConfig, logits_processor: Any, model_kwargs: dict, **_: Any):
+    def factory(*, generation_config: GenerationConfig, logits_processor: Any, model_kwargs: dict, **_: Any
+                ) -> TideCandidateGenerator:
         owner.append(TideCandidateGenerator(handle, stats, head, generation_config, logits_processor, model_kwargs))
         return owner[-1]
 

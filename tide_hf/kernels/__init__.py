@@ -6,7 +6,7 @@ PyTorch path and reads a model's final norm into a `NormSpec`.
 
 from __future__ import annotations
 
-from .build import active_backend, kernel_build_error, kernels_available
+from .build import active_backend, kernel_build_error
 from .ops import gather_rows, norm_router_scores, scatter_rows_
 from .reference import NORM_KINDS, NormSpec, apply_norm, norm_router_scores_reference, norm_spec
 
@@ -17,7 +17,6 @@ __all__ = [
     "apply_norm",
     "gather_rows",
     "kernel_build_error",
-    "kernels_available",
     "norm_router_scores",
     "norm_router_scores_reference",
     "norm_spec",

@@ -168,13 +168,9 @@ def extension(flavour: str | None) -> ModuleType | None:
     return _extensions[flavour]
 
 
-def kernels_available(device: torch.device | str) -> bool:
-    """Whether compiled kernels serve tensors on `device` (builds them on first call)."""
-    return extension(flavour_of(device)) is not None
-
-
 def active_backend(device: torch.device | str) -> str:
-    """Which implementation runs for `device`: "cpp", "cuda" or "pytorch" (see kernel_build_error)."""
+    """Which implementation runs for `device`: "cpp", "cuda" or "pytorch" (see kernel_build_error); builds the
+    compiled kernels on first call."""
     flavour = flavour_of(device)
     return ("cpp" if flavour == "cpu" else "cuda") if extension(flavour) is not None else "pytorch"
 

@@ -7,13 +7,14 @@ Each kernel is a real PyTorch custom op (`torch.ops.tide_hf.*`, declared with `t
 a fake implementation), so `torch.compile` puts it in the graph as one opaque call instead of breaking the
 graph at a compiled extension it cannot trace. The op runs the compiled extension for the tensors' device
 when it is built (see `build.py`), else the PyTorch reference (`reference.py`); both compute the same values
-(`tests/test_kernels.py`, which also runs `torch.library.opcheck` on every op).
+(`tests/test_kernels.py`; `tests/test_compile.py` runs `torch.library.opcheck` on every op).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..errors import TideIndexError
 from .build import extension, flavour_of
 from .reference import NORM_KINDS, NormSpec, norm_router_scores_reference
 
@@ -97,14 +98,14 @@ def norm_router_scores(
 
 
 def check_rows(index: torch.Tensor, rows: int) -> None:
-    """Raise `IndexError` for a CPU row index outside [0, rows), before any compiled code reads it.
+    """Raise `TideIndexError` (an `IndexError`) for a CPU row index outside [0, rows) before compiled code reads it.
 
     The C++ extension checks too, but an exception thrown across the extension boundary has crashed the
     interpreter with some torch builds (torch 2.11): the check in Python always raises cleanly.
     """
     if index.device.type == "cpu" and index.numel() and (int(index.min()) < 0 or int(index.max()) >= rows):
         bad = index[(index < 0) | (index >= rows)][0].item()
-        raise IndexError(f"index {bad} is out of range for {rows} rows")
+        raise TideIndexError(f"index {bad} is out of range for {rows} rows")
 
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import TideArgumentError
+
 logger = logging.getLogger(__name__)
 
 NORM_KINDS = {"none": 0, "rms": 1, "rms_gemma": 2, "layernorm": 3, "rms_fp32": 4}  # ids shared with cuda/*.cpp|cu
@@ -103,7 +105,7 @@ def apply_norm(hidden: torch.Tensor, spec: NormSpec) -> torch.Tensor:
     if spec.kind == "rms_fp32":  # Olmo2RMSNorm / GptOssRMSNorm: scale by w in fp32, then cast
         return (x * spec.weight.float()).type_as(hidden)
     if spec.kind != "rms":
-        raise ValueError(f"unknown norm kind {spec.kind!r}; expected one of {sorted(NORM_KINDS)}")
+        raise TideArgumentError(f"unknown norm kind {spec.kind!r}; expected one of {sorted(NORM_KINDS)}")
     x = x.to(hidden.dtype)  # LlamaRMSNorm: cast back to the input dtype, then multiply by the weight
     return x if spec.weight is None else spec.weight * x
 

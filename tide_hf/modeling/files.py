@@ -26,6 +26,7 @@ ROUTER_MODEL_TYPE = "tide_router"
 WEIGHT_FILES = re.compile(r"model\.safetensors(\.index\.json)?|model-\d+-of-\d+\.safetensors")
 # What `TideRouter.save_pretrained` writes, plus the Hub's .gitattributes.
 ROUTER_FILES = re.compile(rf"config\.json|README\.md|\.gitattributes|{WEIGHT_FILES.pattern}")
+SHOWN_FILES = 8  # a refused folder's files an error message lists
 HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
 
 
@@ -54,7 +55,7 @@ def check_save_target(path: Path, overwrite: bool) -> None:
     if not names:
         return
     if not is_router_folder(path):
-        shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+        shown = ", ".join(names[:SHOWN_FILES]) + (", ..." if len(names) > SHOWN_FILES else "")
         raise TideRouterFileError(
             f"refusing to save a TIDE router into {path}: the folder holds files that are not a TIDE router "
             f"({shown}); choose an empty or new folder")

@@ -130,7 +130,8 @@ class TideRouter(PreTrainedModel):
         return {k: torch.sigmoid(self.logit(k, h)) for k, h in hidden_states.items()}
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *args: Any, **kwargs: Any):
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *args: Any, **kwargs: Any
+                        ) -> TideRouter | tuple[TideRouter, dict]:
         """Load from a local folder or Hub repo, from safetensors only (never a pickle).
 
         Checked (`TideRouterFileError` otherwise): a config.json of a TIDE router (unless `config=` is
@@ -228,7 +229,8 @@ class TideRouter(PreTrainedModel):
                                revision=revision, create_pr=create_pr)
 
     def model_card(self) -> ModelCard:
-        """A Hub model card: metadata (library, base model, tags) and the per-router validation table."""
+        """A Hub model card: metadata (library, base model, tags), how to load the base model at the revision the
+        routers were calibrated on, and the per-router validation table."""
         cfg = self.config
         data = ModelCardData(
             library_name="tide_hf",
@@ -245,14 +247,18 @@ class TideRouter(PreTrainedModel):
         body = (
             f"# TIDE router for {cfg.base_model_name_or_path or 'a causal LM'}\n\n"
             f"Early-exit routers ([TIDE](https://arxiv.org/abs/2603.21365)) made with `tide_hf` for "
-            f"{cfg.base_architecture} ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}). "
+            f"{cfg.base_architecture} ("
+            + (f"model type `{cfg.base_model_type}`, " if cfg.base_model_type else "")
+            + f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}). "
             f"Checkpoints after layers {cfg.checkpoint_layers}; label `{cfg.label}`; exit head `{cfg.exit_head}`; "
             "calibrated on "
             f"{cfg.num_samples} samples of {cfg.seq_len} tokens from `{cfg.dataset}`"
             + (f" (the model's own {cfg.continuation} continuations of each sample's first "
                f"{cfg.continuation_prompt_len} tokens)" if cfg.continuation else "") + ".\n\n"
             "```python\nimport tide_hf\nfrom transformers import AutoModelForCausalLM\n"
-            f"model = AutoModelForCausalLM.from_pretrained({cfg.base_model_name_or_path or '<base model>'!r})\n"
+            f"model = AutoModelForCausalLM.from_pretrained({cfg.base_model_name_or_path or '<base model>'!r}"
+            # the Hub commit of the weights it was calibrated on (their fingerprint is checked at attach)
+            + (f", revision={cfg.base_model_revision!r}" if cfg.base_model_revision else "") + ")\n"
             "router = tide_hf.TideRouter.from_pretrained('<this repo>')\n"
             + (f"handle = tide_hf.attach(model, router)  # top-1 agreement >= {cfg.min_agreement} at confidence "
                f"{cfg.confidence}; or min_agreement=, max_perplexity_increase=\n```\n\n"

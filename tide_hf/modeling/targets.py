@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..config import PATH_KINDS
+from ..config import CLOSED, PATH_KINDS
 from ..errors import TideArgumentTypeError, TideTargetError
 
 
@@ -52,7 +52,7 @@ def normal_pvalue(total: float, total_sq: float, n: int, bound: float) -> float:
 
 def select(paths: dict[str, Any], checkpoints: list[int], *, min_agreement: float | None = None,
            max_perplexity_increase: float | None = None, confidence: float) -> dict[int, float]:
-    """Per-checkpoint thresholds (1.0 = that checkpoint never exits) of the last path point whose risk is
+    """Per-checkpoint thresholds (`CLOSED` = that checkpoint never exits) of the last path point whose risk is
     certified within the target(s) by fixed-sequence testing at level 1 - `confidence`."""
     if min_agreement is None and max_perplexity_increase is None:
         raise TideTargetError("give min_agreement and/or max_perplexity_increase")
@@ -74,7 +74,7 @@ def select(paths: dict[str, Any], checkpoints: list[int], *, min_agreement: floa
     delta = 1.0 - float(confidence)
     chosen, tested = None, False
     for j in range(len(path["thresholds"])):
-        if all(float(t) >= 1.0 for t in path["thresholds"][j]):  # every checkpoint closed (the path's start):
+        if all(float(t) >= CLOSED for t in path["thresholds"][j]):  # every checkpoint closed (the path's start):
             chosen = j  # nothing exits, so the risk is 0 by construction, not a hypothesis to test
             continue
         pvalues, silent = [], False
@@ -92,7 +92,7 @@ def select(paths: dict[str, Any], checkpoints: list[int], *, min_agreement: floa
         if not silent:
             chosen, tested = j, True
     if chosen is None:  # not even the first point: every checkpoint stays closed
-        return dict.fromkeys(checkpoints, 1.0)
+        return dict.fromkeys(checkpoints, CLOSED)
     return {k: float(t) for k, t in zip(checkpoints, path["thresholds"][chosen])}
 
 
@@ -100,7 +100,7 @@ def check_served(thresholds: dict[int, float], min_layers: int, calibrated_min_l
     """Refuse thresholds that open a checkpoint below the `min_layers` served with: the exit path was tested
     with exits from `calibrated_min_layers` on, and closing an open checkpoint moves its tokens to later exits
     that the test never counted."""
-    dropped = [k for k, t in thresholds.items() if t < 1.0 and k < min_layers]
+    dropped = [k for k, t in thresholds.items() if t < CLOSED and k < min_layers]
     if dropped and min_layers == calibrated_min_layers:
         raise TideTargetError(
             f"this router's exit paths open checkpoints {dropped}, below its own min_layers={min_layers}: it was "

@@ -2,7 +2,8 @@
 
 Per forward, a hook at each checkpoint layer scores the positions of the step with that checkpoint's
 router (on `final_norm(h)`, the representation the router was trained on) and records, per row and
-position, the first checkpoint whose score reaches `exit_threshold`. A hook on the last layer then
+position, the first checkpoint whose score reaches that checkpoint's threshold (`TideOptions.threshold`: a quality
+target's per-checkpoint thresholds, or the global `exit_threshold`). A hook on the last layer then
 replaces the output of the positions that exited by their exit state (the router's exit head on the
 checkpoint's state, or that state itself), so the model's own final norm and LM head produce the exit
 logits, and every stock logits processor (repetition penalty, temperature, top-k/p...) and every stock
@@ -14,13 +15,14 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..config import CLOSED
 from ..errors import TideArgumentError, TideConcurrencyError, TideUnsupportedError
 from ..kernels import NormSpec, norm_router_scores, norm_spec
 from ..modeling import ModelAdapter, TideRouter, get_adapter, layer_output
@@ -58,8 +60,7 @@ class TideHandle:
         self.owner = owner  # the thread of a per-call attach (`generate(tide=router)`); None: every thread
         self.num_layers = adapter.num_layers
         self.checkpoints = [k for k in router.checkpoint_layers if k >= options.min_layers]
-        self.open_checkpoints = [k for k in self.checkpoints if options.threshold(k) < 1.0]  # those that can exit
-        self.enabled = True
+        self.open_checkpoints = [k for k in self.checkpoints if options.threshold(k) < CLOSED]  # those that can exit
         self.turns = Turns(options.mode == "speculative")  # a speculative call runs alone (`turns.py`)
         self._local = threading.local()
         self._local.owner = owner is not None  # set in the owner's thread only (`_bypassed`)
@@ -161,7 +162,7 @@ class TideHandle:
         if self.owner is not None and not getattr(self._local, "owner", False):
             return True  # a per-call attach is invisible to every other thread (a thread-local flag, which
             # compiled graphs guard on; `threading.get_ident()` broke them)
-        return not self.enabled or self.is_disabled()
+        return self.is_disabled()
 
     def _active(self) -> bool:
         return not self._bypassed() and bool(self.open_checkpoints)
@@ -234,13 +235,13 @@ class TideHandle:
         ok = torch.isfinite(scores) & (scores >= threshold)
         return ok & torch.isfinite(hidden).all(-1).to(ok.device)
 
-    def _checkpoint_hook(self, layer: int):
+    def _checkpoint_hook(self, layer: int) -> Callable[[nn.Module, tuple, Any], None]:
         threshold = self.options.threshold(layer)
 
         def hook(_module: nn.Module, _args: tuple, output: Any) -> None:
             step = getattr(self._local, "step", None)
-            if step is None or threshold >= 1.0 or step.skip_after is not None or step.segmented or not self._active() \
-                    or self._local.session.full_depth:
+            if step is None or threshold >= CLOSED or step.skip_after is not None or step.segmented \
+                    or not self._active() or self._local.session.full_depth:
                 return  # (skip mode: once every row has exited, later checkpoints have nothing to decide)
             hidden = layer_output(output)
             if hidden.shape[:2] != step.exit_layer.shape:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..compat import is_stateful
+from ..config import CLOSED
 from ..errors import TideUnsupportedError
 from ..modeling import ModelAdapter, TideRouter, check_head, text_config
 from .options import TideOptions
@@ -18,7 +19,7 @@ def check_mode(model: nn.Module, adapter: ModelAdapter, options: TideOptions, ro
     mode on a model that keeps a recurrent state (stock assisted decoding takes back rejected drafts by cropping
     the KV cache, and transformers refuses such a model only once generate runs). Speculative drafts over a
     draft vocabulary use the adapter's head, sliced: it is checked against the model's (`check_head`)."""
-    eligible = [k for k in router.checkpoint_layers if k >= options.min_layers and options.threshold(k) < 1.0]
+    eligible = [k for k in router.checkpoint_layers if k >= options.min_layers and options.threshold(k) < CLOSED]
     if options.mode == "skip" and eligible:
         return LayerSkipper.check(model, adapter.layers, eligible[0], options.kv, text_config(model))
     if options.mode == "speculative" and is_stateful(model):

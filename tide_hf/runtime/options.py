@@ -25,8 +25,8 @@ class TideOptions:
     chosen from the router's metrics).
     """
 
-    exit_threshold: float = 0.85
-    min_layers: int = 1
+    exit_threshold: float  # (the defaults of these two are the router config's: `resolve`)
+    min_layers: int
     mode: str = "select"
     kv: str = "propagate"
     draft_layer: int | None = None

@@ -430,7 +430,7 @@ def test_smollm2_sotu_end_to_end(tmp_path) -> None:
         original = float(weight.view(-1)[0])
         weight.view(-1)[0] = 1.0 if original < 0 else -1.0  # a fingerprinted (sampled) value, across zero
     try:
-        with pytest.raises(TideCompatibilityError, match=r"weights fingerprint: router [0-9a-f]{16}, model"):
+        with pytest.raises(TideCompatibilityError, match=r"weights fingerprint: router v2:[0-9a-f]{16}, model"):
             loaded.check_compatible(model)
         loaded.check_compatible(model, ignore_fingerprint=True)
     finally:

@@ -364,7 +364,7 @@ def test_old_routers_whose_paths_open_checkpoints_below_their_min_layers_are_tol
     model = make_model()
     path = {**CLOSED_PATH, "thresholds": [[1.0, 1.0], [0.9, 0.8]]}
     router = new_router(model, exit_paths={"agreement": path}, min_layers=8)
-    with pytest.raises(TideTargetError, match="calibrated by a tide_hf older than the fix"):
+    with pytest.raises(TideTargetError, match="a tide_hf older than the fix that keeps them closed calibrated"):
         tide_hf.attach(model, router, min_agreement=0.5)
     with tide_hf.attach(model, router, exit_threshold=0.9):
         pass
@@ -507,3 +507,36 @@ def test_a_head_tide_hf_does_not_reproduce_is_refused_where_tide_hf_computes_log
         tide_hf.attach(model, drafting, mode="speculative", draft_layer=4)
     assert hooks(model) == before and tide_hf.get_handle(model) is None
     tide_hf.attach(model, new_router(model), mode="speculative", draft_layer=4).detach()  # the model's own head
+
+
+def test_the_fingerprint_covers_every_layer_and_older_routers_still_pair() -> None:
+    """A model whose middle layers alone differ (a fine-tune of some layers) had the same fingerprint: attach
+    accepted it and reported a quality target certified on other weights. Routers calibrated before keep their
+    fingerprint of the embeddings, first and last layer, checked that way."""
+    import copy
+
+    model, other = make_model(seed=0), make_model(seed=1)
+    changed = copy.deepcopy(model)
+    changed.model.layers[4].load_state_dict(other.model.layers[4].state_dict())
+    fingerprint = tide_hf.model_fingerprint
+    assert fingerprint(changed) != fingerprint(model)
+    assert fingerprint(changed, version=1) == fingerprint(model, version=1)  # what the first version missed
+    with pytest.raises(TideCompatibilityError, match="weights fingerprint"):
+        tide_hf.attach(changed, new_router(model))
+    older = new_router(model)
+    older.config.base_fingerprint = fingerprint(model, version=1)
+    tide_hf.attach(model, older).detach()
+    with pytest.raises(TideCompatibilityError, match="weights fingerprint"):
+        tide_hf.attach(other, older)
+
+
+def test_a_target_served_on_other_weights_warns() -> None:
+    """`ignore_fingerprint=True` lets a fine-tune through; its quality target was certified on other weights."""
+    model, other = make_model(seed=0), make_model(seed=1)
+    router = new_router(model, exit_paths={"agreement": CLOSED_PATH}, min_agreement=0.9)
+    with pytest.warns(UserWarning, match="is certified for the weights the router was calibrated on"):
+        tide_hf.attach(other, router, ignore_fingerprint=True).detach()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tide_hf.attach(model, router, ignore_fingerprint=True).detach()  # the same weights
+        tide_hf.attach(other, router, ignore_fingerprint=True, exit_threshold=0.5).detach()  # no target

@@ -312,3 +312,42 @@ def test_a_perplexity_target_exits_end_to_end_and_holds() -> None:
             exits = handle.last_stats.prefill.exits
     assert handle.options.thresholds[4] < 1.0 and exits.get(4, 0) > held_out.numel() // 2
     assert math.exp(float(served - stock)) <= 1.05
+
+
+def test_a_checkpoint_whose_label_never_fired_stays_closed() -> None:
+    """No positive training token at a checkpoint gives it a never-firing constant router: its constant score as
+    a threshold would exit every token there (a fixed depth, against calibration's own warning)."""
+    from tide_hf.calibration.labels import Collected
+    from tide_hf.calibration.thresholds import fit_exit_paths
+
+    gen = torch.Generator().manual_seed(0)
+    n, layers = 2000, [4, 8]
+    is_val = torch.arange(n) >= n // 2
+    top1 = {4: is_val & (torch.rand(n, generator=gen) > 0.3), 8: torch.rand(n, generator=gen) > 0.3}
+    data = Collected(features={k: torch.randn(n, 32, generator=gen) for k in layers}, cosine={k: torch.zeros(n)
+                     for k in layers}, final=torch.zeros(n, 32), next_ids=torch.zeros(n, dtype=torch.long),
+                     final_top1=torch.zeros(n, dtype=torch.long), top1=top1,
+                     kl={k: torch.rand(n, generator=gen) for k in layers}, nll={k: torch.zeros(n) for k in layers},
+                     is_val=is_val, is_test=torch.arange(n) >= 3 * n // 4, labelled={}, seconds={})
+    router = new_router(make_tiny_llama(), seed=0, label="top1")
+    for kind, fitted in fit_exit_paths(router, data).items():
+        assert all(point[0] == 1.0 for point in fitted["thresholds"]), kind  # layer 4: no positive in training
+        assert any(point[1] < 1.0 for point in fitted["thresholds"]), kind
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda p: p["perplexity"].update(n_next=10**9), "n_next=1000000000 tokens with a next token out of n"),
+    (lambda p: p["agreement"].update(n=p["agreement"]["n"] + 1, errors=[0, 0]), "their \\(n, n_next\\) differ"),
+    (lambda p: p["perplexity"]["nll_sum"].__setitem__(0, 0.5), "its losses must be 0"),
+    (lambda p: p["perplexity"]["nll_sumsq"].__setitem__(1, 1e-6), "impossible"),
+])
+def test_a_table_no_test_could_produce_is_refused(edit, message) -> None:
+    """A hand-edited table with impossible sizes or sums certified every target (even 0.999 agreement)."""
+    from tide_hf.config import TideRouterConfig
+
+    paths = {kind: {"thresholds": [[1.0, 1.0], [0.5, 1.0]], "errors": [0, 3], "n": 100, "nll_sum": [0.0, 4.0],
+                    "nll_sumsq": [0.0, 9.0], "n_next": 90} for kind in ("agreement", "perplexity")}
+    TideRouterConfig(checkpoint_layers=[4, 8], num_hidden_layers=9, exit_paths=json.loads(json.dumps(paths)))
+    edit(paths)
+    with pytest.raises(tide_hf.TideArgumentError, match=message):
+        TideRouterConfig(checkpoint_layers=[4, 8], num_hidden_layers=9, exit_paths=paths)

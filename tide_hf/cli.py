@@ -148,7 +148,7 @@ def _add_calibration_args(p: argparse.ArgumentParser, rank_default: str) -> None
     p.add_argument("--early-stopping-patience", type=int, default=d.early_stopping_patience,
                    help="stop a router after this many epochs without a better held-out loss (0: never)")
     p.add_argument("--max-train-tokens", type=int, default=d.max_train_tokens,
-                   help="kept tokens per checkpoint (bounds memory)")
+                   help="tokens kept per checkpoint, on average (each with probability max / total; sets memory)")
     p.add_argument("--exit-threshold", type=float, default=d.exit_threshold,
                    help="global router score at which a token exits, used only without a quality target "
                         "(attach with min_agreement=None, or routers without exit paths); saved in the router, "

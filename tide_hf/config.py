@@ -24,6 +24,7 @@ KV_POLICIES = ("propagate", "recompute")
 CONTINUATIONS = ("greedy", "sample")
 # Exit paths for quality targets (see `tide_hf.modeling.targets`): top-1 agreement, perplexity change.
 PATH_KINDS = ("agreement", "perplexity")
+SUMSQ_SLACK = 1e-9  # relative rounding a stored table's NLL sums may carry (fp64 sums written as JSON)
 CLOSED = 1.0  # a per-checkpoint threshold that never exits
 SEED_BOUND = 2**63  # torch and the samplers take 64-bit seeds
 FIELD_NAME_CUTOFF = 0.85  # difflib similarity above which an unknown key is taken for a misspelled field
@@ -47,7 +48,7 @@ class TideRouterConfig(PretrainedConfig):
     the output of the `k`-th decoder layer, 1-based). Provenance (what the router belongs to and how it
     was made): the `base_*` fields, the label, the data and the training hyper-parameters. Training runs at
     most `num_epochs` per router and stops after `early_stopping_patience` epochs without a better loss on the
-    validation samples (`validation_fraction`; 0: never stops early).
+    validation samples (`validation_fraction`, in (0, 1): the ordering of the exit paths needs them too).
 
     Exit heads: with `exit_head="linear"` a token exiting at checkpoint `k` reads its logits from
     `final_norm(E_k(final_norm(h_k)))` through the model's head, where `E_k` is a linear map fitted at calibration
@@ -340,6 +341,26 @@ def check_exit_paths(paths: Any, num_checkpoints: int) -> None:
                 raise TideArgumentError(f"{name}: {errors} errors out of n={path['n']} tokens")
         for value in path["nll_sum"] + path["nll_sumsq"]:
             check_real(f"{name} NLL sums", value)
+        check_path_sizes(name, path)
+    sizes = {(path["n"], path["n_next"]) for path in paths.values()}
+    if len(sizes) > 1:
+        raise TideArgumentError(f"exit_paths: every kind is tested on the same threshold split, but their (n, "
+                                f"n_next) differ: {sorted(sizes)}")
+
+
+def check_path_sizes(name: str, path: dict) -> None:
+    """Losses a held-out test could have produced: at most `n` tokens with a next token, nothing lost where
+    nothing exits (the first point), sums of squares that are non-negative and at least the square of the sum
+    over `n_next` (Cauchy-Schwarz, up to rounding)."""
+    if path["n_next"] > path["n"]:
+        raise TideArgumentError(f"{name}: n_next={path['n_next']} tokens with a next token out of n={path['n']}")
+    if path["errors"][0] or path["nll_sum"][0] or path["nll_sumsq"][0]:
+        raise TideArgumentError(f"{name}: the first point closes every checkpoint, so its losses must be 0, got "
+                                f"errors {path['errors'][0]}, NLL sums {path['nll_sum'][0]}, {path['nll_sumsq'][0]}")
+    for total, squares in zip(path["nll_sum"], path["nll_sumsq"]):
+        if squares < 0 or total * total > squares * max(path["n_next"], 1) * (1 + SUMSQ_SLACK) + SUMSQ_SLACK:
+            raise TideArgumentError(f"{name}: NLL sum {total} and sum of squares {squares} over n_next="
+                                    f"{path['n_next']} tokens are impossible (sum^2 > n_next * sum of squares)")
 
 
 def check_threshold(value: Any) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,9 @@ def _read_named(name: str, dataset_config: str | None, split: str) -> Any:
             return _pick_split(load_from_disk(str(local)), split, name)
         if local.exists():
             builder, files = _local_files(local)
+            bad = _undecodable(files) if builder == "json" else None
+            if bad:  # pyarrow's JSON reader keeps undecodable bytes: they would fail later, naming no file
+                raise TideDataError(f"could not load calibration dataset {name!r}: {bad}")
             extra = {"sample_by": "document"} if builder == "text" else {}
             with quiet_hf(datasets=True):  # local text: no "Downloading data" / "Generating train split" bars
                 return load_dataset(builder, data_files=files, split="train", **extra)
@@ -152,13 +156,15 @@ def load_texts(
     split: str = "train",
     text_field: str = "text",
 ) -> list[str]:
-    """Return the non-empty documents of `dataset`, in order.
+    """Return the non-empty documents of `dataset`, in order, each once.
 
     A local .txt file is one document, a folder of them one document per file; .jsonl / .json files one
     document per record's `text_field`; a folder written by `save_to_disk`, a Hub dataset name (WikiText-103
     when `dataset` is None) or an in-memory `datasets` Dataset / IterableDataset one document per row's
     `text_field` (a DatasetDict: its `split`); a list or other iterable of strings one document per string.
-    In-memory data is read whole (`IterableDataset.take(n)` bounds a stream).
+    In-memory data is read whole (`IterableDataset.take(n)` bounds a stream). Repeated documents are kept once
+    (with a warning): a copy on both sides of the split between training and the threshold split would void the
+    quality targets' certificate. Missing values (None) are dropped with a warning.
     """
     if dataset is None or isinstance(dataset, (str, os.PathLike)):
         if dataset is not None and not os.fspath(dataset).strip():  # e.g. an unset $DATA: never a stand-in corpus
@@ -174,7 +180,15 @@ def load_texts(
     odd = [t for t in values if t is not None and not isinstance(t, str)]
     if odd:  # not text: refused rather than dropped
         raise TideDataError(f"dataset {name!r}: {len(odd)} {what} are not strings (first: {odd[0]!r})")
+    missing = sum(t is None for t in values)
     texts = [t for t in values if t is not None and t.strip()]
     if not texts:
         raise TideDataError(f"dataset {name!r} has no non-empty {what}")
-    return texts
+    unique = list(dict.fromkeys(texts))
+    if missing or len(unique) < len(texts):
+        warnings.warn(f"dataset {name!r}: " + "; ".join(part for part in (
+            f"{missing} {what} missing (None), dropped" if missing else "",
+            f"{len(texts) - len(unique)} repeated documents dropped (each is kept once: a copy on both sides of "
+            "the threshold split would make quality targets look safer than they are)"
+            if len(unique) < len(texts) else "") if part), stacklevel=2)
+    return unique

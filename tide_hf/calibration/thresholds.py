@@ -103,7 +103,8 @@ def path_losses(path: list[list[float]], scores: torch.Tensor, mismatch: torch.T
 
 @torch.no_grad()
 def fit_exit_paths(router: TideRouter, data: Collected) -> dict[str, Any]:
-    """The agreement and perplexity paths of `router` (ordered on validation tokens, tested on threshold ones)."""
+    """The agreement and perplexity paths of `router` (ordered on validation tokens, tested on threshold ones);
+    checkpoints below `min_layers` or with a never-firing router stay closed on both."""
     cfg: TideRouterConfig = router.config
     layers = list(cfg.checkpoint_layers)
     order, test = data.is_val & ~data.is_test, data.is_test
@@ -115,7 +116,11 @@ def fit_exit_paths(router: TideRouter, data: Collected) -> dict[str, Any]:
         return scores, mismatch, nll
 
     saved = torch.tensor([cfg.num_hidden_layers - k for k in layers], dtype=torch.float64)
-    served = [k >= cfg.min_layers for k in layers]
+    # A checkpoint whose training label had no positive gets a never-firing constant router (`training.py`): it
+    # stays closed (its constant score as a threshold would exit every token there, a fixed depth, not a router)
+    train = ~data.is_val
+    silent = {k for k in layers if bool(train.any()) and not bool(data.labels(k, cfg)[train].any())}
+    served = [k >= cfg.min_layers and k not in silent for k in layers]
     scores_o, mismatch_o, _ = matrices(order)
     scores_t, mismatch_t, nll_t = matrices(test)
     kl_order = torch.stack([data.kl[k][order] for k in layers], 1).double()  # computed for every held-out token

@@ -13,10 +13,22 @@ from .devices import named_weights
 FINGERPRINT_SAMPLES = 4096  # values read from each fingerprinted tensor (a strided sample)
 
 
+FINGERPRINT_VERSION = 2  # 1: embeddings, first and last layer only; 2: every decoder layer, final norm and head too
+VERSION_PREFIX = "v2:"  # how a version-2 fingerprint is told from a version-1 one (16 hex digits, no prefix)
+
+
+def fingerprint_version(fingerprint: str) -> int:
+    """The version a stored fingerprint was computed with (routers calibrated before version 2 have version 1)."""
+    return 2 if fingerprint.startswith(VERSION_PREFIX) else 1
+
+
 @torch.no_grad()
-def model_fingerprint(model: nn.Module, adapter: ModelAdapter | None = None) -> str:
+def model_fingerprint(model: nn.Module, adapter: ModelAdapter | None = None, version: int = FINGERPRINT_VERSION
+                      ) -> str:
     """A short hash of the names, shapes and the sign bits of a strided sample of the values of the embeddings,
-    first and last layer.
+    every decoder layer, the final norm and the head (`version=1`: the embeddings, first and last layer, which
+    missed a model whose middle layers alone differ, e.g. a fine-tune of some layers; kept to check routers
+    calibrated before).
 
     Sign bits because they are exactly dtype-independent: rounding the same weights to bf16 or fp16 (or
     back to fp32) never changes a sign, underflow included (it gives a signed zero), so fp32 / bf16 / fp16
@@ -26,13 +38,16 @@ def model_fingerprint(model: nn.Module, adapter: ModelAdapter | None = None) -> 
     accelerate's weights map: the fingerprint is the model's own.
     """
     adapter = adapter or get_adapter(model)
+    modules = [adapter.embeddings, adapter.layers[0], adapter.layers[-1]] if version == 1 else \
+        [adapter.embeddings, *adapter.layers, adapter.final_norm, adapter.lm_head]
     digest = hashlib.sha256()
-    for module in (adapter.embeddings, adapter.layers[0], adapter.layers[-1]):
+    for index, module in enumerate(modules):
         for name, param in sorted(named_weights(model, module)):  # offloaded weights read from accelerate's map
             flat = param.detach().reshape(-1)
             step = max(1, flat.numel() // FINGERPRINT_SAMPLES)
             sample = flat[::step][:FINGERPRINT_SAMPLES]
             signs = torch.signbit(sample).cpu() if sample.is_floating_point() else (sample < 0).cpu()
-            digest.update(f"{name}{tuple(param.shape)}".encode())
+            digest.update(f"{name}{tuple(param.shape)}".encode() if version == 1 else
+                          f"{index}.{name}{tuple(param.shape)}".encode())
             digest.update(signs.to(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:16]
+    return digest.hexdigest()[:16] if version == 1 else VERSION_PREFIX + digest.hexdigest()[:16]

@@ -17,7 +17,7 @@ from ..config import TideRouterConfig, check_coverage, plain
 from ..errors import TideArgumentError, TideArgumentTypeError, TideCompatibilityError, TideRouterFileError
 from .adapters import ModelAdapter, get_adapter, text_config
 from .files import atomic_save, check_config_source, check_field_names, check_finite, check_loading_info, config_fields
-from .fingerprint import model_fingerprint
+from .fingerprint import fingerprint_version, model_fingerprint
 from .hub import check_repo_id, push_folder
 from .quiet import quiet_hf
 
@@ -300,7 +300,7 @@ class TideRouter(PreTrainedModel):
         if hasattr(self, "draft_vocab") and rows is not None and int(self.draft_vocab.max()) >= rows:
             problems.append(f"draft vocabulary: token ids up to {int(self.draft_vocab.max())}, model head {rows} rows")
         if not ignore_fingerprint and cfg.base_fingerprint and not problems:
-            fp = model_fingerprint(model, adapter)
+            fp = model_fingerprint(model, adapter, fingerprint_version(cfg.base_fingerprint))
             if fp != cfg.base_fingerprint:
                 problems.append(
                     f"weights fingerprint: router {cfg.base_fingerprint}, model {fp} (different weights; "

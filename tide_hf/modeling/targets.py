@@ -103,9 +103,11 @@ def check_served(thresholds: dict[int, float], min_layers: int, calibrated_min_l
     dropped = [k for k, t in thresholds.items() if t < CLOSED and k < min_layers]
     if dropped and min_layers == calibrated_min_layers:
         raise TideTargetError(
-            f"this router's exit paths open checkpoints {dropped}, below its own min_layers={min_layers}: it was "
-            "calibrated by a tide_hf older than the fix that keeps them closed, so its targets are not certified "
-            "for the exits it serves; recalibrate it, or pass exit_threshold=")
+            f"this router's exit paths open checkpoints {dropped}, below its config's min_layers={min_layers}: the "
+            "paths were fitted with them open (the config's min_layers was raised after calibration, e.g. by "
+            "from_pretrained(..., min_layers=), or a tide_hf older than the fix that keeps them closed calibrated "
+            "it), so its targets are not certified for the exits it would serve; keep the min_layers it was "
+            "calibrated with, recalibrate, or pass exit_threshold=")
     if dropped:
         raise TideTargetError(
             f"the thresholds for this target open checkpoints {dropped}, below min_layers={min_layers}: the target "

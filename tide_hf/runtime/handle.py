@@ -14,6 +14,7 @@ decoding strategy acts on them. Nothing is asked of the model beyond its layers'
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,6 +28,7 @@ from ..errors import TideArgumentError, TideConcurrencyError, TideUnsupportedErr
 from ..kernels import NormSpec, norm_router_scores, norm_spec
 from ..modeling import ModelAdapter, TideRouter, get_adapter, layer_output
 from ..modeling.devices import execution_device, onloaded
+from ..modeling.fingerprint import fingerprint_version, model_fingerprint
 from .compiled import install_compiled_call
 from .kv import KVRecompute
 from .modes import check_mode
@@ -356,6 +358,12 @@ def _build(model: nn.Module, router: TideRouter, *, min_agreement: float | None 
                                   max_perplexity_increase=max_perplexity_increase, exit_threshold=exit_threshold,
                                   min_layers=min_layers, mode=mode, kv=kv, draft_layer=draft_layer)
     options.validate(adapter.num_layers, router.checkpoint_layers)
+    fingerprint = router.config.base_fingerprint
+    if ignore_fingerprint and options.target is not None and fingerprint and \
+            model_fingerprint(model, adapter, fingerprint_version(fingerprint)) != fingerprint:
+        warnings.warn(f"the quality target {options.target} is certified for the weights the router was calibrated "
+                      "on; this model's differ (ignore_fingerprint=True), so it is not guaranteed here: check it "
+                      "on your text, or recalibrate on this model", stacklevel=3)
     plan = check_mode(model, adapter, options, router)
     return handle_class(model, router, options, adapter, owner=owner, skip_plan=plan)
 

@@ -156,3 +156,11 @@ def test_a_jsonl_file_that_is_not_utf8_is_named(tmp_path: Path) -> None:
     path.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9 au lait"}\n')
     with pytest.raises(TideDataError, match=r"data\.jsonl is not UTF-8 text \(byte \d+"):
         load_texts(str(path))
+
+
+def test_the_corpus_alias_works_from_python_too() -> None:
+    """`--dataset sotu` named the embedded corpus on the command line only; from Python it went to the Hub."""
+    from tide_hf.assets import sotu_path
+
+    texts = load_texts("sotu")
+    assert texts == load_texts(str(sotu_path())) and len(texts) > 100

@@ -102,6 +102,8 @@ def test_bad_values_are_refused_while_parsing(argv, message, capsys) -> None:
     (["bench", "--router", "r", "--num-prompts", "2", "--batch-sizes", "4"],
      "--batch-sizes 4 needs at least as many --num-prompts (got 2)"),
     (["bench", "--router", "r", "--new-tokens", "1"], "--new-tokens 1: decode tokens are the ones after the first"),
+    (["bench", "--router", "r", "--synthetic", "tiny"], "--synthetic builds its own routers; leave out --router"),
+    (["bench", "--router", "r", "--kernels"], "--kernels builds its own routers; leave out --router"),
 ])
 def test_bench_refuses_what_it_would_ignore_or_miscount(argv, message) -> None:
     from tide_hf.cli import main

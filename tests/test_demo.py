@@ -131,3 +131,28 @@ def test_differences_read_missing_options_as_their_meaning() -> None:
     assert demo.differences(new_router(model, **made, continuation="greedy"), args) == \
         ["--continuation None (router: greedy)"]
     assert demo.differences(new_router(model, **made, min_layers=8), args) == ["--min-layers 4 (router: 8)"]
+
+
+def test_the_embedded_model_folder_is_a_plain_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A folder converted by an earlier version kept the GGUF quantization_config: transformers then treated the
+    fp32 model as quantized (`.half()` refused, false warnings); it is dropped, nothing else changed."""
+    import importlib.util
+    import json
+
+    from tide_hf import assets
+    from tide_hf.errors import TideDependencyError
+
+    monkeypatch.setenv("TIDE_HF_CACHE", str(tmp_path))
+    folder = tmp_path / "SmolLM2-135M-Instruct"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"weights")
+    config = {"model_type": "llama", "hidden_size": 576, "quantization_config": {"quant_method": "gguf"}}
+    (folder / "config.json").write_text(json.dumps(config))
+    assert assets.smollm2_path() == folder
+    assert json.loads((folder / "config.json").read_text()) == {"model_type": "llama", "hidden_size": 576}
+    assert (folder / "model.safetensors").read_bytes() == b"weights"
+    (folder / "config.json").unlink()  # not converted yet: the conversion needs gguf, named before any work
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    with pytest.raises(TideDependencyError, match="pip install gguf"):
+        assets.smollm2_path()

@@ -540,3 +540,27 @@ def test_a_target_served_on_other_weights_warns() -> None:
         warnings.simplefilter("error")
         tide_hf.attach(model, router, ignore_fingerprint=True).detach()  # the same weights
         tide_hf.attach(other, router, ignore_fingerprint=True, exit_threshold=0.5).detach()  # no target
+
+
+def test_attach_takes_a_router_folder_and_names_missing_paths(tmp_path: Path) -> None:
+    """`attach(model, "my-router")` failed with a bare AttributeError (`tide="my-router"` took it); a router folder
+    or a calibration file named as a path that does not exist is a FileNotFoundError, never a Hub lookup."""
+    from tide_hf.errors import TideMissingError, TideMissingRouterError
+
+    model = make_model()
+    ids, mask = left_padded()
+    router = constant_router(model, 30.0)
+    router.save_pretrained(tmp_path / "r")
+    with tide_hf.attach(model, router, exit_threshold=0.5):
+        expected = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    with tide_hf.attach(model, str(tmp_path / "r"), exit_threshold=0.5) as handle:
+        assert isinstance(handle.router, TideRouter)
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False), expected)
+    with pytest.raises(TideArgumentTypeError, match="router must be a TideRouter, a router folder or a Hub repo id"):
+        tide_hf.attach(model, 123)
+    with pytest.raises(TideMissingRouterError, match="no TIDE router folder at") as caught:
+        tide_hf.attach(model, str(tmp_path / "nothing"))
+    assert isinstance(caught.value, FileNotFoundError) and isinstance(caught.value, TideRouterFileError)
+    for missing in (str(tmp_path / "nofile.txt"), "./nofile.jsonl", "~/no/such/folder"):
+        with pytest.raises(TideMissingError, match="no such file or folder"):
+            tide_hf.load_texts(missing)

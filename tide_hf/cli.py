@@ -127,7 +127,7 @@ def _add_calibration_args(p: argparse.ArgumentParser, rank_default: str) -> None
     p.add_argument("--confidence", type=float, default=d.confidence,
                    help="probability with which a quality target holds (Learn-then-Test)")
     p.add_argument("--num-samples", type=int, default=2000,
-                   help="text windows to calibrate on (SmolLM2, 2 cores: ~0.5 s per 256-token sample)")
+                   help="text windows to calibrate on (SmolLM2, 2 cores: ~0.7 s per 256-token sample)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sample")
     p.add_argument("--batch-size", type=int, default=8, help="samples per forward pass")
     p.add_argument("--continuation", default=None, choices=list(CONTINUATIONS),
@@ -192,6 +192,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
         raise SystemExit(f"tide-hf bench: {' and '.join(sections)} are separate runs; give one per command")
     if args.near_identity_after is not None and not args.modes:
         raise SystemExit("tide-hf bench: --near-identity-after goes with --modes")
+    if args.router and (args.synthetic or args.kernels):
+        raise SystemExit(f"tide-hf bench: {sections[0]} builds its own routers; leave out --router")
     if args.near_identity_scale is not None and args.near_identity_after is None:
         raise SystemExit("tide-hf bench: --near-identity-scale goes with --near-identity-after")
     if args.new_tokens < 2 and not args.kernels:
@@ -224,7 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="calibrate routers for a model and save them (optionally push to the Hub)",
         description="Calibrate routers for a model on real text and save them (safetensors + model card).\n\n"
                     "example: tide-hf calibrate --num-samples 512 --output router-smollm2\n"
-                    f"time: ~0.5 s per 256-token sample on SmolLM2-135M {CPU} (the default 2000: ~19 min)")
+                    f"time: ~0.7 s per 256-token sample on SmolLM2-135M {CPU} (800: ~10 min, the default 2000: "
+                    "~24 min)")
     _add_calibration_args(p, "full rank, hidden x hidden per checkpoint")
     p.add_argument("--output", required=True, help="folder to save the router in (new or empty; never a model's)")
     p.add_argument("--overwrite", action="store_true", help="replace the TIDE router already in --output "
@@ -242,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "with TIDE (skip mode: exited tokens skip the remaining layers) and print both side by side: "
                     "text, tokens/s, layers executed per token, agreement with stock.\n\n"
                     "example: tide-hf demo --prompt 'What should Congress do about taxes?'\n"
-                    f"time {CPU}: ~2-3 min the first time (calibration), ~1 min once the router is cached")
+                    f"time {CPU}: ~2 min the first time (calibration), ~11 s once the router is cached")
     _add_calibration_args(p, f"{DEMO_EXIT_HEAD_RANK}: a small sidecar, and heads few tokens can fit")
     p.set_defaults(num_samples=DEMO_SAMPLES, seq_len=DEMO_SEQ_LEN, max_train_tokens=DEMO_TRAIN_TOKENS)
     p.add_argument("--output", default=None, help="folder to save the router in (default: a folder under the "
@@ -255,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser(
         "bench", formatter_class=HelpFormatter,
-        usage="tide-hf bench (--router DIR [DIR ...] | --kernels | --synthetic SHAPE) [options]",
+        usage="tide-hf bench (--router DIR [DIR ...] | --kernels | --synthetic SHAPE | "
+              "--modes --near-identity-after K) [options]",
         help="stock generate vs TIDE in one run: overhead, exit rates, quality",
         description="Stock generate vs TIDE with the given routers in one run: overhead, exit rates, perplexity "
                     "and agreement. --modes, --baselines, --kernels and --synthetic each run their own section "

@@ -57,3 +57,12 @@ class TideUnsupportedError(TideError, NotImplementedError):
 
 class TideConcurrencyError(TideError, RuntimeError):
     """Two calls would fight over the same model's hooks."""
+
+
+class TideMissingRouterError(TideRouterFileError, TideMissingError):
+    """No router folder where a path names one (a `TideRouterFileError` and a `FileNotFoundError` alike)."""
+
+
+class TideMissingDataError(TideDataError, TideMissingError):
+    """No file or folder where a dataset name written as a path points (a `TideDataError` and a
+    `FileNotFoundError` alike)."""

@@ -14,7 +14,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import TideArgumentError, TideArgumentTypeError, TideDataError
+from ..assets import DEFAULT_TEXT, sotu_path
+from ..errors import TideArgumentError, TideArgumentTypeError, TideDataError, TideMissingDataError
 from ..modeling import quiet_hf
 
 DEFAULT_DATASET = "wikitext"
@@ -156,7 +157,7 @@ def load_texts(
     split: str = "train",
     text_field: str = "text",
 ) -> list[str]:
-    """Return the non-empty documents of `dataset`, in order, each once.
+    """Return the non-empty documents of `dataset`, in order, each once ("sotu": the embedded corpus).
 
     A local .txt file is one document, a folder of them one document per file; .jsonl / .json files one
     document per record's `text_field`; a folder written by `save_to_disk`, a Hub dataset name (WikiText-103
@@ -169,8 +170,14 @@ def load_texts(
     if dataset is None or isinstance(dataset, (str, os.PathLike)):
         if dataset is not None and not os.fspath(dataset).strip():  # e.g. an unset $DATA: never a stand-in corpus
             raise TideArgumentError(f"dataset is an empty name ({dataset!r}); give a file, folder or Hub dataset, "
-                                    "or None for the default")
+                                    "or leave it out (None) for the default")
         name = DEFAULT_DATASET if dataset is None else os.fspath(dataset)
+        if name == DEFAULT_TEXT:  # the embedded State of the Union corpus, as on the command line
+            name = str(sotu_path())
+        local = Path(name).expanduser()
+        if (local.is_absolute() or name.startswith((".", "~")) or local.suffix in _BUILDERS) and not local.exists():
+            raise TideMissingDataError(f"calibration dataset {name!r}: no such file or folder (a name written as a "
+                                       "path is not looked up on the Hub)")
         config = dataset_config if dataset is not None else (dataset_config or DEFAULT_DATASET_CONFIG)
         data = _read_named(name, config, split)
     else:

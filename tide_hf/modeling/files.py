@@ -19,7 +19,7 @@ import torch
 from transformers import PretrainedConfig
 
 from ..config import FIELD_NAME_CUTOFF
-from ..errors import TideArgumentError, TideRouterFileError
+from ..errors import TideArgumentError, TideMissingRouterError, TideRouterFileError
 
 ROUTER_MODEL_TYPE = "tide_router"
 # The weights `TideRouter.save_pretrained` writes: one file, or shards and their index.
@@ -109,7 +109,7 @@ def check_config_source(name: str | os.PathLike, config_cls: Any, kwargs: dict[s
     """The router at `name` has a config.json of a TIDE router (a missing one would load defaults)."""
     text = os.fspath(name)
     if (os.path.isabs(text) or text.startswith((".", "~"))) and not os.path.isdir(os.path.expanduser(text)):
-        raise TideRouterFileError(f"no TIDE router folder at {text}")  # not the Hub's "repo id must be ..."
+        raise TideMissingRouterError(f"no TIDE router folder at {text}")  # not the Hub's "repo id must be ..."
     hub = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
     if hub.get("subfolder") and os.path.isdir(text) and not os.path.isdir(os.path.join(text, hub["subfolder"])):
         raise TideRouterFileError(f"no TIDE router folder at {text}: it has no subfolder {hub['subfolder']!r}")

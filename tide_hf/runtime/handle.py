@@ -13,6 +13,7 @@ decoding strategy acts on them. Nothing is asked of the model beyond its layers'
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 import weakref
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 
 from ..config import CLOSED
-from ..errors import TideArgumentError, TideConcurrencyError, TideUnsupportedError
+from ..errors import TideArgumentError, TideArgumentTypeError, TideConcurrencyError, TideUnsupportedError
 from ..kernels import NormSpec, norm_router_scores, norm_spec
 from ..modeling import ModelAdapter, TideRouter, get_adapter, layer_output
 from ..modeling.devices import execution_device, onloaded
@@ -298,13 +299,14 @@ class TideHandle:
 
 
 def attach(
-    model: nn.Module, router: TideRouter, *,
+    model: nn.Module, router: TideRouter | str | os.PathLike, *,
     min_agreement: float | None = None, max_perplexity_increase: float | None = None, confidence: float | None = None,
     exit_threshold: float | None = None, min_layers: int | None = None,
     mode: str = "select", kv: str = "propagate", draft_layer: int | None = None,
     ignore_fingerprint: bool = False, handle_class: type[TideHandle] = TideHandle,
 ) -> TideHandle:
-    """Attach `router` to `model`; stock `generate()`, `pipeline()` and plain forwards then use TIDE.
+    """Attach `router` (a `TideRouter`, or its folder / Hub id) to `model`; stock `generate()`, `pipeline()` and
+    plain forwards then use TIDE.
 
     How eagerly tokens exit, in order of precedence: an explicit global `exit_threshold`; else a quality
     target, `min_agreement` (top-1 agreement with the full model, e.g. 0.97) and/or
@@ -317,6 +319,11 @@ def attach(
     touched: options in range, the router made for this model, and in speculative mode with a draft
     vocabulary the adapter's head against the model's own logits (`check_head`, one tiny forward).
     """
+    if isinstance(router, (str, os.PathLike)):
+        router = TideRouter.from_pretrained(router)
+    elif not isinstance(router, TideRouter):
+        raise TideArgumentTypeError(f"router must be a TideRouter, a router folder or a Hub repo id; got "
+                                    f"{type(router).__name__}")
     with _REGISTRY_LOCK:
         if get_handle(model) is not None:
             raise TideArgumentError("this model already has a TIDE router attached; call handle.detach() first")

@@ -22,6 +22,14 @@ def fingerprint_version(fingerprint: str) -> int:
     return 2 if fingerprint.startswith(VERSION_PREFIX) else 1
 
 
+def in_model(module: nn.Module, owned: set[int]) -> list[nn.Module]:
+    """`module` if the model holds it, else its outermost parts the model holds: an adapter's stand-ins (an
+    `Identity` for a missing final norm, a head composed of the model's projection and head) are not the model's."""
+    if id(module) in owned:
+        return [module]
+    return [part for child in module.children() for part in in_model(child, owned)]
+
+
 @torch.no_grad()
 def model_fingerprint(model: nn.Module, adapter: ModelAdapter | None = None, version: int = FINGERPRINT_VERSION
                       ) -> str:
@@ -38,8 +46,10 @@ def model_fingerprint(model: nn.Module, adapter: ModelAdapter | None = None, ver
     accelerate's weights map: the fingerprint is the model's own.
     """
     adapter = adapter or get_adapter(model)
+    owned = {id(module) for module in model.modules()}
     modules = [adapter.embeddings, adapter.layers[0], adapter.layers[-1]] if version == 1 else \
-        [adapter.embeddings, *adapter.layers, adapter.final_norm, adapter.lm_head]
+        [part for module in (adapter.embeddings, *adapter.layers, adapter.final_norm, adapter.lm_head)
+         for part in in_model(module, owned)]
     digest = hashlib.sha256()
     for index, module in enumerate(modules):
         for name, param in sorted(named_weights(model, module)):  # offloaded weights read from accelerate's map

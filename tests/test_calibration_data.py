@@ -164,3 +164,27 @@ def test_the_corpus_alias_works_from_python_too() -> None:
 
     texts = load_texts("sotu")
     assert texts == load_texts(str(sotu_path())) and len(texts) > 100
+
+
+def test_routers_calibrated_before_repeats_were_dropped_are_evaluated_on_their_own_split(tmp_path: Path) -> None:
+    """bench / analyze find the documents calibration never read by position in the loaded list: a router made
+    before `load_texts` dropped repeats must be evaluated on the list as it read it (else dropping the repeats
+    shifts every position and part of its training text counts as held out); a new calibration records that it
+    dropped them."""
+    from tide_hf.eval.measure import evaluation_text
+
+    docs = make_documents(24, 60)
+    texts = docs + docs[:8]  # 8 documents twice
+    for i, text in enumerate(texts):
+        (tmp_path / f"doc{i:02d}.txt").write_text(text)
+    tok, model = ByteTokenizer(), make_tiny_llama()
+    with pytest.warns(UserWarning, match="8 repeated documents dropped"):
+        router = tide_hf.calibrate(model, tok, str(tmp_path), num_samples=8, seq_len=64, num_epochs=1, progress=False)
+    assert router.config.unique_documents
+    router.config.unique_documents = False  # as a router saved by an earlier version reads
+    files = load_texts(str(tmp_path), unique=False)
+    held_out = held_out_texts(tok, files, router.config)
+    prompts, _ = evaluation_text(tok, str(tmp_path), router, num_prompts=len(held_out), prompt_len=16, num_chunks=1,
+                                 chunk_len=8)
+    expected = [torch.tensor(tok(t, add_special_tokens=False)["input_ids"])[:16] for t in held_out]
+    assert all(torch.equal(a, b) for a, b in zip(prompts, expected, strict=True))

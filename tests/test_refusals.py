@@ -528,6 +528,10 @@ def test_the_fingerprint_covers_every_layer_and_older_routers_still_pair() -> No
     tide_hf.attach(model, older).detach()
     with pytest.raises(TideCompatibilityError, match="weights fingerprint"):
         tide_hf.attach(other, older)
+    newer = new_router(model)
+    newer.config.base_fingerprint = "v3:" + fingerprint(model).split(":")[1]  # made by a later tide_hf
+    with pytest.raises(TideCompatibilityError, match="cannot check: a newer tide_hf made it; upgrade tide_hf"):
+        tide_hf.attach(model, newer)
 
 
 def test_a_target_served_on_other_weights_warns() -> None:
@@ -561,6 +565,8 @@ def test_attach_takes_a_router_folder_and_names_missing_paths(tmp_path: Path) ->
     with pytest.raises(TideMissingRouterError, match="no TIDE router folder at") as caught:
         tide_hf.attach(model, str(tmp_path / "nothing"))
     assert isinstance(caught.value, FileNotFoundError) and isinstance(caught.value, TideRouterFileError)
-    for missing in (str(tmp_path / "nofile.txt"), "./nofile.jsonl", "~/no/such/folder"):
+    with pytest.raises(TideMissingRouterError, match="no TIDE router folder at"):
+        tide_hf.attach(model, tmp_path / "nothing")  # a Path object is a path, whatever its spelling
+    for missing in (str(tmp_path / "nofile.txt"), "./nofile.jsonl", "~/no/such/folder", tmp_path / "folder"):
         with pytest.raises(TideMissingError, match="no such file or folder"):
             tide_hf.load_texts(missing)

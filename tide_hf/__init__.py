@@ -32,7 +32,7 @@ _API = {  # public name -> the room that holds it
     "TideRouterFileError": "errors", "TideTargetError": "errors", "TideUnsupportedError": "errors",
     "TideMissingError": "errors", "TideMissingRouterError": "errors",
     "TideMissingDataError": "errors", "TideDependencyError": "errors",
-    "TideIndexError": "errors",
+    "TideIndexError": "errors", "TideDistributedError": "errors",
     "TideLogitsProcessor": "integrations",
     "ModelAdapter": "modeling", "TideRouter": "modeling", "get_adapter": "modeling",
     "model_fingerprint": "modeling", "register_adapter": "modeling",

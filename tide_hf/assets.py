@@ -80,15 +80,25 @@ def smollm2_path() -> Path:
 
 
 def drop_quantization_config(config_file: Path) -> None:
-    """Remove the GGUF `quantization_config` from a converted folder's config.json (written next to it, then moved
-    into place, like the conversion)."""
+    """Remove the GGUF `quantization_config` from a converted folder's config.json (written to a file of its own
+    next to it, then moved into place: processes repairing at once each replace it whole). A cache this process
+    may not write is left as it is: the model loads as before (treated as quantized, with the same values)."""
     config = json.loads(config_file.read_text())
     if "quantization_config" not in config:
         return
     del config["quantization_config"]
-    staging = config_file.with_name(config_file.name + ".tmp")
-    staging.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    staging.replace(config_file)
+    try:
+        handle, staging = tempfile.mkstemp(dir=config_file.parent, prefix=".config-", suffix=".json")
+    except PermissionError:
+        return
+    try:
+        with os.fdopen(handle, "w") as out:
+            out.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        os.replace(staging, config_file)
+    except PermissionError:
+        return
+    finally:
+        Path(staging).unlink(missing_ok=True)
 
 
 def sotu_path() -> Path:

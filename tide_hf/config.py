@@ -24,6 +24,7 @@ KV_POLICIES = ("propagate", "recompute")
 CONTINUATIONS = ("greedy", "sample")
 # Exit paths for quality targets (see `tide_hf.modeling.targets`): top-1 agreement, perplexity change.
 PATH_KINDS = ("agreement", "perplexity")
+DEFAULT_EXIT_THRESHOLD = 0.85  # the global threshold of a router config (and of `TideOptions`) when none is given
 SUMSQ_SLACK = 1e-9  # relative rounding a stored table's NLL sums may carry (fp64 sums written as JSON)
 CLOSED = 1.0  # a per-checkpoint threshold that never exits
 SEED_BOUND = 2**63  # torch and the samplers take 64-bit seeds
@@ -49,6 +50,10 @@ class TideRouterConfig(PretrainedConfig):
     was made): the `base_*` fields, the label, the data and the training hyper-parameters. Training runs at
     most `num_epochs` per router and stops after `early_stopping_patience` epochs without a better loss on the
     validation samples (`validation_fraction`, in (0, 1): the ordering of the exit paths needs them too).
+
+    `unique_documents`: calibration kept each repeated document of its text once (`load_texts`; routers made
+    before it did have False): evaluation on the same corpus loads it the same way, so that `held_out_texts` finds
+    the documents calibration never read.
 
     Exit heads: with `exit_head="linear"` a token exiting at checkpoint `k` reads its logits from
     `final_norm(E_k(final_norm(h_k)))` through the model's head, where `E_k` is a linear map fitted at calibration
@@ -90,7 +95,7 @@ class TideRouterConfig(PretrainedConfig):
         exit_head_rank: int | None = None,
         convergence_threshold: float = 0.98,
         kl_threshold: float = 0.1,
-        exit_threshold: float = 0.85,
+        exit_threshold: float = DEFAULT_EXIT_THRESHOLD,
         min_layers: int | None = None,
         base_model_name_or_path: str | None = None,
         base_model_revision: str | None = None,
@@ -98,6 +103,7 @@ class TideRouterConfig(PretrainedConfig):
         base_model_type: str | None = None,
         base_fingerprint: str | None = None,
         dataset: str | None = None,
+        unique_documents: bool = False,
         num_samples: int | None = None,
         seq_len: int | None = None,
         continuation: str | None = None,
@@ -146,6 +152,7 @@ class TideRouterConfig(PretrainedConfig):
         self.base_model_type = base_model_type
         self.base_fingerprint = base_fingerprint
         self.dataset = dataset
+        self.unique_documents = unique_documents
         self.num_samples = num_samples
         self.seq_len = seq_len
         self.continuation = continuation
@@ -177,6 +184,8 @@ class TideRouterConfig(PretrainedConfig):
             check_int(name, getattr(self, name), minimum=1)
         check_int("early_stopping_patience", self.early_stopping_patience, minimum=0)
         check_int("seed", self.seed)
+        if not isinstance(self.unique_documents, bool):
+            raise TideArgumentTypeError(f"unique_documents must be True or False, got {self.unique_documents!r}")
         for name in ("num_samples", "seq_len"):  # provenance, set by calibrate()
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), minimum=1)

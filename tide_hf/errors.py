@@ -59,6 +59,10 @@ class TideConcurrencyError(TideError, RuntimeError):
     """Two calls would fight over the same model's hooks."""
 
 
+class TideDistributedError(TideError, RuntimeError):
+    """Another process of an `accelerate launch` run failed (the message carries its error)."""
+
+
 class TideMissingRouterError(TideRouterFileError, TideMissingError):
     """No router folder where a path names one (a `TideRouterFileError` and a `FileNotFoundError` alike)."""
 

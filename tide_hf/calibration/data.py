@@ -156,6 +156,7 @@ def load_texts(
     dataset_config: str | None = None,
     split: str = "train",
     text_field: str = "text",
+    unique: bool = True,
 ) -> list[str]:
     """Return the non-empty documents of `dataset`, in order, each once ("sotu": the embedded corpus).
 
@@ -165,7 +166,8 @@ def load_texts(
     `text_field` (a DatasetDict: its `split`); a list or other iterable of strings one document per string.
     In-memory data is read whole (`IterableDataset.take(n)` bounds a stream). Repeated documents are kept once
     (with a warning): a copy on both sides of the split between training and the threshold split would void the
-    quality targets' certificate. Missing values (None) are dropped with a warning.
+    quality targets' certificate (`unique=False`: as routers calibrated before that read them, to find their
+    held-out documents). Missing values (None) are dropped with a warning.
     """
     if dataset is None or isinstance(dataset, (str, os.PathLike)):
         if dataset is not None and not os.fspath(dataset).strip():  # e.g. an unset $DATA: never a stand-in corpus
@@ -175,7 +177,9 @@ def load_texts(
         if name == DEFAULT_TEXT:  # the embedded State of the Union corpus, as on the command line
             name = str(sotu_path())
         local = Path(name).expanduser()
-        if (local.is_absolute() or name.startswith((".", "~")) or local.suffix in _BUILDERS) and not local.exists():
+        as_path = not isinstance(dataset, str) or local.is_absolute() or name.startswith((".", "~")) \
+            or local.suffix in _BUILDERS  # a Path object, or a name written as one
+        if as_path and not local.exists():
             raise TideMissingDataError(f"calibration dataset {name!r}: no such file or folder (a name written as a "
                                        "path is not looked up on the Hub)")
         config = dataset_config if dataset is not None else (dataset_config or DEFAULT_DATASET_CONFIG)
@@ -191,11 +195,11 @@ def load_texts(
     texts = [t for t in values if t is not None and t.strip()]
     if not texts:
         raise TideDataError(f"dataset {name!r} has no non-empty {what}")
-    unique = list(dict.fromkeys(texts))
-    if missing or len(unique) < len(texts):
+    unique_texts = list(dict.fromkeys(texts)) if unique else texts
+    if missing or len(unique_texts) < len(texts):
         warnings.warn(f"dataset {name!r}: " + "; ".join(part for part in (
             f"{missing} {what} missing (None), dropped" if missing else "",
-            f"{len(texts) - len(unique)} repeated documents dropped (each is kept once: a copy on both sides of "
+            f"{len(texts) - len(unique_texts)} repeated documents dropped (each is kept once: a copy on both sides of "
             "the threshold split would make quality targets look safer than they are)"
-            if len(unique) < len(texts) else "") if part), stacklevel=2)
-    return unique
+            if len(unique_texts) < len(texts) else "") if part), stacklevel=2)
+    return unique_texts

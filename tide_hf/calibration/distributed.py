@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..errors import TideDistributedError
 from ..modeling import TideRouter
 
 if TYPE_CHECKING:
@@ -175,7 +176,7 @@ def train_on_main(train: Callable[..., None], router: TideRouter, data: Any, *, 
     if failure is not None:
         raise failure
     if report["error"] is not None:
-        raise RuntimeError(f"router training failed in the main process: {report['error']}")
+        raise TideDistributedError(f"router training failed in the main process: {report['error']}")
     router.config.metrics = report["metrics"]
     router.config.exit_paths = report["exit_paths"]
     if report["draft_vocab_coverage"] and not state.is_main_process:  # the ranking itself comes with the tensors

@@ -90,6 +90,7 @@ def check_context(model: nn.Module, seq_len: int, what: str | None = None) -> No
 
 # Set by calibrate() itself from the model (passing them is an error, not an override).
 _DERIVED_FIELDS = frozenset({"hidden_size", "num_hidden_layers", "base_model_name_or_path", "base_model_revision",
+                             "unique_documents",
                              "base_architecture", "base_model_type", "base_fingerprint", "seq_len",
                              "draft_vocab_coverage"})
 
@@ -161,7 +162,7 @@ def calibrate(
     cfg = model_config(model, seq_len, config_kwargs)
     with main_process_first():  # under a launcher, datasets builds its cache once
         texts = load_texts(dataset, dataset_config=dataset_config, split=split, text_field=text_field)
-    cfg.dataset = dataset_label(dataset, split)
+    cfg.dataset, cfg.unique_documents = dataset_label(dataset, split), True
     samples = make_samples(tokenizer, texts, num_samples, seq_len, cfg.seed)
     return calibrate_config(model, cfg, samples, batch_size=batch_size, pad_id=pad_token_id(tokenizer),
                             progress=progress)

@@ -264,8 +264,8 @@ def run(args: Any) -> dict:
     check_writable(out, "--output", folder=True)
     model, tokenizer = load_model(args.model, args.dtype)
     pad_id = pad_token_id(tokenizer)
-    texts = load_texts(default_dataset(args.dataset))
     router = TideRouter.from_pretrained(args.router) if args.router else None
+    texts = load_texts(default_dataset(args.dataset), unique=router is None or router.config.unique_documents)
     if router is not None:  # text the routers never saw, so their efficiency is not measured on training data
         router.check_compatible(model)
         texts = held_out_texts(tokenizer, texts, router.config)

@@ -37,7 +37,7 @@ def left_pad(rows: list[torch.Tensor], pad_id: int) -> dict[str, torch.Tensor]:
 def evaluation_text(tokenizer: Any, dataset: str, router: TideRouter, num_prompts: int, prompt_len: int,
                     num_chunks: int, chunk_len: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Prompts and perplexity chunks from documents the router's calibration never read."""
-    texts = held_out_texts(tokenizer, load_texts(dataset), router.config)
+    texts = held_out_texts(tokenizer, load_texts(dataset, unique=router.config.unique_documents), router.config)
     ids = [torch.tensor(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
     prompts = [d[:prompt_len] for d in ids if len(d) > prompt_len][:num_prompts]
     chunks = [d[prompt_len : prompt_len + chunk_len] for d in ids if len(d) >= prompt_len + chunk_len][:num_chunks]

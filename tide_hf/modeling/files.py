@@ -108,7 +108,8 @@ def check_writable(path: Path, what: str, *, folder: bool) -> None:
 def check_config_source(name: str | os.PathLike, config_cls: Any, kwargs: dict[str, Any]) -> None:
     """The router at `name` has a config.json of a TIDE router (a missing one would load defaults)."""
     text = os.fspath(name)
-    if (os.path.isabs(text) or text.startswith((".", "~"))) and not os.path.isdir(os.path.expanduser(text)):
+    written_as_path = not isinstance(name, str) or os.path.isabs(text) or text.startswith((".", "~"))  # a Path too
+    if written_as_path and not os.path.isdir(os.path.expanduser(text)):
         raise TideMissingRouterError(f"no TIDE router folder at {text}")  # not the Hub's "repo id must be ..."
     hub = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
     if hub.get("subfolder") and os.path.isdir(text) and not os.path.isdir(os.path.join(text, hub["subfolder"])):

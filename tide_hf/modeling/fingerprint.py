@@ -7,6 +7,7 @@ import hashlib
 import torch
 from torch import nn
 
+from ..errors import TideCompatibilityError
 from .adapters import ModelAdapter, get_adapter
 from .devices import named_weights
 
@@ -14,12 +15,22 @@ FINGERPRINT_SAMPLES = 4096  # values read from each fingerprinted tensor (a stri
 
 
 FINGERPRINT_VERSION = 2  # 1: embeddings, first and last layer only; 2: every decoder layer, final norm and head too
-VERSION_PREFIX = "v2:"  # how a version-2 fingerprint is told from a version-1 one (16 hex digits, no prefix)
+FIRST_VERSION = 1  # written as 16 hex digits alone; every later version as "v<version>:" and 16 hex digits
+HASH_DIGITS = 16
 
 
 def fingerprint_version(fingerprint: str) -> int:
-    """The version a stored fingerprint was computed with (routers calibrated before version 2 have version 1)."""
-    return 2 if fingerprint.startswith(VERSION_PREFIX) else 1
+    """The version a stored fingerprint was computed with (routers calibrated before version 2 have version 1);
+    `TideCompatibilityError` for one this tide_hf cannot compute (a newer version's)."""
+    head, sep, _ = fingerprint.partition(":")
+    if not sep:
+        return FIRST_VERSION
+    version = int(head[1:]) if head[:1] == "v" and head[1:].isdigit() else None
+    if version is None or version > FINGERPRINT_VERSION:
+        raise TideCompatibilityError(f"the router's weights fingerprint {fingerprint!r} is of a kind this tide_hf "
+                                     f"(fingerprint version {FINGERPRINT_VERSION}) cannot check: a newer tide_hf "
+                                     "made it; upgrade tide_hf")
+    return version
 
 
 def in_model(module: nn.Module, owned: set[int]) -> list[nn.Module]:
@@ -47,7 +58,7 @@ def model_fingerprint(model: nn.Module, adapter: ModelAdapter | None = None, ver
     """
     adapter = adapter or get_adapter(model)
     owned = {id(module) for module in model.modules()}
-    modules = [adapter.embeddings, adapter.layers[0], adapter.layers[-1]] if version == 1 else \
+    modules = [adapter.embeddings, adapter.layers[0], adapter.layers[-1]] if version == FIRST_VERSION else \
         [part for module in (adapter.embeddings, *adapter.layers, adapter.final_norm, adapter.lm_head)
          for part in in_model(module, owned)]
     digest = hashlib.sha256()
@@ -57,7 +68,17 @@ def model_fingerprint(model: nn.Module, adapter: ModelAdapter | None = None, ver
             step = max(1, flat.numel() // FINGERPRINT_SAMPLES)
             sample = flat[::step][:FINGERPRINT_SAMPLES]
             signs = torch.signbit(sample).cpu() if sample.is_floating_point() else (sample < 0).cpu()
-            digest.update(f"{name}{tuple(param.shape)}".encode() if version == 1 else
+            digest.update(f"{name}{tuple(param.shape)}".encode() if version == FIRST_VERSION else
                           f"{index}.{name}{tuple(param.shape)}".encode())
             digest.update(signs.to(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:16] if version == 1 else VERSION_PREFIX + digest.hexdigest()[:16]
+    hashed = digest.hexdigest()[:HASH_DIGITS]
+    return hashed if version == FIRST_VERSION else f"v{version}:{hashed}"
+
+
+def same_weights(model: nn.Module, fingerprint: str, adapter: ModelAdapter | None = None) -> bool:
+    """Whether `model`'s weights give `fingerprint` (False for a fingerprint this tide_hf cannot compute)."""
+    try:
+        version = fingerprint_version(fingerprint)
+    except TideCompatibilityError:
+        return False
+    return model_fingerprint(model, adapter, version) == fingerprint

@@ -29,7 +29,7 @@ from ..errors import TideArgumentError, TideArgumentTypeError, TideConcurrencyEr
 from ..kernels import NormSpec, norm_router_scores, norm_spec
 from ..modeling import ModelAdapter, TideRouter, get_adapter, layer_output
 from ..modeling.devices import execution_device, onloaded
-from ..modeling.fingerprint import fingerprint_version, model_fingerprint
+from ..modeling.fingerprint import same_weights
 from .compiled import install_compiled_call
 from .kv import KVRecompute
 from .modes import check_mode
@@ -367,7 +367,7 @@ def _build(model: nn.Module, router: TideRouter, *, min_agreement: float | None 
     options.validate(adapter.num_layers, router.checkpoint_layers)
     fingerprint = router.config.base_fingerprint
     if ignore_fingerprint and options.target is not None and fingerprint and \
-            model_fingerprint(model, adapter, fingerprint_version(fingerprint)) != fingerprint:
+            not same_weights(model, fingerprint, adapter):
         warnings.warn(f"the quality target {options.target} is certified for the weights the router was calibrated "
                       "on; this model's differ (ignore_fingerprint=True), so it is not guaranteed here: check it "
                       "on your text, or recalibrate on this model", stacklevel=3)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import KV_POLICIES, MODES, check_int, check_min_layers, check_threshold
+from ..config import DEFAULT_EXIT_THRESHOLD, KV_POLICIES, MODES, check_int, check_min_layers, check_threshold
 from ..errors import TideArgumentError
 from ..modeling.targets import check_served, select
 
@@ -25,8 +25,8 @@ class TideOptions:
     chosen from the router's metrics).
     """
 
-    exit_threshold: float  # (the defaults of these two are the router config's: `resolve`)
-    min_layers: int
+    exit_threshold: float = DEFAULT_EXIT_THRESHOLD  # (`resolve` takes both from the router's config)
+    min_layers: int = 1
     mode: str = "select"
     kv: str = "propagate"
     draft_layer: int | None = None

@@ -143,18 +143,24 @@ def test_propagate_attach_in_training_with_gradient_checkpointing():
     handle.detach()
 
 
-def test_other_threads_wait_during_a_speculative_call(monkeypatch):
-    """A speculative call's drafts lower the shared `config.num_hidden_layers`: a stock call (`tide=False`) in
-    another thread meanwhile must still run every layer (it failed, or ran a truncated model). Drafting is forced
-    every round (the policy would time it first)."""
+def drafting_model(monkeypatch):
+    """A model whose layers after 8 are near-identity, with drafting forced every round (the policy would time
+    plain steps first under load), and two prompts of different lengths."""
     from tide_hf.integrations import draft
 
     monkeypatch.setattr(draft.DraftEstimates, "plan", lambda _self, room: (min(room, 4), 1.0))
     torch.manual_seed(0)
     model = make_model()
     make_near_identity(model, 8)
-    ids, mask = left_padded()
-    one, other = ids[:1], ids[1:2, 2:]
+    ids, _ = left_padded()
+    return model, ids[:1], ids[1:2, 2:]
+
+
+def test_other_threads_wait_during_a_speculative_call(monkeypatch):
+    """A speculative call's drafts lower the shared `config.num_hidden_layers`: a stock call (`tide=False`) in
+    another thread meanwhile must still run every layer (it failed, or ran a truncated model). Drafting is forced
+    every round (the policy would time it first)."""
+    model, one, other = drafting_model(monkeypatch)
     call = {"max_new_tokens": 24, "do_sample": False}
     with torch.no_grad():
         stock_one, stock_other = model.generate(one, **call), model.generate(other, **call)
@@ -191,14 +197,7 @@ def test_a_speculative_call_waits_for_a_call_in_flight(monkeypatch):
     both give stock output."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    from tide_hf.integrations import draft
-
-    monkeypatch.setattr(draft.DraftEstimates, "plan", lambda _self, room: (min(room, 4), 1.0))
-    torch.manual_seed(0)
-    model = make_model()
-    make_near_identity(model, 8)
-    ids, _ = left_padded()
-    one, other = ids[:1], ids[1:2, 2:]
+    model, one, other = drafting_model(monkeypatch)
     call = {"max_new_tokens": 16, "do_sample": False}
     started, release = threading.Event(), threading.Event()
 

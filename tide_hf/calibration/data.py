@@ -196,10 +196,10 @@ def load_texts(
     if not texts:
         raise TideDataError(f"dataset {name!r} has no non-empty {what}")
     unique_texts = list(dict.fromkeys(texts)) if unique else texts
-    if missing or len(unique_texts) < len(texts):
-        warnings.warn(f"dataset {name!r}: " + "; ".join(part for part in (
-            f"{missing} {what} missing (None), dropped" if missing else "",
-            f"{len(texts) - len(unique_texts)} repeated documents dropped (each is kept once: a copy on both sides of "
-            "the threshold split would make quality targets look safer than they are)"
-            if len(unique_texts) < len(texts) else "") if part), stacklevel=2)
+    notes = [f"{missing} {what} missing (None), dropped"] if missing else []
+    if len(unique_texts) < len(texts):
+        notes.append(f"{len(texts) - len(unique_texts)} repeated documents dropped (each is kept once: a copy on both "
+                     "sides of the threshold split would make quality targets look safer than they are)")
+    if notes:
+        warnings.warn(f"dataset {name!r}: " + "; ".join(notes), stacklevel=2)
     return unique_texts

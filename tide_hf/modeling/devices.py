@@ -51,10 +51,12 @@ def _offloaded_value(modules: dict[str, nn.Module], name: str) -> torch.Tensor |
     return None
 
 
-def named_weights(model: nn.Module, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def named_weights(model: nn.Module, module: nn.Module, modules: dict[str, nn.Module] | None = None
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """`module.named_parameters()` with the real values of offloaded (meta) parameters, read from
-    accelerate's weights map; `module` is a submodule of `model`."""
-    modules = dict(model.named_modules())
+    accelerate's weights map; `module` is a submodule of `model` (`modules`: `dict(model.named_modules())`, for a
+    caller that reads several submodules)."""
+    modules = dict(model.named_modules()) if modules is None else modules
     prefix = next(name for name, sub in modules.items() if sub is module)
     for name, param in module.named_parameters():
         if param.device.type == "meta":

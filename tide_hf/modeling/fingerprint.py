@@ -61,16 +61,22 @@ def model_fingerprint(model: nn.Module, adapter: ModelAdapter | None = None, ver
     modules = [adapter.embeddings, adapter.layers[0], adapter.layers[-1]] if version == FIRST_VERSION else \
         [part for module in (adapter.embeddings, *adapter.layers, adapter.final_norm, adapter.lm_head)
          for part in in_model(module, owned)]
-    digest = hashlib.sha256()
+    named = dict(model.named_modules())
+    headers, signs = [], []
     for index, module in enumerate(modules):
-        for name, param in sorted(named_weights(model, module)):  # offloaded weights read from accelerate's map
+        for name, param in sorted(named_weights(model, module, named)):  # offloaded weights: accelerate's map
             flat = param.detach().reshape(-1)
-            step = max(1, flat.numel() // FINGERPRINT_SAMPLES)
-            sample = flat[::step][:FINGERPRINT_SAMPLES]
-            signs = torch.signbit(sample).cpu() if sample.is_floating_point() else (sample < 0).cpu()
-            digest.update(f"{name}{tuple(param.shape)}".encode() if version == FIRST_VERSION else
-                          f"{index}.{name}{tuple(param.shape)}".encode())
-            digest.update(signs.to(torch.uint8).numpy().tobytes())
+            sample = flat[:: max(1, flat.numel() // FINGERPRINT_SAMPLES)][:FINGERPRINT_SAMPLES]
+            signs.append(torch.signbit(sample) if sample.is_floating_point() else sample < 0)
+            headers.append(f"{name}{tuple(param.shape)}" if version == FIRST_VERSION else
+                           f"{index}.{name}{tuple(param.shape)}")
+    # one copy to the host for every tensor's signs (a sync per tensor cost more than the sampling)
+    host = torch.cat([s.to(signs[0].device, torch.uint8) for s in signs]).cpu().numpy()
+    digest, start = hashlib.sha256(), 0
+    for header, sign in zip(headers, signs):
+        digest.update(header.encode())
+        digest.update(host[start : start + sign.numel()].tobytes())
+        start += sign.numel()
     hashed = digest.hexdigest()[:HASH_DIGITS]
     return hashed if version == FIRST_VERSION else f"v{version}:{hashed}"
 

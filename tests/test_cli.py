@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,6 +38,17 @@ def test_a_missing_router_folder_is_named_before_torch_loads(argv: list[str]) ->
     out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, check=True)
     said, imported = out.stdout.strip().splitlines()
     assert said == f"tide-hf {argv[0]}: error: no TIDE router folder at {argv[2]}" and json.loads(imported) == []
+
+
+def test_a_bare_router_name_that_is_no_folder_is_named_before_the_hub_is_asked(tmp_path: Path) -> None:
+    """A name without '/' is no Hub repo id: it went to the Hub and retried for ~25 s offline."""
+    code = ("import json, sys\nfrom tide_hf.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    print(e)\nprint(json.dumps(sorted(m for m in ('torch', 'transformers') if m in sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code, "analyze", "--router", "my-routr"], capture_output=True,
+                         text=True, check=True, cwd=tmp_path)
+    said, imported = out.stdout.strip().splitlines()
+    assert said == (f"tide-hf analyze: error: no TIDE router folder named 'my-routr' here ({tmp_path}), and it is "
+                    "not a Hub repo id (those read 'owner/name')") and json.loads(imported) == []
 
 
 def test_every_option_has_help_and_every_command_a_description() -> None:

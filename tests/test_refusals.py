@@ -567,6 +567,9 @@ def test_attach_takes_a_router_folder_and_names_missing_paths(tmp_path: Path) ->
     assert isinstance(caught.value, FileNotFoundError) and isinstance(caught.value, TideRouterFileError)
     with pytest.raises(TideMissingRouterError, match="no TIDE router folder at"):
         tide_hf.attach(model, tmp_path / "nothing")  # a Path object is a path, whatever its spelling
+    # a bare name is no Hub repo id: it went to the Hub (~25 s of retries offline, then transformers' OSError)
+    with pytest.raises(TideMissingRouterError, match=r"no TIDE router folder named 'my-routr' here .*'owner/name'"):
+        tide_hf.attach(model, "my-routr")
     for missing in (str(tmp_path / "nofile.txt"), "./nofile.jsonl", "~/no/such/folder", tmp_path / "folder"):
         with pytest.raises(TideMissingError, match="no such file or folder"):
             tide_hf.load_texts(missing)

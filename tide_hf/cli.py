@@ -175,18 +175,20 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def check_router_paths(args: argparse.Namespace) -> None:
-    """A --router named by a local path (absolute, or starting with . or ~) must be a folder: said before torch
-    loads (seconds), not after. Other names may be Hub repo ids."""
+    """A --router named by a local path (absolute, starting with . or ~) or a bare name (no '/': no Hub repo id)
+    must be a folder, said before torch loads (modeling.files.check_config_source's rule, without torch)."""
     routers = getattr(args, "router", None) or []
+    command = args.func.__name__.removeprefix("cmd_")
     for name in [routers] if isinstance(routers, str) else routers:
         if (os.path.isabs(name) or name.startswith((".", "~"))) and not os.path.isdir(os.path.expanduser(name)):
-            command = args.func.__name__.removeprefix("cmd_")
             raise SystemExit(f"tide-hf {command}: error: no TIDE router folder at {name}")
+        if "/" not in name and not os.path.isdir(name):
+            raise SystemExit(f"tide-hf {command}: error: no TIDE router folder named {name!r} here ({os.getcwd()}), "
+                             "and it is not a Hub repo id (those read 'owner/name')")
 
 
-def cmd_bench(args: argparse.Namespace) -> None:
-    from .eval.bench import run
-
+def check_bench_flags(args: argparse.Namespace) -> None:
+    """bench's flags go together (before its --router is looked at: "leave out --router" is the better answer)."""
     sections = [f"--{name}" for name in ("synthetic", "kernels", "baselines", "modes") if getattr(args, name)]
     if len(sections) > 1:
         raise SystemExit(f"tide-hf bench: {' and '.join(sections)} are separate runs; give one per command")
@@ -205,6 +207,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if not args.kernels and not args.synthetic and not args.router and args.near_identity_after is None:
         raise SystemExit("tide-hf bench: --router is required (except with --kernels, --synthetic or "
                          "--near-identity-after)")
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from .eval.bench import run
+
     run(args)
 
 
@@ -367,6 +374,8 @@ def main(argv: list[str] | None = None) -> None:
     from .errors import TideError
 
     args = build_parser().parse_args(argv)
+    if args.func is cmd_bench:
+        check_bench_flags(args)
     check_router_paths(args)
     from .calibration.distributed import finish  # torch: only once the arguments are known to be good
 

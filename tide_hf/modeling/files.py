@@ -111,6 +111,9 @@ def check_config_source(name: str | os.PathLike, config_cls: Any, kwargs: dict[s
     written_as_path = not isinstance(name, str) or os.path.isabs(text) or text.startswith((".", "~"))  # a Path too
     if written_as_path and not os.path.isdir(os.path.expanduser(text)):
         raise TideMissingRouterError(f"no TIDE router folder at {text}")  # not the Hub's "repo id must be ..."
+    if "/" not in text and not os.path.isdir(text):  # a mistyped folder: not a Hub id, whose retries take ~25 s
+        raise TideMissingRouterError(f"no TIDE router folder named {text!r} here ({os.getcwd()}), and it is not "
+                                     "a Hub repo id (those read 'owner/name')")
     hub = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
     if hub.get("subfolder") and os.path.isdir(text) and not os.path.isdir(os.path.join(text, hub["subfolder"])):
         raise TideRouterFileError(f"no TIDE router folder at {text}: it has no subfolder {hub['subfolder']!r}")

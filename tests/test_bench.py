@@ -168,3 +168,19 @@ def test_synthetic_table_reports_decode_times_below_noise_without_ratios() -> No
                               "new_tokens": 3, "reps": 1, "rows": rows})
     assert "| select, all exit at 4 | 1 | eager | below noise |  |  |" in table
     assert "| truncated to 4 (ideal) | 1 | eager | 1.00 | 2.000 |  |" in table
+
+
+def test_bench_table_names_the_router_of_each_row_when_there_are_several() -> None:
+    """Two routers of the same label gave rows nothing told apart."""
+    from tide_hf.eval.bench import format_table
+
+    row = {"label": "top1", "threshold": 0.9, "decode_exit_rate": 0.5, "decode_mean_layers": 6.0,
+           "greedy_exact_match": 1.0, "greedy_prefix_match": 1.0, "perplexity_change": 0.01, "speed_ratio": 1.1}
+    result = {"overhead": [], "quality": {"stock_perplexity": 2.0, "rows": [{**row, "router": "a"},
+                                                                            {**row, "router": "org/b"}]}}
+    lines = format_table(result).splitlines()
+    assert lines[-4].startswith("| router | label | threshold |") and lines[-3] == "|---" * 9 + "|"
+    assert lines[-2].startswith("| a | top1 | 0.9 |") and lines[-1].startswith("| org/b | top1 | 0.9 |")
+    result["quality"]["rows"] = [{**row, "router": "a"}]  # one router: no column (nor in older results)
+    assert format_table(result).splitlines()[-2:] == ["|---" * 8 + "|", "| top1 | 0.9 | 50.0% | 6.00 | 100.0% | "
+                                                      "100.0% | +1.00% | 1.100 |"]

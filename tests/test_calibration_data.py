@@ -10,7 +10,7 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from helpers import ByteTokenizer, make_documents, make_tiny_llama
+from helpers import ByteTokenizer, make_documents, make_tiny_llama, new_router
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import tide_hf
@@ -188,3 +188,26 @@ def test_routers_calibrated_before_repeats_were_dropped_are_evaluated_on_their_o
                                  chunk_len=8)
     expected = [torch.tensor(tok(t, add_special_tokens=False)["input_ids"])[:16] for t in held_out]
     assert all(torch.equal(a, b) for a, b in zip(prompts, expected, strict=True))
+
+
+def test_bench_evaluates_several_routers_on_documents_none_of_them_read(tmp_path: Path) -> None:
+    """`tide-hf bench --router A B` took its held-out text from A's calibration alone: B, calibrated with another
+    seed, was scored on documents it was trained on."""
+    from tide_hf.eval.measure import evaluation_text
+
+    docs = make_documents(24, 60)
+    for i, text in enumerate(docs):
+        (tmp_path / f"doc{i:02d}.txt").write_text(text)
+    tok, model = ByteTokenizer(), make_tiny_llama()
+    routers = [new_router(model, num_samples=6, seq_len=64) for _ in range(2)]
+    routers[1].config.seed = 1  # calibrated with another seed: another document order
+    held = [set(held_out_texts(tok, load_texts(str(tmp_path)), r.config)) for r in routers]
+    assert held[0] != held[1]  # the two calibrations read different documents
+    both = [t for t in load_texts(str(tmp_path)) if t in held[0] & held[1]]
+    prompts, _ = evaluation_text(tok, str(tmp_path), routers, num_prompts=len(both), prompt_len=16, num_chunks=1,
+                                 chunk_len=8)
+    expected = [torch.tensor(tok(t, add_special_tokens=False)["input_ids"])[:16] for t in both]
+    assert all(torch.equal(a, b) for a, b in zip(prompts, expected, strict=True))
+    with pytest.raises(TideDataError, match="held-out text too short"):  # no more than the documents both left
+        evaluation_text(tok, str(tmp_path), routers, num_prompts=len(both) + 1, prompt_len=16, num_chunks=1,
+                        chunk_len=8)

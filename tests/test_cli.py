@@ -116,6 +116,11 @@ def test_bad_values_are_refused_while_parsing(argv, message, capsys) -> None:
     (["bench", "--router", "r", "--new-tokens", "1"], "--new-tokens 1: decode tokens are the ones after the first"),
     (["bench", "--router", "r", "--synthetic", "tiny"], "--synthetic builds its own routers; leave out --router"),
     (["bench", "--router", "r", "--kernels"], "--kernels builds its own routers; leave out --router"),
+    (["bench", "--router", "r", "--modes", "--near-identity-after", "16"],
+     "--near-identity-after builds its own routers; leave out --router"),
+    (["bench", "--router", "a", "b", "--modes"], "--modes measures one router; give one --router per command"),
+    (["bench", "--router", "a", "b", "--baselines"], "--baselines measures one router"),
+    (["bench", "--router", "a", "a"], "a --router is given twice"),
 ])
 def test_bench_refuses_what_it_would_ignore_or_miscount(argv, message) -> None:
     from tide_hf.cli import main

@@ -46,18 +46,19 @@ def overhead(model: Any, router: TideRouter, prompts: list[torch.Tensor], pad_id
     return rows
 
 
-def quality(model: Any, routers: list[TideRouter], thresholds: list[float], prompts: list[torch.Tensor],
+def quality(model: Any, routers: dict[str, TideRouter], thresholds: list[float], prompts: list[torch.Tensor],
             chunks: list[torch.Tensor], pad_id: int, batch_size: int, new_tokens: int) -> dict:
-    """Exit rate, mean layers, greedy match and perplexity change per label kind and threshold; the speed
-    ratio divides stock's time, taken once before the first threshold, by each threshold's (not interleaved)."""
+    """Exit rate, mean layers, greedy match and perplexity change per router (by the name it was given) and
+    threshold; the speed ratio divides stock's time, taken once before the first threshold, by each
+    threshold's (not interleaved)."""
     batches = [left_pad(prompts[i : i + batch_size], pad_id) for i in range(0, len(prompts), batch_size)]
     stock_runs = [generate(model, b, new_tokens) for b in batches]
     stock_tokens = torch.cat([t for t, _ in stock_runs])
     stock_s = sum(s for _, s in stock_runs)
     base_ppl, _ = perplexity(model, chunks, batch_size)
     rows = []
-    for router in routers:
-        for thr in tqdm(thresholds, desc=f"quality ({router.config.label})", leave=False):
+    for name, router in routers.items():
+        for thr in tqdm(thresholds, desc=f"quality ({name})", leave=False):
             handle = attach(model, router, exit_threshold=thr)
             try:
                 tokens, seconds, decode_tok, exited, layers = [], 0.0, 0, 0.0, 0.0
@@ -72,9 +73,9 @@ def quality(model: Any, routers: list[TideRouter], thresholds: list[float], prom
                 ppl, prefill = perplexity(model, chunks, batch_size)
             finally:
                 handle.detach()
-            rows.append({"label": router.config.label, "threshold": thr, "decode_exit_rate": exited / decode_tok,
-                         "decode_mean_layers": layers / decode_tok, "prefill_exit_rate": prefill.exit_rate,
-                         "prefill_mean_layers": prefill.mean_layers,
+            rows.append({"router": name, "label": router.config.label, "threshold": thr,
+                         "decode_exit_rate": exited / decode_tok, "decode_mean_layers": layers / decode_tok,
+                         "prefill_exit_rate": prefill.exit_rate, "prefill_mean_layers": prefill.mean_layers,
                          "greedy_exact_match": exact, "greedy_prefix_match": prefix, "perplexity": ppl,
                          "perplexity_change": ppl / base_ppl - 1.0, "speed_ratio": stock_s / seconds})
     return {"stock_perplexity": base_ppl, "rows": rows}
@@ -85,12 +86,15 @@ def format_table(result: dict) -> str:
     lines = ["| batch | stock tok/s | TIDE (exits off) tok/s | ratio |", "|---|---|---|---|"]
     for r in result["overhead"]:
         lines.append(f"| {r['batch_size']} | {r['stock_tok_s']:.1f} | {r['tide_tok_s']:.1f} | {r['ratio']:.3f} |")
+    rows = result["quality"]["rows"]
+    named = len({r.get("router") for r in rows}) > 1  # a router column only where it tells rows apart
     lines += ["", f"stock perplexity {result['quality']['stock_perplexity']:.3f}", "",
-              "| label | threshold | decode exit rate | mean layers | greedy exact | greedy prefix | ppl change "
-              "| speed vs stock |",
-              "|---|---|---|---|---|---|---|---|"]
-    for r in result["quality"]["rows"]:
-        lines.append(f"| {r['label']} | {r['threshold']} | {r['decode_exit_rate']:.1%} | "
+              "| " + "router | " * named + "label | threshold | decode exit rate | mean layers | greedy exact | "
+              "greedy prefix | ppl change | speed vs stock |",
+              "|---" * (8 + named) + "|"]
+    for r in rows:
+        lines.append("| " + (f"{r['router']} | " if named else "") + f"{r['label']} | {r['threshold']} | "
+                     f"{r['decode_exit_rate']:.1%} | "
                      f"{r['decode_mean_layers']:.2f} | "
                      f"{r['greedy_exact_match']:.1%} | {r['greedy_prefix_match']:.1%} | "
                      f"{r['perplexity_change']:+.2%} | "
@@ -116,15 +120,16 @@ def run(args: Any) -> dict:
         from .kernels import format_kernels, kernel_rows
 
         return write_result(out, "kernels", {"rows": kernel_rows(args.dtype)}, format_kernels)
-    routers = [TideRouter.from_pretrained(r) for r in args.router]  # a bad folder or depth fails before the model
+    routers = {name: TideRouter.from_pretrained(name) for name in args.router}  # a bad folder fails before the model
+    router = next(iter(routers.values()), None)  # --modes and --baselines take one (the CLI refuses more)
     if args.modes and routers and args.near_identity_after is None:
-        check_exit_depths(args.depths, routers[-1].config.checkpoint_layers, "--depths")
+        check_exit_depths(args.depths, router.config.checkpoint_layers, "--depths")
     model, tokenizer = load_model(args.model, args.dtype)
     if args.near_identity_after is not None:
         return _easy_modes(model, tokenizer, args, out)
     pad_id = pad_token_id(tokenizer)
-    prompts, chunks = evaluation_text(tokenizer, default_dataset(args.dataset), routers[0], args.num_prompts,
-                                      args.prompt_len, args.num_chunks, args.chunk_len)
+    prompts, chunks = evaluation_text(tokenizer, default_dataset(args.dataset), list(routers.values()),
+                                      args.num_prompts, args.prompt_len, args.num_chunks, args.chunk_len)
     result = {"model": args.model, "device": str(next(model.parameters()).device),
               "torch_threads": torch.get_num_threads(),
               "settings": {k: v for k, v in vars(args).items() if k != "func"}}
@@ -132,7 +137,7 @@ def run(args: Any) -> dict:
         from .baselines import format_baselines, run_baselines
         from .plots import pareto
 
-        result.update(run_baselines(model, tokenizer, routers[-1], default_dataset(args.dataset), prompts, chunks,
+        result.update(run_baselines(model, tokenizer, router, default_dataset(args.dataset), prompts, chunks,
                                     pad_id, args))
         out.mkdir(parents=True, exist_ok=True)
         print("Pareto plot:", pareto(result, out / "pareto.png"))
@@ -140,9 +145,9 @@ def run(args: Any) -> dict:
     if args.modes:
         from .modes import format_modes, run_modes
 
-        result.update(run_modes(model, routers[-1], prompts, chunks, pad_id, args))
+        result.update(run_modes(model, router, prompts, chunks, pad_id, args))
         return write_result(out, "modes", result, format_modes)
-    result["overhead"] = overhead(model, routers[0], prompts, pad_id, args.batch_sizes, args.new_tokens, args.reps)
+    result["overhead"] = overhead(model, router, prompts, pad_id, args.batch_sizes, args.new_tokens, args.reps)
     result["quality"] = quality(model, routers, args.thresholds, prompts, chunks, pad_id, args.quality_batch_size,
                                 args.new_tokens)
     return write_result(out, "bench", result, format_table)

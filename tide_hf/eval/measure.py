@@ -34,10 +34,14 @@ def left_pad(rows: list[torch.Tensor], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def evaluation_text(tokenizer: Any, dataset: str, router: TideRouter, num_prompts: int, prompt_len: int,
-                    num_chunks: int, chunk_len: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Prompts and perplexity chunks from documents the router's calibration never read."""
-    texts = held_out_texts(tokenizer, load_texts(dataset, unique=router.config.unique_documents), router.config)
+def evaluation_text(tokenizer: Any, dataset: str, routers: TideRouter | list[TideRouter], num_prompts: int,
+                    prompt_len: int, num_chunks: int, chunk_len: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Prompts and perplexity chunks from documents no router's calibration read (routers calibrated with other
+    samples or seeds read other documents: each is evaluated on text it never saw)."""
+    texts: list[str] | None = None
+    for router in [routers] if isinstance(routers, TideRouter) else routers:
+        held = held_out_texts(tokenizer, load_texts(dataset, unique=router.config.unique_documents), router.config)
+        texts = held if texts is None else [t for t in texts if t in set(held)]
     ids = [torch.tensor(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
     prompts = [d[:prompt_len] for d in ids if len(d) > prompt_len][:num_prompts]
     chunks = [d[prompt_len : prompt_len + chunk_len] for d in ids if len(d) >= prompt_len + chunk_len][:num_chunks]

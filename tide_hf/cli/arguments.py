@@ -1,20 +1,14 @@
-"""`tide-hf`: argument parsing; each subcommand runs from the room it belongs to (calibration, eval).
-
-Arguments are parsed before torch or transformers is imported, so `tide-hf --help` answers at once: this
-module imports only light modules at its top, and each command imports its room when it runs.
-"""
+"""`tide-hf`'s arguments: the parser (defaults, help, value types) and the checks that need no torch, so
+`tide-hf --help` and a bad argument answer at once."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import shlex
-import sys
 import textwrap
-import warnings
 from typing import Any
 
-from .assets import DEFAULT_MODEL
+from ..assets import DEFAULT_MODEL
 
 # TideRouterConfig's defaults, known without importing transformers (tests/test_cli.py checks they agree);
 # a name missing here is read from TideRouterConfig itself (slower, still correct).
@@ -100,7 +94,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
                          for line in text.splitlines())
 
 
-def _add_calibration_args(p: argparse.ArgumentParser, rank_default: str) -> None:
+def add_calibration_args(p: argparse.ArgumentParser, rank_default: str) -> None:
     """The calibration options shared by calibrate and demo (`rank_default`: what no --exit-head-rank means)."""
     d = RouterDefaults()  # the library's defaults, so the CLI cannot drift from them
     p.add_argument("--model", default=DEFAULT_MODEL,
@@ -160,25 +154,11 @@ def _add_calibration_args(p: argparse.ArgumentParser, rank_default: str) -> None
                    help="dtype the model is loaded in")
 
 
-def cmd_calibrate(args: argparse.Namespace) -> None:
-    from .calibration.command import run
-
-    run(args)
-
-
-def cmd_demo(args: argparse.Namespace) -> None:
-    from .eval.demo import run
-
-    if args.exit_head_rank is None and args.exit_head == "linear":  # the demo's small sidecar (lens: no heads)
-        args.exit_head_rank = DEMO_EXIT_HEAD_RANK
-    run(args)
-
-
 def check_router_paths(args: argparse.Namespace) -> None:
     """A --router named by a local path (absolute, starting with . or ~) or a bare name (no '/': no Hub repo id)
     must be a folder, said before torch loads (modeling.files.check_config_source's rule, without torch)."""
     routers = getattr(args, "router", None) or []
-    command = args.func.__name__.removeprefix("cmd_")
+    command = args.command
     for name in [routers] if isinstance(routers, str) else routers:
         if (os.path.isabs(name) or name.startswith((".", "~"))) and not os.path.isdir(os.path.expanduser(name)):
             raise SystemExit(f"tide-hf {command}: error: no TIDE router folder at {name}")
@@ -194,8 +174,13 @@ def check_bench_flags(args: argparse.Namespace) -> None:
         raise SystemExit(f"tide-hf bench: {' and '.join(sections)} are separate runs; give one per command")
     if args.near_identity_after is not None and not args.modes:
         raise SystemExit("tide-hf bench: --near-identity-after goes with --modes")
-    if args.router and (args.synthetic or args.kernels):
-        raise SystemExit(f"tide-hf bench: {sections[0]} builds its own routers; leave out --router")
+    if args.router and (args.synthetic or args.kernels or args.near_identity_after is not None):
+        flag = sections[0] if args.synthetic or args.kernels else "--near-identity-after"
+        raise SystemExit(f"tide-hf bench: {flag} builds its own routers; leave out --router")
+    if len(args.router) > 1 and (args.modes or args.baselines):
+        raise SystemExit(f"tide-hf bench: {sections[0]} measures one router; give one --router per command")
+    if len(set(args.router)) < len(args.router):
+        raise SystemExit("tide-hf bench: a --router is given twice")
     if args.near_identity_scale is not None and args.near_identity_after is None:
         raise SystemExit("tide-hf bench: --near-identity-scale goes with --near-identity-after")
     if args.new_tokens < 2 and not args.kernels:
@@ -207,18 +192,6 @@ def check_bench_flags(args: argparse.Namespace) -> None:
     if not args.kernels and not args.synthetic and not args.router and args.near_identity_after is None:
         raise SystemExit("tide-hf bench: --router is required (except with --kernels, --synthetic or "
                          "--near-identity-after)")
-
-
-def cmd_bench(args: argparse.Namespace) -> None:
-    from .eval.bench import run
-
-    run(args)
-
-
-def cmd_analyze(args: argparse.Namespace) -> None:
-    from .eval.analyze import run
-
-    run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -235,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "example: tide-hf calibrate --num-samples 512 --output router-smollm2\n"
                     f"time: ~0.7 s per 256-token sample on SmolLM2-135M {CPU} (800: ~10 min, the default 2000: "
                     "~24 min)")
-    _add_calibration_args(p, "full rank, hidden x hidden per checkpoint")
+    add_calibration_args(p, "full rank, hidden x hidden per checkpoint")
     p.add_argument("--output", required=True, help="folder to save the router in (new or empty; never a model's)")
     p.add_argument("--overwrite", action="store_true", help="replace the TIDE router already in --output "
                    "(a folder holding anything else is always refused)")
@@ -243,7 +216,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--results", default=None, metavar="JSON", help="also write the run's figures to this JSON file")
     p.add_argument("--compare-bare-forward", action="store_true",
                    help="first time stock forward passes over the same tokens, and report calibration's overhead")
-    p.set_defaults(func=cmd_calibrate)
     p = sub.add_parser(
         "demo", formatter_class=HelpFormatter,
         help="calibrate the embedded SmolLM2 on SOTU (cached), generate with TIDE and stock side by side",
@@ -253,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "text, tokens/s, layers executed per token, agreement with stock.\n\n"
                     "example: tide-hf demo --prompt 'What should Congress do about taxes?'\n"
                     f"time {CPU}: ~2 min the first time (calibration), ~11 s once the router is cached")
-    _add_calibration_args(p, f"{DEMO_EXIT_HEAD_RANK}: a small sidecar, and heads few tokens can fit")
+    add_calibration_args(p, f"{DEMO_EXIT_HEAD_RANK}: a small sidecar, and heads few tokens can fit")
     p.set_defaults(num_samples=DEMO_SAMPLES, seq_len=DEMO_SEQ_LEN, max_train_tokens=DEMO_TRAIN_TOKENS)
     p.add_argument("--output", default=None, help="folder to save the router in (default: a folder under the "
                    "tide_hf cache keyed by model and calibration settings, printed)")
@@ -262,7 +234,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=positive_int, default=48, help="tokens generated per answer")
     p.add_argument("--stats-png", default=None, type=png_path, help="where to draw the exit histogram, a .png "
                    "file ('' = none; default: next to the router folder, printed)")
-    p.set_defaults(func=cmd_demo)
     p = sub.add_parser(
         "bench", formatter_class=HelpFormatter,
         usage="tide-hf bench (--router DIR [DIR ...] | --kernels | --synthetic SHAPE | "
@@ -280,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", default="sotu", help="text for prompts and perplexity (documents the router never saw)")
     p.add_argument("--router", nargs="+", default=[], metavar="DIR",
                    help="REQUIRED except with --kernels, --synthetic or --near-identity-after: router folders / Hub "
-                        "ids (e.g. one cosine, one top1); --modes uses the last one")
+                        "ids (e.g. one cosine, one top1: a table row per router and threshold); --modes and "
+                        "--baselines take one")
     p.add_argument("--modes", action="store_true", help="skip mode vs stock and vs the ideal truncated model, and "
                         "speculative mode vs stock and assistant_early_exit")
     p.add_argument("--depths", nargs="+", type=positive_int, default=[8, 16, 24], help="--modes: forced exit depths")
@@ -331,7 +303,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype the model is loaded in")
     p.add_argument("--output", default="bench-out", help="folder for the run's JSON and Markdown (bench, modes, "
                    "modes-easy, baselines, kernels or synthetic) and its plots")
-    p.set_defaults(func=cmd_bench)
     p = sub.add_parser(
         "analyze", formatter_class=HelpFormatter,
         help="per-layer convergence, the oracle, and router efficiency (tables, JSON, PNG)",
@@ -363,37 +334,4 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="dtype the model is loaded in")
     p.add_argument("--output", default="analyze-out", help="folder for analyze.json, analyze.md and the PNGs")
-    p.set_defaults(func=cmd_analyze)
     return parser
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Run one subcommand. An error tide_hf raises on purpose (`TideError`: bad argument, bad file, refused
-    overwrite...) or a file that cannot be read prints as one line on stderr and exits with status 1;
-    `TIDE_HF_TRACEBACK=1` shows the traceback instead."""
-    from .errors import TideError
-
-    args = build_parser().parse_args(argv)
-    if args.func is cmd_bench:
-        check_bench_flags(args)
-    check_router_paths(args)
-    from .calibration.distributed import finish  # torch: only once the arguments are known to be good
-
-    args.command = shlex.join(["tide-hf", *(sys.argv[1:] if argv is None else argv)])  # recorded in result JSON
-    name = args.func.__name__.removeprefix("cmd_")
-    try:
-        with warnings.catch_warnings():  # a warning prints as one line, like an error, not as a source excerpt
-            warnings.showwarning = lambda message, *_, **__: print(f"tide-hf {name}: warning: {message}",
-                                                                   file=sys.stderr)
-            args.func(args)
-    except (TideError, OSError) as err:
-        if os.environ.get("TIDE_HF_TRACEBACK") == "1":
-            raise
-        message = " ".join(str(err).split()) or type(err).__name__
-        print(f"tide-hf {name}: error: {message}", file=sys.stderr)
-        raise SystemExit(1) from None
-    finish()  # under `accelerate launch`: every process waits for the others before it exits
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

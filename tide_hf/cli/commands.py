@@ -1,0 +1,69 @@
+"""`tide-hf`'s commands: each runs from the room it belongs to (calibration, eval), imported when it runs, so
+torch loads only once the arguments are known to be good."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import warnings
+
+from .arguments import DEMO_EXIT_HEAD_RANK, build_parser, check_bench_flags, check_router_paths
+
+
+def cmd_calibrate(args: argparse.Namespace) -> None:
+    from ..calibration.command import run
+
+    run(args)
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from ..eval.demo import run
+
+    if args.exit_head_rank is None and args.exit_head == "linear":  # the demo's small sidecar (lens: no heads)
+        args.exit_head_rank = DEMO_EXIT_HEAD_RANK
+    run(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from ..eval.bench import run
+
+    run(args)
+
+
+def cmd_analyze(args: argparse.Namespace) -> None:
+    from ..eval.analyze import run
+
+    run(args)
+
+
+COMMANDS = {"calibrate": cmd_calibrate, "demo": cmd_demo, "bench": cmd_bench, "analyze": cmd_analyze}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run one subcommand. An error tide_hf raises on purpose (`TideError`: bad argument, bad file, refused
+    overwrite...) or a file that cannot be read prints as one line on stderr and exits with status 1;
+    `TIDE_HF_TRACEBACK=1` shows the traceback instead."""
+    from ..errors import TideError
+
+    args = build_parser().parse_args(argv)
+    name, args.func = args.command, COMMANDS[args.command]
+    if name == "bench":
+        check_bench_flags(args)
+    check_router_paths(args)
+    from ..calibration.distributed import finish  # torch: only once the arguments are known to be good
+
+    args.command = shlex.join(["tide-hf", *(sys.argv[1:] if argv is None else argv)])  # recorded in result JSON
+    try:
+        with warnings.catch_warnings():  # a warning prints as one line, like an error, not as a source excerpt
+            warnings.showwarning = lambda message, *_, **__: print(f"tide-hf {name}: warning: {message}",
+                                                                   file=sys.stderr)
+            args.func(args)
+    except (TideError, OSError) as err:
+        if os.environ.get("TIDE_HF_TRACEBACK") == "1":
+            raise
+        message = " ".join(str(err).split()) or type(err).__name__
+        print(f"tide-hf {name}: error: {message}", file=sys.stderr)
+        raise SystemExit(1) from None
+    finish()  # under `accelerate launch`: every process waits for the others before it exits

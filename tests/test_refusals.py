@@ -307,13 +307,67 @@ def test_missing_or_wrong_folders_are_named(tmp_path: Path) -> None:
 
 
 def test_copying_an_attached_model_is_refused_with_the_way_out() -> None:
+    """torch.save(model), pickle and copy.copy failed on a hook's local function with an AttributeError."""
     import copy
+    import io
+    import pickle
 
     model = make_model()
-    with tide_hf.attach(model, constant_router(model, -30.0)):
-        with pytest.raises(TideArgumentError, match="cannot be deep-copied"):
-            copy.deepcopy(model)
+    for mode in ("select", "skip"):
+        with tide_hf.attach(model, constant_router(model, -30.0), mode=mode, exit_threshold=0.5):
+            for copying in (copy.deepcopy, copy.copy, pickle.dumps, lambda m: torch.save(m, io.BytesIO())):
+                with pytest.raises(TideArgumentError, match="cannot be deep-copied, copied or pickled"):
+                    copying(model)
+            copy.deepcopy(model.state_dict())  # its weights copy as they are
     assert isinstance(copy.deepcopy(model), type(model))  # detached: copies as stock
+    assert isinstance(pickle.loads(pickle.dumps(model)), type(model)) and "__reduce_ex__" not in vars(model)
+
+
+def test_weights_loaded_while_attached_are_served_as_a_new_attach_would_serve_them() -> None:
+    """load_state_dict of a fine-tune while attached kept serving the router, and its certified target, on
+    weights a fresh attach refuses; a cast keeps the weights (and the fingerprint)."""
+    model, other = make_model(seed=0), make_model(seed=1)
+    ids, mask = left_padded()
+    own = {k: v.clone() for k, v in model.state_dict().items()}
+    router = new_router(model, exit_paths={"agreement": CLOSED_PATH}, min_agreement=0.9)
+    with tide_hf.attach(model, router) as handle:
+        expected = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        model.load_state_dict(other.state_dict())
+        before = hooks(model)
+        for call in (lambda: model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False),
+                     lambda: model(ids, attention_mask=mask)):
+            with pytest.raises(TideCompatibilityError, match="weights changed while the router was attached"):
+                call()
+        assert hooks(model) == before and tide_hf.get_handle(model) is handle
+        model.load_state_dict(own)  # its own weights again (and a cast keeps them): served as before
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False), expected)
+        model.to(torch.float64)
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    model.to(torch.float32)
+    with tide_hf.attach(model, router, ignore_fingerprint=True):
+        model.load_state_dict(other.state_dict())
+        with pytest.warns(UserWarning, match="weights changed while attached: the quality target"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # said once per change
+            model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+
+
+def test_a_training_forward_while_attached_is_refused() -> None:
+    """model.train() and a loss with gradients trained on TIDE's exit logits (loss and gradients not stock's)."""
+    model = make_model()
+    ids = torch.tensor([[17, 99, 45, 3, 200, 31, 7]])
+    with tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, min_layers=4):
+        model.train()
+        with pytest.raises(TideUnsupportedError, match="a training forward .* while TIDE is attached"):
+            model(ids, labels=ids)
+        with torch.no_grad():  # generate in train mode (no gradients) is served
+            model.generate(ids, max_new_tokens=2, do_sample=False)
+        model.eval()
+        model(ids, labels=ids).loss.backward()  # eval mode with gradients (attributions): TIDE's logits
+    model.train()
+    model(ids, labels=ids).loss.backward()  # detached: stock
+    model.eval()
 
 
 def test_the_working_directory_is_never_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

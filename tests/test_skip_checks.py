@@ -68,6 +68,31 @@ def test_output_attentions_in_skip_mode_is_refused_and_the_model_stays_usable() 
         assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), stock)  # never exits
 
 
+def test_hidden_states_in_skip_mode_are_refused_as_attentions_are() -> None:
+    """Skip mode returned, for the layers a token skipped, copies of its exit layer's state the model never
+    computed; select mode runs every layer and returns stock's."""
+    model = make_model()
+    ids = torch.tensor([[17, 99, 45, 3, 200, 31, 7]])
+    stock = model.generate(ids, max_new_tokens=4, do_sample=False, output_hidden_states=True,
+                           return_dict_in_generate=True)
+    with tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, min_layers=4, mode="skip"):
+        for call in (lambda: model.generate(ids, max_new_tokens=4, do_sample=False, output_hidden_states=True,
+                                            return_dict_in_generate=True),
+                     lambda: model(ids, output_hidden_states=True)):
+            try:
+                call()
+            except TideUnsupportedError as err:
+                assert "output_hidden_states with mode='skip'" in str(err)
+            else:
+                raise AssertionError("skip mode returned hidden states of layers it skipped")
+    with tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, min_layers=4):  # select mode
+        out = model.generate(ids, max_new_tokens=1, do_sample=False, output_hidden_states=True,
+                             return_dict_in_generate=True)
+    ours, theirs = out.hidden_states[0], stock.hidden_states[0]  # embeddings, then each layer's output (normed)
+    assert all(torch.equal(a, b) for a, b in zip(ours[:-1], theirs[:-1], strict=True))  # every layer computed
+    assert not torch.equal(ours[-1], theirs[-1])  # the last: the exited positions' exit states
+
+
 def test_an_interrupted_call_leaves_no_exit_decisions_behind() -> None:
     """A forward that raises mid-generate (Ctrl-C, out of memory) must not leave its exit decisions to the next
     call of the decoder itself (`model.model(ids)`, which TIDE leaves stock)."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,11 +28,11 @@ from ..errors import TideArgumentError, TideArgumentTypeError, TideConcurrencyEr
 from ..kernels import NormSpec, norm_router_scores, norm_spec
 from ..modeling import ModelAdapter, TideRouter, get_adapter, layer_output
 from ..modeling.devices import execution_device, onloaded
-from ..modeling.fingerprint import same_weights
 from .compiled import install_compiled_call
 from .kv import KVRecompute
 from .modes import check_mode
 from .options import TideOptions
+from .pairing import WeightsWatch, refuse_pickling
 from .patching import Patches
 from .segments import SegmentedDecoding
 from .session import Session, Step, new_step
@@ -58,8 +57,11 @@ class TideHandle:
     """
 
     def __init__(self, model: nn.Module, router: TideRouter, options: TideOptions, adapter: ModelAdapter,
-                 *, owner: int | None = None, skip_plan: SkipPlan | None = None) -> None:
+                 *, owner: int | None = None, skip_plan: SkipPlan | None = None, ignore_fingerprint: bool = False
+                 ) -> None:
         self.model, self.router, self.options, self.adapter = model, router, options, adapter
+        self._watch = WeightsWatch(model, adapter, router.config.base_fingerprint, ignore=ignore_fingerprint,
+                                   target=options.target)
         self.owner = owner  # the thread of a per-call attach (`generate(tide=router)`); None: every thread
         self.num_layers = adapter.num_layers
         self.checkpoints = [k for k in router.checkpoint_layers if k >= options.min_layers]
@@ -80,6 +82,7 @@ class TideHandle:
                         modules[str(k)].to(device)
                 self._norm_specs[k] = None if spec is None else spec.to(device)
         self._patches = Patches()
+        self._patches.set_attr(model, "__reduce_ex__", refuse_pickling)  # pickle and copy look it up on the instance
         self._patches.hook(model.register_forward_pre_hook(self._begin, with_kwargs=True))
         self._patches.hook(model.register_forward_hook(self._end, always_call=True))  # also when a forward raises
         for k in self.checkpoints:
@@ -114,9 +117,8 @@ class TideHandle:
             return None
         return self._pending.get(cache) or self._pending.setdefault(cache, KVRecompute(self.num_layers))
 
-    def __deepcopy__(self, memo: dict) -> TideHandle:  # reached through the hooks of `copy.deepcopy(model)`
-        raise TideArgumentError("an attached model cannot be deep-copied (its hooks belong to this attach): copy "
-                                "it before attach or after detach, then attach a router to the copy")
+    def __deepcopy__(self, memo: dict) -> TideHandle:  # reached through the hooks of a deep-copied layer
+        refuse_pickling()
 
     # -- per-call state -------------------------------------------------------------------------
     @property
@@ -125,8 +127,10 @@ class TideHandle:
         return _LAST_STATS.get(self.model)
 
     def _new_session(self, generating: bool, eos: torch.Tensor | None = None) -> Session:
-        if self._skipper is not None and self._skipper.fused is not None and not torch.compiler.is_compiling():
-            self._skipper.fused.refresh()  # the model may have been cast, moved or loaded since the last call
+        if not torch.compiler.is_compiling():  # the model may have been cast, moved or loaded since the last call
+            self._watch.check()
+            if self._skipper is not None and self._skipper.fused is not None:
+                self._skipper.fused.refresh()
         return Session(ExitStats(self.num_layers, list(self.router.checkpoint_layers)), generating, eos)
 
     @contextmanager
@@ -183,9 +187,13 @@ class TideHandle:
                 mask = kwargs.get("attention_mask")
                 waiting.stock_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
             return
-        if self._skipper is not None and kwargs.get("output_attentions", self.model.config.output_attentions):
-            raise TideUnsupportedError("output_attentions with mode='skip': the layers it skips compute no attention "
-                                       "weights; use mode='select', or tide=False for this call")
+        for output in ("output_attentions", "output_hidden_states"):
+            if self._skipper is not None and kwargs.get(output, getattr(self.model.config, output)):
+                raise TideUnsupportedError(f"{output} with mode='skip': the layers it skips compute no "
+                                           f"{output.removeprefix('output_')}; use mode='select', or tide=False")
+        if self.model.training and torch.is_grad_enabled():
+            raise TideUnsupportedError("a training forward (model.train(), gradients on) while TIDE is attached: "
+                                       "its exits would change the loss and gradients; detach first")
         session = getattr(self._local, "session", None)
         if session is None or getattr(self._local, "auto", False):  # a plain forward is a call of its own
             session = self._new_session(generating=False)
@@ -365,14 +373,9 @@ def _build(model: nn.Module, router: TideRouter, *, min_agreement: float | None 
                                   max_perplexity_increase=max_perplexity_increase, exit_threshold=exit_threshold,
                                   min_layers=min_layers, mode=mode, kv=kv, draft_layer=draft_layer)
     options.validate(adapter.num_layers, router.checkpoint_layers)
-    fingerprint = router.config.base_fingerprint
-    if ignore_fingerprint and options.target is not None and fingerprint and \
-            not same_weights(model, fingerprint, adapter):
-        warnings.warn(f"the quality target {options.target} is certified for the weights the router was calibrated "
-                      "on; this model's differ (ignore_fingerprint=True), so it is not guaranteed here: check it "
-                      "on your text, or recalibrate on this model", stacklevel=3)
     plan = check_mode(model, adapter, options, router)
-    return handle_class(model, router, options, adapter, owner=owner, skip_plan=plan)
+    return handle_class(model, router, options, adapter, owner=owner, skip_plan=plan,
+                        ignore_fingerprint=ignore_fingerprint)
 
 
 def get_handle(model: nn.Module) -> TideHandle | None:

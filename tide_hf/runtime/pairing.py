@@ -1,0 +1,67 @@
+"""What keeps an attached router paired with its model after attach: a watch on the weights (a model loaded
+with other weights while attached is served as an attach after the change would serve it: refused, or with
+`ignore_fingerprint=True` served with a warning) and the refusal to pickle or copy an attached model (its
+hooks belong to the attach)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, NoReturn
+
+from torch import nn
+
+from ..errors import TideArgumentError, TideCompatibilityError
+from ..modeling import ModelAdapter
+from ..modeling.fingerprint import same_weights
+
+
+def refuse_pickling(*_: Any) -> NoReturn:
+    """Set as an attached model's `__reduce_ex__`: `torch.save(model)`, `pickle` and `copy.copy` failed on a
+    hook's local function, with an AttributeError that did not say why."""
+    raise TideArgumentError("an attached model cannot be deep-copied, copied or pickled (copy.deepcopy, copy.copy, "
+                            "torch.save(model), pickle): its hooks belong to this attach; copy it before attach or "
+                            "after detach, or save its weights (state_dict(), save_pretrained()), which attach leaves "
+                            "as they are")
+
+
+class WeightsWatch:
+    """Whether the weights changed since attach (`load_state_dict`, a cast, an optimizer step; not an edit
+    through `.data`, which bumps no tensor version), and if so whether they are still the router's.
+
+    A change is noticed from each parameter's identity, storage and version (microseconds per call); only then
+    is the fingerprint computed again (a cast keeps it: it hashes sign bits)."""
+
+    def __init__(self, model: nn.Module, adapter: ModelAdapter, fingerprint: str | None, *, ignore: bool,
+                 target: Any) -> None:
+        self.model, self.adapter, self.fingerprint = model, adapter, fingerprint
+        self.ignore, self.target = ignore, target
+        self.seen = self.versions()
+        if ignore and target is not None and fingerprint and not same_weights(model, fingerprint, adapter):
+            warnings.warn(f"the quality target {target} is certified for the weights the router was calibrated "
+                          "on; this model's differ (ignore_fingerprint=True), so it is not guaranteed here: check it "
+                          "on your text, or recalibrate on this model", stacklevel=5)
+
+    def versions(self) -> tuple:
+        return tuple((id(p), p.data_ptr(), p._version) for p in self.model.parameters())
+
+    def check(self) -> None:
+        """Raise `TideCompatibilityError` if the weights changed to ones the router was not calibrated for
+        (as a fresh attach would); with `ignore_fingerprint=True`, warn when a quality target loses its
+        certificate (as a fresh attach would)."""
+        now = self.versions()
+        if now == self.seen:
+            return
+        if not self.fingerprint or same_weights(self.model, self.fingerprint, self.adapter):
+            self.seen = now
+            return
+        if not self.ignore:
+            raise TideCompatibilityError(
+                "the model's weights changed while the router was attached (load_state_dict, a merge, a training "
+                "step...) and are no longer those it was calibrated for: detach, then recalibrate on these weights, "
+                "or attach again with ignore_fingerprint=True to use the router on them anyway")
+        if self.target is not None:
+            warnings.warn(f"the model's weights changed while attached: the quality target {self.target} is "
+                          "certified for the weights the router was calibrated on, not these (ignore_fingerprint="
+                          "True), so it is not guaranteed here: check it on your text, or recalibrate on this "
+                          "model", stacklevel=5)
+        self.seen = now

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tide_hf.eval.report import BEGIN, END, SECTIONS, render, update
+from tide_hf.errors import TideDataError
+from tide_hf.eval.report import BEGIN, END, SECTIONS, render, section_markers, update
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,3 +52,33 @@ def test_a_readme_outside_the_results_tree_links_its_plots_with_dotdot(tmp_path:
     text = render(ROOT / "results" / "smollm2-cpu", docs / "README.md")
     link = text.split("![convergence.png](", 1)[1].split(")", 1)[0]
     assert link.startswith("../") and (docs / link).resolve() == ROOT / "results" / "smollm2-cpu" / "convergence.png"
+
+
+def test_bad_results_are_named_and_the_readme_is_left_as_it_was(tmp_path: Path) -> None:
+    """A mistyped or empty folder emptied the section (exit 0); a damaged JSON was a traceback naming no file; a
+    folder given by another spelling (an absolute path) was written into the CPU section."""
+    import subprocess
+    import sys
+
+    readme = tmp_path / "README.md"
+    text = (ROOT / "README.md").read_text()
+    readme.write_text(text)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "results" / "h100").mkdir(parents=True)
+    (tmp_path / "results" / "h100" / "bench.json").write_text("{not json")
+    (tmp_path / "results" / "smollm2-cpu").mkdir()
+    (tmp_path / "results" / "smollm2-cpu" / "calibrate-x.json").write_text("{}")
+    cases = [(["results/smollm2-cppu"], "no section in"), (["empty", "README.md"], "no section in"),
+             ([str(tmp_path / "results" / "h100"), "README.md"], "h100/bench.json is not valid JSON"),
+             (["results/smollm2-cpu"], "calibrate-x.json holds {}, not a result")]
+    for argv, message in cases:
+        out = subprocess.run([sys.executable, "-m", "tide_hf.eval.report", *argv], cwd=tmp_path, capture_output=True,
+                             text=True)
+        assert out.returncode == 1 and message in out.stderr and "Traceback" not in out.stderr, (argv, out.stderr)
+        assert readme.read_text() == text
+    (tmp_path / "results" / "smollm2-cpu" / "calibrate-x.json").write_text('{"label": "top1"}')
+    with pytest.raises(TideDataError, match=r"lacks what its table shows \(KeyError: 'num_samples'\)"):
+        render(tmp_path / "results" / "smollm2-cpu", readme)
+    with pytest.raises(TideDataError, match="not a folder of result JSON files"):
+        render(tmp_path / "empty", readme)
+    assert section_markers(tmp_path / "results" / "h100" / ".." / "h100", readme) == SECTIONS["results/h100"]

@@ -7,11 +7,13 @@ checks that the committed README equals what the committed JSON generates.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 from pathlib import Path
 
+from ..errors import TideArgumentError, TideDataError, TideError
 from .analyze import format_analysis
 from .baselines import format_baselines
 from .bench import format_table
@@ -27,7 +29,16 @@ SECTIONS = {"results/smollm2-cpu": (BEGIN, END),  # results folder -> the README
 
 def _load(folder: Path, name: str) -> dict | None:
     path = folder / f"{name}.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    try:
+        result = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise TideDataError(f"{path} is not valid JSON ({err}): rewrite it with the command that made it") from None
+    if not isinstance(result, dict) or not result:
+        raise TideDataError(f"{path} holds {json.dumps(result)[:40]}, not a result: rewrite it with the command "
+                            "that made it")
+    return result
 
 
 def _command(result: dict) -> str:
@@ -118,7 +129,18 @@ def format_gpu_speculative(result: dict) -> str:
 
 
 def render(folder: Path, readme: Path) -> str:
-    """The generated section (without the markers) for the results in `folder`."""
+    """The generated section (without the markers) for the results in `folder`; `TideDataError` naming the file
+    for a result that lacks what its table shows, and for a folder holding no result (it emptied the section)."""
+    if not folder.is_dir() or not any(folder.glob("*.json")):
+        raise TideDataError(f"{folder} is not a folder of result JSON files (the section would be emptied)")
+    try:
+        return _render(folder, readme)
+    except (KeyError, TypeError, AttributeError, ValueError) as err:  # a field missing or of another type
+        raise TideDataError(f"a result in {folder} lacks what its table shows ({type(err).__name__}: {err}); "
+                            "rewrite it with the command that made it") from None
+
+
+def _render(folder: Path, readme: Path) -> str:
     out: list[str] = []
     for name in sorted(p.stem for p in folder.glob("calibrate-*.json")):
         result = _load(folder, name)
@@ -158,7 +180,7 @@ def update(folder: Path, readme: Path, markers: tuple[str, str] = (BEGIN, END)) 
     begin, end = markers
     text = readme.read_text()
     if begin not in text or end not in text:
-        raise ValueError(f"{readme} lacks the markers of the generated results section:\n{begin}\n{end}")
+        raise TideArgumentError(f"{readme} lacks the markers of the generated results section:\n{begin}\n{end}")
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
     new = f"{head}{begin}\n{render(folder, readme)}{end}{tail}"
@@ -166,7 +188,28 @@ def update(folder: Path, readme: Path, markers: tuple[str, str] = (BEGIN, END)) 
     return new != text
 
 
+def section_markers(folder: Path, readme: Path) -> tuple[str, str]:
+    """The README markers of `folder`'s section, found by where the folder is (relative to the README), however
+    it was spelled; `TideArgumentError` for a folder that has no section (it was written into the CPU one)."""
+    where = Path(os.path.relpath(folder.resolve(), readme.resolve().parent)).as_posix()
+    if where not in SECTIONS:
+        raise TideArgumentError(f"{folder} has no section in {readme}: the results folders are "
+                                f"{', '.join(sorted(SECTIONS))}")
+    return SECTIONS[where]
+
+
+def main(argv: list[str]) -> None:
+    """`python -m tide_hf.eval.report [FOLDER [README]]`: one line on stderr and status 1 for a bad input."""
+    parser = argparse.ArgumentParser(prog="python -m tide_hf.eval.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", nargs="?", default="results/smollm2-cpu", help="results folder")
+    parser.add_argument("readme", nargs="?", default="README.md", help="README holding its section's markers")
+    args = parser.parse_args(argv)
+    folder, readme = Path(args.folder), Path(args.readme)
+    try:
+        print(("updated " if update(folder, readme, section_markers(folder, readme)) else "unchanged ") + str(readme))
+    except (TideError, OSError) as err:
+        raise SystemExit(f"report: error: {err}") from None
+
+
 if __name__ == "__main__":
-    folder, readme = (Path(a) for a in (sys.argv[1:3] if len(sys.argv) > 2 else ("results/smollm2-cpu", "README.md")))
-    marks = SECTIONS.get(folder.as_posix().rstrip("/"), (BEGIN, END))
-    print(("updated " if update(folder, readme, marks) else "unchanged ") + str(readme))
+    main(sys.argv[1:])

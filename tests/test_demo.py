@@ -49,6 +49,27 @@ def test_second_run_reuses_the_cached_router(tmp_path: Path, monkeypatch: pytest
     assert other != folder, "another calibration setting must not reuse this router"
 
 
+def test_the_cache_key_follows_what_local_paths_hold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--dataset text.txt` run in another folder (other text) reused the router calibrated on the first one's,
+    and a model folder given new weights kept its key."""
+    monkeypatch.setenv("TIDE_HF_CACHE", str(tmp_path / "cache"))
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "text.txt").write_text(f"speech {name}")
+    monkeypatch.chdir(tmp_path / "a")
+    first = demo.router_folder(demo_args(dataset="text.txt"))
+    assert demo.router_folder(demo_args(dataset="text.txt")) == first  # the same text: the same router
+    assert demo.router_folder(demo_args(dataset=str(tmp_path / "a" / "text.txt"))) == first  # however spelled
+    monkeypatch.chdir(tmp_path / "b")
+    assert demo.router_folder(demo_args(dataset="text.txt")) != first
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"1")
+    before = demo.router_folder(demo_args(model=str(tmp_path / "m")))
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"22")  # new weights in the same folder
+    assert demo.router_folder(demo_args(model=str(tmp_path / "m"))) != before
+    assert demo.router_folder(demo_args()) == demo.router_folder(demo_args(model="smollm2", dataset="sotu"))
+
+
 def test_a_half_written_folder_is_not_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TIDE_HF_CACHE", str(tmp_path))
     folder = demo.router_folder(demo_args())

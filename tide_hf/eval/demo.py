@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers.generation.streamers import BaseStreamer
 
-from ..assets import cache_dir, default_dataset, load_model
+from ..assets import DEFAULT_MODEL, DEFAULT_TEXT, cache_dir, default_dataset, load_model
 from ..calibration.command import calibrate_from_args, print_metrics
 from ..calibration.distributed import is_main_process
 from ..errors import TideArgumentError
@@ -43,11 +43,24 @@ COMPARED = ("label", "exit_head", "exit_head_rank", "exit_head_ridge", "num_samp
             "confidence", "seed")
 
 
+def local_files(name: Any) -> Any:
+    """What a local model or text path stands for in the cache key: its absolute path and each file's name, size
+    and modification time (a relative path named other text from another folder, and a folder given new weights
+    kept its key); an alias or a Hub id stands for itself."""
+    path = Path(os.path.expanduser(str(name)))
+    if name in (None, DEFAULT_MODEL, DEFAULT_TEXT) or not path.exists():
+        return name
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    return [os.path.abspath(path), *[(p.relative_to(path).as_posix(), p.stat().st_size, p.stat().st_mtime_ns)
+                                     for p in files]]
+
+
 def router_folder(args: argparse.Namespace) -> Path:
     """`--output`, else a folder under the tide_hf cache keyed by the model and every calibration setting."""
     if args.output:
         return Path(os.path.abspath(args.output))  # "." and ".." name a folder too
-    settings = {k: v for k, v in sorted(vars(args).items()) if k not in NOT_CALIBRATION}
+    settings = {k: local_files(v) if k in ("model", "dataset") else v
+                for k, v in sorted(vars(args).items()) if k not in NOT_CALIBRATION}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:CACHE_KEY_CHARS]
     slug = "".join(c if c.isalnum() or c in "-_." else "-" for c in str(args.model))[-MODEL_SLUG_CHARS:]
     return cache_dir() / "demo" / f"router-{slug}-{key}"

@@ -73,3 +73,18 @@ def test_model_card_loads_the_base_model_at_the_calibrated_revision(tmp_path: Pa
     assert "from_pretrained('org/base', revision='0123abc')" in pinned and "model type `llama`" in pinned
     local = new_router(model, base_model_name_or_path="org/base").model_card().text
     assert "from_pretrained('org/base')" in local and "revision" not in local
+
+
+@pytest.mark.parametrize("write,message", [
+    (lambda c: c.write_text("{oops"), "config.json is not valid JSON"),
+    (lambda c: c.write_text("[1, 2]"), "config.json holds a list, not an object of router fields"),
+    (lambda c: c.write_text(json.dumps({**json.loads(c.read_text()), "dtype": "float99"})),
+     "config.json's dtype 'float99' is not a torch dtype"),
+])
+def test_a_damaged_config_is_a_router_file_error(tmp_path: Path, write, message: str) -> None:
+    """transformers' OSError (invalid JSON) or an AttributeError (a list, an unknown dtype) said nothing of which
+    router file was bad."""
+    new_router(make_model()).save_pretrained(tmp_path / "r")
+    write(tmp_path / "r" / "config.json")
+    with pytest.raises(TideRouterFileError, match=message):
+        TideRouter.from_pretrained(tmp_path / "r")

@@ -117,8 +117,17 @@ def check_config_source(name: str | os.PathLike, config_cls: Any, kwargs: dict[s
     hub = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
     if hub.get("subfolder") and os.path.isdir(text) and not os.path.isdir(os.path.join(text, hub["subfolder"])):
         raise TideRouterFileError(f"no TIDE router folder at {text}: it has no subfolder {hub['subfolder']!r}")
-    config, _ = config_cls.get_config_dict(name, **hub)  # a missing repo / no network: transformers' OSError
     where = f"{name} (subfolder {hub['subfolder']!r})" if hub.get("subfolder") else name
+    local = os.path.join(os.path.expanduser(text), hub.get("subfolder") or "", "config.json")
+    if os.path.isfile(local):  # transformers' own errors for these were an OSError or an AttributeError
+        try:
+            written = json.loads(Path(local).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise TideRouterFileError(f"TIDE router {where}: config.json is not valid JSON ({err})") from None
+        if not isinstance(written, dict):
+            raise TideRouterFileError(f"TIDE router {where}: config.json holds a {type(written).__name__}, not an "
+                                      "object of router fields")
+    config, _ = config_cls.get_config_dict(name, **hub)  # a missing repo / no network: transformers' OSError
     if not config:
         raise TideRouterFileError(f"{where} has no config.json: not a TIDE router (its weights alone do not say "
                                   "which model, checkpoints and threshold they belong to)")
@@ -126,6 +135,10 @@ def check_config_source(name: str | os.PathLike, config_cls: Any, kwargs: dict[s
         raise TideRouterFileError(f"{where} is not a TIDE router: its config.json has model_type "
                                   f"{config.get('model_type')!r}, not {ROUTER_MODEL_TYPE!r}")
     check_field_names(config, config_cls, f"TIDE router {where}: config.json")
+    for key in ("dtype", "torch_dtype"):
+        if isinstance(config.get(key), str) and not isinstance(getattr(torch, config[key], None), torch.dtype):
+            raise TideRouterFileError(f"TIDE router {where}: config.json's {key} {config[key]!r} is not a torch "
+                                      "dtype (e.g. 'float32')")
     check_field_names(kwargs, config_cls, "TideRouter.from_pretrained")
 
 

@@ -24,6 +24,7 @@ from transformers import (
 
 import tide_hf
 from tide_hf import TideRouter, TideRouterConfig
+from tide_hf.errors import TideUnsupportedError
 from tide_hf.eval.easy import make_near_identity
 from tide_hf.integrations import speculative as spec_module
 from tide_hf.integrations.draft import (
@@ -180,11 +181,12 @@ def test_drafts_are_accepted_and_save_full_forwards():
     assert spec["accepted"] > 0 and spec["acceptance_rate"] > 0.5
     assert full[0] < 32  # fewer full-depth forwards than generated tokens
     assert full[0] == spec["rounds"] + spec["plain_steps"]
-    assert draft[0] == full[0] + spec["draft_forwards"] + spec["tail_forwards"]  # all reach layer 4, drafts stop there
+    # all reach layer 4, drafts stop there; attach's check that the model follows a lowered depth runs one more
+    assert draft[0] == full[0] + spec["draft_forwards"] + spec["tail_forwards"] + 1
     # verifications after a draft reuse its first layers: those ran for the prefill, the verifications
     # without a draft, and the draft and tail forwards only
     assert spec["reused"] >= spec["rounds"] > 0
-    assert computed[0] == 1 + (full[0] - 1 - spec["reused"]) + spec["draft_forwards"] + spec["tail_forwards"]
+    assert computed[0] == 1 + (full[0] - 1 - spec["reused"]) + spec["draft_forwards"] + spec["tail_forwards"] + 1
     assert spec["accepted"] <= spec["drafted"] <= spec["draft_forwards"]
     assert spec["mean_draft_length"] == pytest.approx(spec["drafted"] / spec["rounds"])
 
@@ -394,6 +396,13 @@ def test_model_without_layer_truncation_is_refused_and_restored():
     with pytest.raises(NotImplementedError, match="num_hidden_layers"):
         speculative(model, router, torch.tensor([[5, 6, 7]]), draft_layer=2, max_new_tokens=6, do_sample=False)
     assert snapshot(model) == before
+    # at attach, whatever the router would decide: a router that never drafts passed attach and the calls it
+    # happened not to draft in, and failed in the middle of the first call that drafted
+    with torch.no_grad():
+        router.routers["2"].fc2.bias.fill_(-30.0)
+    with pytest.raises(TideUnsupportedError, match="ignores config.num_hidden_layers"):
+        tide_hf.attach(model, router, mode="speculative", exit_threshold=0.5)
+    assert snapshot(model) == before and tide_hf.get_handle(model) is None
 
 
 # -- options and fallbacks ----------------------------------------------------------------------------
@@ -578,7 +587,7 @@ def test_max_time_bounds_the_whole_batch(monkeypatch):
         stock = model.generate(ids, **call)
     stock_seconds, clock[0] = clock[0], 0.0
     out, stats = speculative(model, router, ids, **call)
-    assert torch.equal(out, stock) and clock[0] == stock_seconds < NEW
+    assert torch.equal(out, stock) and clock[0] == stock_seconds + 1 < NEW  # + attach's one-forward depth check
     assert "max_time" in stats.speculative["fallback"]
 
 

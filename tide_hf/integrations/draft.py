@@ -28,7 +28,8 @@ from typing import Any
 
 from torch import nn
 
-from ..modeling import ModelAdapter, TideRouter, text_config
+from ..modeling import ModelAdapter, TideRouter
+from ..modeling.depth import layers_config
 from .vocab import coverage, sliceable, vocab_sizes
 
 MAX_DRAFT_TOKENS = 8  # longest draft per round (the router gate and the plan usually stop earlier)
@@ -106,7 +107,7 @@ def draft_body(model: nn.Module, layers: nn.ModuleList) -> tuple[nn.Module, Any]
     owner = next(m for m in model.modules() if any(child is layers for child in m.children()))
     base = getattr(model, model.base_model_prefix, None)
     body = base if isinstance(base, nn.Module) and any(m is layers for m in base.modules()) else owner
-    return body, getattr(owner, "config", text_config(model))
+    return body, layers_config(model, layers)
 
 
 def prior_acceptance(router: TideRouter, layer: int) -> float | None:

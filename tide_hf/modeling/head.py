@@ -24,7 +24,7 @@ HEAD_CHECK_TOKENS = 4  # positions of the check's forward: a few, it runs at eve
 HEAD_CHECK_ULPS = 8
 
 
-def _check_ids(adapter: ModelAdapter, model: nn.Module) -> torch.Tensor:
+def check_ids(adapter: ModelAdapter, model: nn.Module) -> torch.Tensor:
     """Evenly spaced ids inside the vocabulary: ordinary text tokens (multimodal placeholders sit at its ends)."""
     vocab = getattr(adapter.embeddings, "num_embeddings", None) or text_config(model).vocab_size
     ids = torch.linspace(0, vocab - 1, HEAD_CHECK_TOKENS + 2).long()[1:-1]
@@ -39,7 +39,7 @@ def check_head(model: nn.Module, adapter: ModelAdapter | None = None) -> None:
     the hook is removed and every module's training flag restored, so the model is left exactly as found.
     """
     adapter = adapter or get_adapter(model)
-    ids = _check_ids(adapter, model)
+    ids = check_ids(adapter, model)
     captured: list[torch.Tensor] = []
     training = [(module, module.training) for module in model.modules()]
     hook = adapter.layers[-1].register_forward_hook(lambda _m, _a, out: captured.append(layer_output(out)))

@@ -8,6 +8,7 @@ from ..compat import is_stateful
 from ..config import CLOSED
 from ..errors import TideUnsupportedError
 from ..modeling import ModelAdapter, TideRouter, check_head, text_config
+from ..modeling.depth import check_depth_follows_config
 from .options import TideOptions
 from .skip import LayerSkipper, SkipPlan
 
@@ -17,7 +18,8 @@ def check_mode(model: nn.Module, adapter: ModelAdapter, options: TideOptions, ro
     """Raise a `TideUnsupportedError` when `options.mode` cannot run on `model`: skip mode where a layer it may
     skip cannot keep its cache sound (`LayerSkipper.check`, which also returns skip mode's plan); speculative
     mode on a model that keeps a recurrent state (stock assisted decoding takes back rejected drafts by cropping
-    the KV cache, and transformers refuses such a model only once generate runs). Speculative drafts over a
+    the KV cache, and transformers refuses such a model only once generate runs) or one that ignores a lowered
+    `config.num_hidden_layers` (`check_depth_follows_config`, one tiny forward). Speculative drafts over a
     draft vocabulary use the adapter's head, sliced: it is checked against the model's (`check_head`)."""
     eligible = [k for k in router.checkpoint_layers if k >= options.min_layers and options.threshold(k) < CLOSED]
     if options.mode == "skip" and eligible:
@@ -27,6 +29,8 @@ def check_mode(model: nn.Module, adapter: ModelAdapter, options: TideOptions, ro
             f"mode='speculative' on {type(model).__name__}: it keeps a recurrent (state-space or linear-attention) "
             "state, which assisted decoding cannot roll back to the last accepted token the way it crops a KV "
             "cache; use mode='select'")
+    if options.mode == "speculative":
+        check_depth_follows_config(model, adapter, options.draft_layer or min(router.checkpoint_layers))
     if options.mode == "speculative" and router.config.draft_vocab_coverage:
         check_head(model, adapter)
     return None

@@ -214,3 +214,19 @@ def test_propagate_on_layers_offloaded_whole_gives_the_undispatched_tokens() -> 
                         preload_module_classes=[type(reference.model.layers[0]).__name__])
     with tide_hf.attach(model, router, mode="skip", kv="propagate", exit_threshold=0.0, min_layers=4):
         assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), expected)
+
+
+def test_offloaded_weights_brought_in_per_forward_are_not_a_change_of_weights(monkeypatch) -> None:
+    """accelerate brings an offloaded weight in as a new tensor for each forward: the weights watch took that
+    for new weights and computed the fingerprint again at every call (reading every offloaded tensor)."""
+    from tide_hf.runtime import pairing
+
+    model = make_model()
+    router = new_router(model)
+    offloaded = cpu_offload(copy.deepcopy(model), execution_device="cpu")
+    checks = []
+    monkeypatch.setattr(pairing, "same_weights", lambda *a, **k: checks.append(a) or True)
+    with tide_hf.attach(offloaded, router, exit_threshold=0.5):
+        for _ in range(3):
+            offloaded.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=3, do_sample=False)
+    assert checks == []

@@ -28,8 +28,8 @@ class WeightsWatch:
     """Whether the weights changed since attach (`load_state_dict`, a cast, an optimizer step; not an edit
     through `.data`, which bumps no tensor version), and if so whether they are still the router's.
 
-    A change is noticed from each parameter's identity, storage and version (microseconds per call); only then
-    is the fingerprint computed again (a cast keeps it: it hashes sign bits)."""
+    A change is noticed from each parameter's name, storage and version (one pass over the parameters per
+    call); only then is the fingerprint computed again (a cast keeps it: it hashes sign bits)."""
 
     def __init__(self, model: nn.Module, adapter: ModelAdapter, fingerprint: str | None, *, ignore: bool,
                  target: Any) -> None:
@@ -42,7 +42,10 @@ class WeightsWatch:
                           "on your text, or recalibrate on this model", stacklevel=5)
 
     def versions(self) -> tuple:
-        return tuple((id(p), p.data_ptr(), p._version) for p in self.model.parameters())
+        """Name, storage and version of every parameter; an offloaded one (on meta, brought in by accelerate
+        for each forward, as a new tensor) by its name alone, or every call would count as a change."""
+        return tuple((name, "meta") if p.device.type == "meta" else (name, p.data_ptr(), p._version)
+                     for name, p in self.model.named_parameters())
 
     def check(self) -> None:
         """Raise `TideCompatibilityError` if the weights changed to ones the router was not calibrated for

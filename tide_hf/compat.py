@@ -6,16 +6,21 @@ looks up (`_get_candidate_generator`), reads a call's settings as generate merge
 reads the EOS ids generate prepared, and refuses the models transformers marks stateful (`_is_stateful`).
 Compiled skip mode reads transformers' output-capture collector the way transformers' own compiled forward
 does. Calibration records the Hub revision a model was loaded
-from (`config._commit_hash`). Should transformers rename any of these, this module is the one to change.
+from (`config._commit_hash`). transformers 5.24 renamed the KV cache's keyword, generate's model kwarg and the
+outputs' field from `past_key_values` to `cache` (the old name still works, with a warning): `cache_in`,
+`with_cache` and `CACHE_KWARG` read and write it by either name. Should transformers rename any of these, this
+module is the one to change.
 """
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from transformers import GenerationMixin
 from transformers.generation.candidate_generator import (
     _prepare_attention_mask,
     _prepare_position_ids,
@@ -24,6 +29,22 @@ from transformers.generation.candidate_generator import (
 from transformers.utils.output_capturing import _active_collector
 
 CANDIDATE_GENERATOR_FACTORY = "_get_candidate_generator"  # GenerationMixin method that builds the drafter
+CACHE_KWARGS = ("cache", "past_key_values")  # the KV cache's keyword: transformers >= 5.24's, then older ones'
+# the name this transformers' generate keeps the cache under in its model kwargs (and passes to forward)
+CACHE_KWARG = next(name for name in CACHE_KWARGS
+                   if name in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters)
+
+
+def cache_in(kwargs: dict[str, Any]) -> Any:
+    """The KV cache a forward (or generate's model kwargs) was given, by either name; None without one."""
+    return next((kwargs[name] for name in CACHE_KWARGS if kwargs.get(name) is not None), None)
+
+
+def with_cache(kwargs: dict[str, Any], cache: Any) -> dict[str, Any]:
+    """A copy of a forward's `kwargs` holding `cache` under the name they already use (else `CACHE_KWARG`), so
+    a layer is called the way the model calls it."""
+    name = next((name for name in CACHE_KWARGS if name in kwargs), CACHE_KWARG)
+    return {**{k: v for k, v in kwargs.items() if k not in CACHE_KWARGS}, name: cache}
 
 
 def model_revision(config: Any) -> str | None:

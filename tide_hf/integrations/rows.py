@@ -13,11 +13,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..compat import CACHE_KWARGS
 from ..errors import TideArgumentError
 from ..runtime import Session
 
-# generate() arguments assisted decoding cannot take (or would change the output with)
-FALLBACK_KWARGS = ("assistant_model", "custom_generate", "past_key_values", "inputs_embeds", "negative_prompt_ids")
+# generate() arguments assisted decoding cannot take (or would change the output with); a cache by either name
+FALLBACK_KWARGS = ("assistant_model", "custom_generate", *CACHE_KWARGS, "inputs_embeds", "negative_prompt_ids")
 
 
 def fallback_reason(model: nn.Module, args: tuple, kwargs: dict, batch: int, gc: Any) -> str | None:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..compat import cache_in
 from ..config import CLOSED
 from ..errors import TideArgumentError, TideArgumentTypeError, TideConcurrencyError, TideUnsupportedError
 from ..kernels import NormSpec, norm_router_scores, norm_spec
@@ -181,7 +182,7 @@ class TideHandle:
             # their turn before starting: `Turns.shared`)
         if self._bypassed():  # a stock call: no exits and no stats (keeps `last_stats` of the last TIDE call)
             self._local.step = None
-            cache = kwargs.get("past_key_values")  # kv="recompute": a cache TIDE filled, tokens waiting in it
+            cache = cache_in(kwargs)  # kv="recompute": a cache TIDE filled, tokens waiting in it
             waiting = self._pending.get(cache) if cache is not None and len(self._pending) else None
             if waiting is not None:  # its waiting tokens catch up in this call: padding from its 2-D mask
                 mask = kwargs.get("attention_mask")
@@ -207,7 +208,7 @@ class TideHandle:
             return
         self._local.step = new_step(session, tokens, kwargs.get("attention_mask"), self.num_layers,
                                     running=self._skipper is not None and self.options.kv == "recompute",
-                                    cache=kwargs.get("past_key_values"))
+                                    cache=cache_in(kwargs))
 
     def _end(self, _module: nn.Module, _args: tuple, _output: Any) -> None:
         step, self._local.step = getattr(self._local, "step", None), None

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..compat import cache_in
 from ..kernels import norm_spec
 from .session import Step
 
@@ -59,7 +60,7 @@ def rotate_keys(attn: nn.Module, key: torch.Tensor, cos: torch.Tensor, sin: torc
 
 def propagate_kv(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> None:
     """Append to the cache the K/V `layer` would produce for input `hidden` (B, T, H)."""
-    cache = kwargs.get("past_key_values")
+    cache = cache_in(kwargs)
     if cache is None or not kwargs.get("use_cache", True):
         return
     attn = layer.self_attn
@@ -145,7 +146,7 @@ class FusedPropagation:
     @torch.no_grad()
     def write(self, after: int, hidden: torch.Tensor, kwargs: dict[str, Any]) -> None:
         """Append the K/V of every layer numbered > `after` for input `hidden` (B, T, H) to the cache."""
-        cache = kwargs.get("past_key_values")
+        cache = cache_in(kwargs)
         if cache is None or not kwargs.get("use_cache", True):
             return
         start = after + 1 - self.first_number
@@ -250,7 +251,7 @@ class KVRecompute:
         ext = dict(kwargs, position_embeddings=(torch.cat([p.cos for p in due] + [cos], dim=1),
                                                 torch.cat([p.sin for p in due] + [sin], dim=1)))
         ext.pop("position_ids", None)  # rotary comes from position_embeddings
-        ext["attention_mask"] = self.catch_up_mask(kwargs["past_key_values"], layer.self_attn.layer_idx, block, mask2d)
+        ext["attention_mask"] = self.catch_up_mask(cache_in(kwargs), layer.self_attn.layer_idx, block, mask2d)
         return due, block, ext
 
     def advance(self, due: list[Pending], states: torch.Tensor, depth: int) -> torch.Tensor:

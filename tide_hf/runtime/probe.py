@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..compat import cache_in, with_cache
 from ..errors import TideUnsupportedError
 from ..modeling.devices import execution_device, onloaded
 from .kv import FusedPropagation, propagate_kv
@@ -89,7 +90,7 @@ def probe_skipped_layers(model: nn.Module, layers: nn.ModuleList, first_checkpoi
     training = {module: module.training for module in model.modules()}
     model.eval()  # as served: training with gradient checkpointing would turn the cache off
     try:
-        cache = model(input_ids=ids.to(device), use_cache=True).past_key_values
+        cache = cache_in(model(input_ids=ids.to(device), use_cache=True))
     except Exception as err:
         if kv == "propagate":
             raise TideUnsupportedError(f"mode='skip' with kv='propagate': checking the K/V it writes needs a plain "
@@ -120,9 +121,9 @@ def check_layer(layer: nn.Module, number: int, captured: tuple[torch.Tensor, dic
     try:
         with onloaded(layer):  # (offloaded weights come in as the layer's own forward brings them in)
             if fused is not None:
-                fused.write(number - 1, hidden, dict(kwargs, past_key_values=recorder, use_cache=True))
+                fused.write(number - 1, hidden, with_cache(dict(kwargs, use_cache=True), recorder))
             else:
-                propagate_kv(layer, hidden, dict(kwargs, past_key_values=recorder, use_cache=True))
+                propagate_kv(layer, hidden, with_cache(dict(kwargs, use_cache=True), recorder))
         key, value = recorder.writes[index]
     except Exception as err:
         raise TideUnsupportedError(f"{where}: rebuilding this layer's K/V failed ({type(err).__name__}: {err}); "

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compat import traceable_output_capture
+from ..compat import cache_in, traceable_output_capture
 from .kv import KVRecompute, initialize_cache_layers, propagate_kv, sliding_window
 from .patching import Patches, forward_attribute
 from .session import Step
@@ -177,7 +177,7 @@ class SegmentedDecoding:
 
     def _run(self, segment: Segment, step: Step, hidden: torch.Tensor, kwargs: dict[str, Any]) -> Any:
         """Run one segment graph; at a checkpoint, read its flag and finish the step when every row exited."""
-        recompute = self.recompute_state(kwargs.get("past_key_values"))
+        recompute = self.recompute_state(cache_in(kwargs))
         extended = None if recompute is None else recompute.extend(
             segment.first, self.layers[segment.first - 1], hidden, kwargs, step.mask2d)
         block, call_kwargs = hidden, kwargs
@@ -191,7 +191,7 @@ class SegmentedDecoding:
                 torch._dynamo.mark_dynamic(tensor, SEQUENCE_DIM, **bounds)
             torch._dynamo.mark_dynamic(mask, MASK_QUERY_DIM, **bounds)
         if recompute is not None:  # deep cache layers a skipped prefill left unallocated: allocated before tracing
-            initialize_cache_layers(kwargs.get("past_key_values"), self.layers[segment.first - 1 : segment.last])
+            initialize_cache_layers(cache_in(kwargs), self.layers[segment.first - 1 : segment.last])
         with traceable_output_capture():
             states, out, step.exit_layer, step.exit_state, done = self._graphs[segment.first, extended is not None](
                 block, step.exit_layer, step.exit_state, step.valid, call_kwargs)

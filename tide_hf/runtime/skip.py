@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from ..compat import is_stateful
+from ..compat import cache_in, is_stateful
 from ..errors import TideUnsupportedError
 from .kv import FusedPropagation, KVRecompute, propagate_kv, propagate_support, recompute_support
 from .patching import Patches
@@ -72,7 +72,7 @@ class LayerSkipper:
         self.originals[number] = original
         def forward(*args: Any, **kwargs: Any) -> Any:
             step = self.current_step()
-            recompute = self.recompute_state(kwargs.get("past_key_values"))
+            recompute = self.recompute_state(cache_in(kwargs))
             if step is None or step.skip_after is None or number <= step.skip_after:
                 if recompute is not None and len(args) == 1:
                     out = recompute.run(number, layer, original, args[0], kwargs, step)

@@ -55,14 +55,7 @@ from torch import Tensor, nn
 from transformers import GenerationConfig, LogitsProcessorList
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from ..compat import (
-    CACHE_KWARG,
-    CACHE_KWARGS,
-    CANDIDATE_GENERATOR_FACTORY,
-    cache_in,
-    eos_token_tensor,
-    extend_model_kwargs,
-)
+from ..compat import CANDIDATE_GENERATOR_FACTORY, eos_token_tensor, extend_model_kwargs, split_cache, with_cache
 from ..errors import TideConcurrencyError, TideUnsupportedError
 from ..modeling import layer_output
 from ..runtime import Patches, Session, TideHandle
@@ -161,8 +154,7 @@ class TideCandidateGenerator(CandidateGenerator):
         self.model = handle.model
         self.body, self.config = draft_body(self.model, handle.adapter.layers)
         self.estimates = draft_estimates(handle, self.layer, stats.draft_vocab)
-        self.cache = cache_in(model_kwargs)  # the object stock verifies with, for the whole call
-        self.kwargs = {k: v for k, v in model_kwargs.items() if k not in CACHE_KWARGS}
+        self.cache, self.kwargs = split_cache(model_kwargs)  # the cache stock verifies with, for the whole call
         self.processors = logits_processor
         self.do_sample = bool(generation_config.do_sample)
         self.max_length = generation_config.max_length
@@ -293,8 +285,7 @@ class TideCandidateGenerator(CandidateGenerator):
         the draft head when there is one (`head=False`: the model body only, for its cache entries and the hooks;
         returns None)."""
         kwargs = extend_model_kwargs(self.kwargs, ids.shape[1])
-        inputs = self.model.prepare_inputs_for_generation(ids, next_sequence_length=1, **{CACHE_KWARG: self.cache},
-                                                          **kwargs)
+        inputs = self.model.prepare_inputs_for_generation(ids, next_sequence_length=1, **with_cache(kwargs, self.cache))
         if not head or self.draft_head is not None:
             inputs.pop("logits_to_keep", None)
             body = self.body(**inputs)

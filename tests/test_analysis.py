@@ -71,6 +71,24 @@ def test_convergence_matches_truncated_models_and_hidden_states() -> None:
     assert 0 < res["layers"][3]["top1_agreement"] < 1  # not vacuous
 
 
+@pytest.mark.parametrize("change,error,message", [
+    ({"checkpoint_interval": 9}, tide_hf.TideArgumentError, "checkpoint_interval=9 leaves no checkpoint"),
+    ({"seq_len": 10_000}, tide_hf.TideArgumentError, "longer than the model's context"),
+    ({"convergence_threshold": float("nan")}, tide_hf.TideArgumentError, "convergence_threshold must be a finite"),
+    ({"convergence_threshold": 2.0}, tide_hf.TideArgumentError, "convergence_threshold must be a finite"),
+    ({"texts": [""]}, tide_hf.TideDataError, "no text to analyze"),
+])
+def test_convergence_refuses_what_it_cannot_measure(change, error, message) -> None:
+    """An interval past the last layer (was an IndexError deep in the oracle), samples beyond the positions (ran
+    for minutes), a threshold that is no cosine (was accepted) and text without tokens (a torch.cat error)."""
+    model = make_tiny_llama()  # 9 layers
+    kwargs = {"texts": make_documents(2, 40, seed=1), "num_samples": 2, "seq_len": 24, "batch_size": 2,
+              "checkpoint_interval": 4, "convergence_threshold": 0.5, "agreements": [1.0], "bins": 4, "seed": 0,
+              "progress": False, **change}
+    with pytest.raises(error, match=message.replace("(", r"\(")):
+        convergence(model, ByteTokenizer(), **kwargs)
+
+
 def test_router_efficiency_agrees_with_tide_attached() -> None:
     """Agreement and depth at each threshold equal what the real exit machinery does on the same text."""
     model = make_tiny_llama()
@@ -187,3 +205,27 @@ def test_verdict_picks_the_cheapest_baseline_at_equal_or_better_quality() -> Non
     match, ppl = verdict(rows)
     assert match["best_baseline"] == ppl["best_baseline"] == "confidence=0.4"
     assert not match["tide_saves_more"] and not ppl["tide_saves_more"]
+
+
+def test_analyze_refuses_a_router_that_read_every_document_and_results_into_a_router_folder(tmp_path, monkeypatch):
+    """A router calibrated on the only document there is has no held-out text (analyze died in torch.cat); a
+    results folder that holds a router (or a model) would mix analyze's or bench's files with its own."""
+    from tide_hf.cli import build_parser
+    from tide_hf.eval import analyze, bench
+
+    model, tok = make_tiny_llama(), ByteTokenizer()
+    doc = tmp_path / "one.txt"
+    doc.write_text(make_documents(1, 400, seed=2)[0])
+    router = tide_hf.calibrate(model, tok, str(doc), num_samples=8, seq_len=32, num_epochs=1, progress=False)
+    router.save_pretrained(tmp_path / "router")
+    monkeypatch.setattr(analyze, "load_model", lambda *_: (model, tok))
+    args = build_parser().parse_args(["analyze", "--router", str(tmp_path / "router"), "--dataset", str(doc),
+                                      "--output", str(tmp_path / "out")])
+    with pytest.raises(tide_hf.TideDataError, match=r"calibration read every document \(1\) of"):
+        analyze.run(args)
+    for command, run in (("analyze", analyze.run), ("bench", bench.run)):
+        args = build_parser().parse_args([command, "--router", str(tmp_path / "router"), "--output",
+                                          str(tmp_path / "router")])
+        with pytest.raises(tide_hf.TideArgumentError, match="holds a model or a TIDE router"):
+            run(args)
+    assert sorted(p.name for p in (tmp_path / "router").iterdir()) == ["README.md", "config.json", "model.safetensors"]

@@ -48,6 +48,14 @@ def share(text: str) -> float:
     return value
 
 
+def cosine(text: str) -> float:
+    """argparse type: a cosine similarity, a number in [-1, 1]."""
+    value = float(text)
+    if not -1.0 <= value <= 1.0:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be a cosine similarity in [-1, 1], got {text}")
+    return value
+
+
 def positive_float(text: str) -> float:
     """argparse type: a finite number > 0 (a scale)."""
     value = float(text)
@@ -133,7 +141,7 @@ def add_calibration_args(p: argparse.ArgumentParser, rank_default: str) -> None:
                    help="--continuation: corpus tokens each sample keeps as its prompt")
     p.add_argument("--checkpoint-interval", type=int, default=d.checkpoint_interval,
                    help="a router after every this many layers")
-    p.add_argument("--convergence-threshold", type=float, default=d.convergence_threshold,
+    p.add_argument("--convergence-threshold", type=cosine, default=d.convergence_threshold,
                    help="--label cosine: cosine similarity that counts as converged")
     p.add_argument("--kl-threshold", type=float, default=d.kl_threshold,
                    help="--label kl: KL divergence below which a token counts as converged")
@@ -318,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=positive_int, default=4, help="samples per forward pass")
     p.add_argument("--checkpoint-interval", type=positive_int, default=d.checkpoint_interval,
                    help="checkpoints every this many layers")
-    p.add_argument("--convergence-threshold", type=float, default=d.convergence_threshold,
+    p.add_argument("--convergence-threshold", type=cosine, default=d.convergence_threshold,
                    help="cosine similarity that counts as converged")
     p.add_argument("--agreements", nargs="+", type=share, default=[1.0, 0.95, 0.9, 0.8, 0.7],
                    help="top-1 agreements the oracle is computed at")

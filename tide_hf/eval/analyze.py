@@ -26,11 +26,12 @@ from tqdm.auto import tqdm
 from ..assets import default_dataset, load_model
 from ..calibration import held_out_texts, load_texts, make_samples, pad_right, pad_token_id
 from ..calibration.labels import LABEL_CHUNK_ROWS, FinalDistribution
+from ..calibration.pipeline import check_context
 from ..calibration.thresholds import exit_index
-from ..config import default_checkpoints
-from ..errors import TideDataError
+from ..config import check_real, default_checkpoints
+from ..errors import TideArgumentError, TideDataError
 from ..modeling import ModelAdapter, TideRouter, check_head, get_adapter, layer_output
-from ..modeling.files import check_writable
+from ..modeling.files import check_results_folder
 from ..modeling.targets import select
 from .plots import convergence as plot_convergence
 from .plots import efficiency as plot_efficiency
@@ -106,13 +107,22 @@ def oracle(match: torch.Tensor, checkpoints: list[int], num_layers: int, agreeme
 def convergence(model: Any, tokenizer: Any, texts: list[str], *, num_samples: int, seq_len: int, batch_size: int,
                 checkpoint_interval: int, convergence_threshold: float, agreements: list[float], bins: int,
                 seed: int, progress: bool = True) -> dict:
-    """Per-layer convergence on `texts` and the oracle at `agreements` (the `convergence` section); the model's
-    head is checked first (`check_head`): every exit's logits come from the adapter's."""
+    """Per-layer convergence on `texts` and the oracle at `agreements` (the `convergence` section). Checked
+    first: the threshold is a cosine, samples fit the model's context, the interval leaves a checkpoint, and the
+    model's head is the adapter's (`check_head`: every exit's logits come from it)."""
+    check_real("convergence_threshold", convergence_threshold, low=-1.0, high=1.0)
+    check_context(model, seq_len)
     adapter = get_adapter(model)
     check_head(model, adapter)
     n = adapter.num_layers
     layers = list(range(1, n + 1))
+    checkpoints = default_checkpoints(n, checkpoint_interval)
+    if not checkpoints:
+        raise TideArgumentError(f"checkpoint_interval={checkpoint_interval} leaves no checkpoint before the last of "
+                                f"the model's {n} layers: give at most {n - 1}")
     samples = make_samples(tokenizer, texts, num_samples, seq_len, seed)
+    if not samples:
+        raise TideDataError("no text to analyze: the documents hold no tokens")
     parts = []
     for start in tqdm(range(0, len(samples), batch_size), desc="analyze: per-layer convergence", disable=not progress):
         ids, mask = pad_right(samples[start : start + batch_size], 0)
@@ -121,7 +131,6 @@ def convergence(model: Any, tokenizer: Any, texts: list[str], *, num_samples: in
     edges = torch.linspace(float(cos.min().clamp(max=0.0)), 1.0, bins + 1)
     clamped = cos.clamp(max=1.0)  # fp32 rounding puts identical states at 1 + 1e-7, past the last edge
     hist = torch.stack([torch.histogram(clamped[:, j], bins=edges).hist for j in range(n)], 1) / len(cos)
-    checkpoints = default_checkpoints(n, checkpoint_interval)
     return {
         "title": f"{Path(getattr(model.config, 'name_or_path', '') or model.config.model_type).name}: "
                  f"{len(cos)} tokens",
@@ -261,14 +270,20 @@ def run(args: Any) -> dict:
     import json
 
     out = Path(args.output)
-    check_writable(out, "--output", folder=True)
+    check_results_folder(out, "--output")
     model, tokenizer = load_model(args.model, args.dtype)
     pad_id = pad_token_id(tokenizer)
     router = TideRouter.from_pretrained(args.router) if args.router else None
     texts = load_texts(default_dataset(args.dataset), unique=router is None or router.config.unique_documents)
     if router is not None:  # text the routers never saw, so their efficiency is not measured on training data
         router.check_compatible(model)
+        read = len(texts)
         texts = held_out_texts(tokenizer, texts, router.config)
+        if not texts:
+            raise TideDataError(f"the router's calibration read every document ({read}) of {args.dataset}: measure it "
+                                "on text it did not read (another --dataset, or more documents)")
+        check_context(model, args.prompt_len + args.new_tokens,
+                      f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens}")
     result: dict[str, Any] = {"model": args.model, "dataset": args.dataset, "settings": {
         k: v for k, v in vars(args).items() if k != "func"}}
     result["convergence"] = convergence(

@@ -20,7 +20,7 @@ from ..assets import default_dataset, load_model
 from ..calibration import pad_token_id
 from ..config import CLOSED
 from ..modeling import TideRouter
-from ..modeling.files import check_writable
+from ..modeling.files import check_results_folder
 from ..runtime import attach
 from .measure import check_exit_depths, evaluation_text, generate, left_pad, match_rate, perplexity
 
@@ -111,7 +111,7 @@ def run(args: Any) -> dict:
     fused kernels vs the PyTorch path. `--synthetic`: a real architecture's shape with random weights.
     """
     out = Path(args.output)
-    check_writable(out, "--output", folder=True)  # made when the first file is written (a refusal leaves none)
+    check_results_folder(out, "--output")  # made when the first file is written (a refusal leaves none)
     if args.synthetic:
         from .synthetic import format_synthetic, run_synthetic
 

@@ -26,6 +26,7 @@ ROUTER_MODEL_TYPE = "tide_router"
 WEIGHT_FILES = re.compile(r"model\.safetensors(\.index\.json)?|model-\d+-of-\d+\.safetensors")
 # What `TideRouter.save_pretrained` writes, plus the Hub's .gitattributes.
 ROUTER_FILES = re.compile(rf"config\.json|README\.md|\.gitattributes|{WEIGHT_FILES.pattern}")
+CONFIG_FILE = "config.json"  # a model's and a router's folder hold one
 SHOWN_FILES = 8  # a refused folder's files an error message lists
 HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
 
@@ -33,7 +34,7 @@ HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revis
 def is_router_folder(path: Path) -> bool:
     """`path` holds a saved TIDE router and nothing else."""
     try:
-        config = json.loads((path / "config.json").read_text())
+        config = json.loads((path / CONFIG_FILE).read_text())
     except (OSError, ValueError):
         return False
     names = [p.name for p in path.iterdir()]
@@ -105,6 +106,15 @@ def check_writable(path: Path, what: str, *, folder: bool) -> None:
         raise TideArgumentError(f"{what} {path} cannot be written: {parent} is not a writable folder")
 
 
+def check_results_folder(path: Path, what: str) -> None:
+    """`path` can take a command's results (`check_writable`) and is not a model's or a router's folder (one
+    holding a config.json): the results would mix with their files, and a later save would not know them."""
+    check_writable(path, what, folder=True)
+    if (path / CONFIG_FILE).is_file():
+        raise TideArgumentError(f"{what} {path} holds a model or a TIDE router ({CONFIG_FILE}); give the results "
+                                "a folder of their own")
+
+
 def check_config_source(name: str | os.PathLike, config_cls: Any, kwargs: dict[str, Any]) -> None:
     """The router at `name` has a config.json of a TIDE router (a missing one would load defaults)."""
     text = os.fspath(name)
@@ -118,7 +128,7 @@ def check_config_source(name: str | os.PathLike, config_cls: Any, kwargs: dict[s
     if hub.get("subfolder") and os.path.isdir(text) and not os.path.isdir(os.path.join(text, hub["subfolder"])):
         raise TideRouterFileError(f"no TIDE router folder at {text}: it has no subfolder {hub['subfolder']!r}")
     where = f"{name} (subfolder {hub['subfolder']!r})" if hub.get("subfolder") else name
-    local = os.path.join(os.path.expanduser(text), hub.get("subfolder") or "", "config.json")
+    local = os.path.join(os.path.expanduser(text), hub.get("subfolder") or "", CONFIG_FILE)
     if os.path.isfile(local):  # transformers' own errors for these were an OSError or an AttributeError
         try:
             written = json.loads(Path(local).read_text())

@@ -83,6 +83,9 @@ def test_load_errors_name_the_file_and_the_cause(tmp_path: Path) -> None:
     (tmp_path / "records.jsonl").write_text('{"text": "fine"}\n{"text": broken}\n')
     with pytest.raises(TideDataError, match=r"records.jsonl line 2 is not a JSON record"):
         load_texts(str(tmp_path / "records.jsonl"))
+    (tmp_path / "blank.jsonl").write_text("\n  \n")  # was datasets' 'Instruction "train" corresponds to no data!'
+    with pytest.raises(TideDataError, match=r"blank.jsonl holds nothing but blank lines: no records"):
+        load_texts(str(tmp_path / "blank.jsonl"))
 
 
 def test_samples_longer_than_the_context_are_refused_before_any_work(tmp_path: Path) -> None:

@@ -207,3 +207,28 @@ def test_calibrate_names_a_seq_len_past_the_models_positions_in_one_line(tmp_pat
     err = capsys.readouterr().err
     assert info.value.code == 1 and len(err.strip().splitlines()) == 1, err
     assert "seq_len=100 is longer than the model's context (max_position_embeddings=64 positions)" in err
+
+
+def test_ctrl_c_prints_one_line_and_exits_130(monkeypatch, capsys) -> None:
+    """Ctrl-C during a long calibration printed a traceback through torch's frames."""
+    import tide_hf.calibration.command as command
+    from tide_hf.cli import main
+
+    def interrupted(args) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(command, "run", interrupted)
+    with pytest.raises(SystemExit) as info:
+        main(["calibrate", "--output", "unused"])
+    assert info.value.code == 130 and capsys.readouterr().err == "tide-hf calibrate: interrupted\n"
+
+
+def test_one_router_folder_spelled_two_ways_is_given_twice(tmp_path, monkeypatch) -> None:
+    """`--router r ./r` passed as two routers: the table had two rows of the same router."""
+    from tide_hf.cli import main
+
+    (tmp_path / "r").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for second in ("./r", str(tmp_path / "r"), "r/"):
+        with pytest.raises(SystemExit, match="a --router is given twice"):
+            main(["bench", "--router", "r", second])

@@ -70,6 +70,13 @@ def _undecodable(files: list[str]) -> str | None:
     return None
 
 
+def _blank(files: list[str]) -> str | None:
+    """Which of `files` hold nothing but white space, when all of them do (None: some text is there)."""
+    if files and all(not Path(name).read_text(encoding="utf-8", errors="replace").strip() for name in files):
+        return f"{', '.join(files)} {'holds' if len(files) == 1 else 'hold'} nothing but blank lines: no records"
+    return None
+
+
 def _bad_json(files: list[str]) -> str | None:
     """The first record of these JSON / JSON Lines files that does not parse, by file and line (None: all do)."""
     for name in files:
@@ -112,6 +119,7 @@ def _read_named(name: str, dataset_config: str | None, split: str) -> Any:
         cause = _cause(exc)
         why = ((_undecodable(files) if isinstance(cause, UnicodeDecodeError) else None)
                or (_bad_json(files) if builder == "json" else None)
+               or _blank(files)
                or f"{exc}" + (f" ({type(cause).__name__}: {cause})" if cause is not exc else ""))
         raise TideDataError(f"could not load calibration dataset {name!r} (config={dataset_config!r}, "
                             f"split={split!r}): {why}") from exc

@@ -187,7 +187,9 @@ def check_bench_flags(args: argparse.Namespace) -> None:
         raise SystemExit(f"tide-hf bench: {flag} builds its own routers; leave out --router")
     if len(args.router) > 1 and (args.modes or args.baselines):
         raise SystemExit(f"tide-hf bench: {sections[0]} measures one router; give one --router per command")
-    if len(set(args.router)) < len(args.router):
+    folders = [os.path.realpath(os.path.expanduser(r)) if os.path.isdir(os.path.expanduser(r)) else r
+               for r in args.router]  # one folder spelled two ways ("r", "./r", a link) is one router
+    if len(set(folders)) < len(folders):
         raise SystemExit("tide-hf bench: a --router is given twice")
     if args.near_identity_scale is not None and args.near_identity_after is None:
         raise SystemExit("tide-hf bench: --near-identity-scale goes with --near-identity-after")

@@ -38,13 +38,15 @@ def cmd_analyze(args: argparse.Namespace) -> None:
     run(args)
 
 
+INTERRUPTED = 130  # a shell's status for a command stopped by SIGINT (128 + 2)
 COMMANDS = {"calibrate": cmd_calibrate, "demo": cmd_demo, "bench": cmd_bench, "analyze": cmd_analyze}
 
 
 def main(argv: list[str] | None = None) -> None:
     """Run one subcommand. An error tide_hf raises on purpose (`TideError`: bad argument, bad file, refused
-    overwrite...) or a file that cannot be read prints as one line on stderr and exits with status 1;
-    `TIDE_HF_TRACEBACK=1` shows the traceback instead."""
+    overwrite...) or a file that cannot be read prints as one line on stderr and exits with status 1, Ctrl-C
+    as one line with status 130 (what a shell reports for SIGINT); `TIDE_HF_TRACEBACK=1` shows the traceback
+    instead. An interrupted save leaves the folder as it was (`atomic_save`)."""
     from ..errors import TideError
 
     args = build_parser().parse_args(argv)
@@ -66,4 +68,9 @@ def main(argv: list[str] | None = None) -> None:
         message = " ".join(str(err).split()) or type(err).__name__
         print(f"tide-hf {name}: error: {message}", file=sys.stderr)
         raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        if os.environ.get("TIDE_HF_TRACEBACK") == "1":
+            raise
+        print(f"tide-hf {name}: interrupted", file=sys.stderr)
+        raise SystemExit(INTERRUPTED) from None
     finish()  # under `accelerate launch`: every process waits for the others before it exits

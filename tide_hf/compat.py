@@ -49,7 +49,7 @@ def with_cache(kwargs: dict[str, Any], cache: Any) -> dict[str, Any]:
     """A copy of a forward's `kwargs` holding `cache` under the name they already use (else `CACHE_KWARG`), so
     a layer is called the way the model calls it."""
     name = next((name for name in CACHE_KWARGS if name in kwargs), CACHE_KWARG)
-    return {**{k: v for k, v in kwargs.items() if k not in CACHE_KWARGS}, name: cache}
+    return {**split_cache(kwargs)[1], name: cache}
 
 
 def model_revision(config: Any) -> str | None:

@@ -6,12 +6,11 @@ from __future__ import annotations
 import argparse
 import os
 import textwrap
-from typing import Any
 
 from ..assets import DEFAULT_MODEL
 
-# TideRouterConfig's defaults, known without importing transformers (tests/test_cli.py checks they agree);
-# a name missing here is read from TideRouterConfig itself (slower, still correct).
+# TideRouterConfig's defaults of the fields the CLI offers, known without importing transformers
+# (tests/test_cli.py checks they agree)
 ROUTER_DEFAULTS = {"checkpoint_interval": 4, "convergence_threshold": 0.98, "kl_threshold": 0.1, "num_epochs": 100,
                    "early_stopping_patience": 10, "max_train_tokens": 65536, "exit_threshold": 0.85, "seed": 0,
                    "label": "top1", "min_agreement": 0.95, "confidence": 0.9, "exit_head_ridge": 0.01,
@@ -79,17 +78,6 @@ def png_path(text: str) -> str:
     return text
 
 
-class RouterDefaults:
-    """`TideRouterConfig()`'s default values by attribute, without importing torch for the common ones."""
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ROUTER_DEFAULTS:
-            return ROUTER_DEFAULTS[name]
-        from .config import TideRouterConfig
-
-        return getattr(TideRouterConfig(), name)
-
-
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Defaults shown after every option's help (a None default is said in words by the help itself); each
     line of a description is wrapped on its own."""
@@ -104,7 +92,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def add_calibration_args(p: argparse.ArgumentParser, rank_default: str) -> None:
     """The calibration options shared by calibrate and demo (`rank_default`: what no --exit-head-rank means)."""
-    d = RouterDefaults()  # the library's defaults, so the CLI cannot drift from them
+    d = argparse.Namespace(**ROUTER_DEFAULTS)  # the library's defaults, so the CLI cannot drift from them
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="Hub id or folder of a causal LM ('smollm2' = embedded default)")
     p.add_argument("--dataset", default="sotu", help="Hub dataset name, local .txt/.jsonl file or folder (or a "
@@ -205,7 +193,7 @@ def check_bench_flags(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    d = RouterDefaults()
+    d = argparse.Namespace(**ROUTER_DEFAULTS)
     parser = argparse.ArgumentParser(
         prog="tide-hf", formatter_class=HelpFormatter,
         description="TIDE early exit for HuggingFace causal LMs.\n\nStart with `tide-hf demo` (~2 min " + CPU + ")."

@@ -29,7 +29,7 @@ from typing import Any
 from torch import nn
 
 from ..modeling import ModelAdapter, TideRouter
-from ..modeling.depth import layers_config
+from ..modeling.depth import layers_config, layers_owner
 from .vocab import coverage, sliceable, vocab_sizes
 
 MAX_DRAFT_TOKENS = 8  # longest draft per round (the router gate and the plan usually stop earlier)
@@ -104,10 +104,10 @@ def draft_body(model: nn.Module, layers: nn.ModuleList) -> tuple[nn.Module, Any]
     base model where it holds `layers` (it takes every input generate prepares), else the module owning them
     (Llama4ForCausalLM names a base model, `language_model`, it keeps under `model`); the config is the owner's
     (a multimodal base model's is the composite config, not its text decoder's)."""
-    owner = next(m for m in model.modules() if any(child is layers for child in m.children()))
+    owner = layers_owner(model, layers)
     base = getattr(model, model.base_model_prefix, None)
     body = base if isinstance(base, nn.Module) and any(m is layers for m in base.modules()) else owner
-    return body, layers_config(model, layers)
+    return body, layers_config(owner, model)
 
 
 def prior_acceptance(router: TideRouter, layer: int) -> float | None:

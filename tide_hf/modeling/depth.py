@@ -15,10 +15,14 @@ from .adapters import ModelAdapter, text_config
 from .head import check_ids
 
 
-def layers_config(model: nn.Module, layers: nn.ModuleList) -> Any:
-    """The config whose `num_hidden_layers` the loop over `layers` reads: that of the module holding them (a
-    multimodal base model's is the composite config, not its text decoder's)."""
-    owner = next(m for m in model.modules() if any(child is layers for child in m.children()))
+def layers_owner(model: nn.Module, layers: nn.ModuleList) -> nn.Module:
+    """The module holding `layers` as a child: the one whose forward loops over them."""
+    return next(m for m in model.modules() if any(child is layers for child in m.children()))
+
+
+def layers_config(owner: nn.Module, model: nn.Module) -> Any:
+    """The config whose `num_hidden_layers` the loop of `owner` (`layers_owner`) reads: its own (a multimodal
+    base model's is the composite config, not its text decoder's), else the model's text config."""
     return getattr(owner, "config", text_config(model))
 
 
@@ -27,7 +31,7 @@ def check_depth_follows_config(model: nn.Module, adapter: ModelAdapter, depth: i
     """Raise `TideUnsupportedError` unless a forward with `num_hidden_layers` lowered to `depth` runs and leaves
     `layers[depth]` unrun. The field, the hook and every module's training flag are restored."""
     layers = adapter.layers
-    config = layers_config(model, layers)
+    config = layers_config(layers_owner(model, layers), model)
     ids = check_ids(adapter, model)
     ran: list[bool] = []
     training = [(module, module.training) for module in model.modules()]

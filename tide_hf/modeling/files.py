@@ -108,7 +108,8 @@ def check_writable(path: Path, what: str, *, folder: bool) -> None:
 
 def check_results_folder(path: Path, what: str) -> None:
     """`path` can take a command's results (`check_writable`) and is not a model's or a router's folder (one
-    holding a config.json): the results would mix with their files, and a later save would not know them."""
+    holding a config.json): the results would mix with their files, and a router folder holding them is no longer
+    one a save with `overwrite=True` may replace (`is_router_folder`)."""
     check_writable(path, what, folder=True)
     if (path / CONFIG_FILE).is_file():
         raise TideArgumentError(f"{what} {path} holds a model or a TIDE router ({CONFIG_FILE}); give the results "

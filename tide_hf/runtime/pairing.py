@@ -24,6 +24,13 @@ def refuse_pickling(*_: Any) -> NoReturn:
                             "as they are")
 
 
+def warn_uncertified(target: Any, situation: str) -> None:
+    """Warn that `target` (served with `ignore_fingerprint=True`) holds no certificate on these weights."""
+    warnings.warn(f"{situation}: the quality target {target} is certified for the weights the router was "
+                  "calibrated on, not these (ignore_fingerprint=True), so it is not guaranteed here: check it on "
+                  "your text, or recalibrate on this model", stacklevel=6)
+
+
 class WeightsWatch:
     """Whether the weights changed since attach (`load_state_dict`, a cast, an optimizer step; not an edit
     through `.data`, which bumps no tensor version), and if so whether they are still the router's.
@@ -37,9 +44,7 @@ class WeightsWatch:
         self.ignore, self.target = ignore, target
         self.seen = self.versions()
         if ignore and target is not None and fingerprint and not same_weights(model, fingerprint, adapter):
-            warnings.warn(f"the quality target {target} is certified for the weights the router was calibrated "
-                          "on; this model's differ (ignore_fingerprint=True), so it is not guaranteed here: check it "
-                          "on your text, or recalibrate on this model", stacklevel=5)
+            warn_uncertified(target, "this model's weights differ from the router's")
 
     def versions(self) -> tuple:
         """Name, storage and version of every parameter; an offloaded one (on meta, brought in by accelerate
@@ -63,8 +68,5 @@ class WeightsWatch:
                 "step...) and are no longer those it was calibrated for: detach, then recalibrate on these weights, "
                 "or attach again with ignore_fingerprint=True to use the router on them anyway")
         if self.target is not None:
-            warnings.warn(f"the model's weights changed while attached: the quality target {self.target} is "
-                          "certified for the weights the router was calibrated on, not these (ignore_fingerprint="
-                          "True), so it is not guaranteed here: check it on your text, or recalibrate on this "
-                          "model", stacklevel=5)
+            warn_uncertified(self.target, "the model's weights changed while attached")
         self.seen = now

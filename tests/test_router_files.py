@@ -1,9 +1,13 @@
 """Router folders that must not load as they are: non-finite weights, a subfolder that is not there, a config
-whose key misspells a field (through transformers' own config loaders too)."""
+whose key misspells a field (through transformers' own config loaders too), pickled or missing weights."""
 
 from __future__ import annotations
 
 import json
+import pickle
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from tide_hf import TideRouter, TideRouterConfig
-from tide_hf.errors import TideRouterFileError
+from tide_hf.errors import TideMissingRouterError, TideRouterFileError
 
 
 @pytest.mark.parametrize("key,value", [("exit_heads.4.down.weight", float("nan")),
@@ -88,3 +92,80 @@ def test_a_damaged_config_is_a_router_file_error(tmp_path: Path, write, message:
     write(tmp_path / "r" / "config.json")
     with pytest.raises(TideRouterFileError, match=message):
         TideRouter.from_pretrained(tmp_path / "r")
+
+
+class Trap:
+    """Unpickling this writes a file: its absence shows the pickle was never loaded."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return (Path.touch, (Path(self.path),))
+
+
+@pytest.mark.parametrize("keep_config", [True, False])
+def test_a_folder_of_pickled_weights_is_named_and_never_unpickled(tmp_path: Path, keep_config: bool) -> None:
+    """transformers said "no file named model.safetensors" (an OSError), or, without a config, the error named
+    only the missing config.json: neither said the weights are a pickle tide_hf will not load."""
+    new_router(make_model()).save_pretrained(tmp_path / "r")
+    (tmp_path / "r" / "model.safetensors").unlink()
+    if not keep_config:
+        (tmp_path / "r" / "config.json").unlink()
+    (tmp_path / "r" / "pytorch_model.bin").write_bytes(pickle.dumps(Trap(str(tmp_path / "unpickled"))))
+    with pytest.raises(TideMissingRouterError, match=r"pickled weights only \(pytorch_model.bin\), which tide_hf "
+                                                     r"never loads"):
+        TideRouter.from_pretrained(tmp_path / "r")
+    assert not (tmp_path / "unpickled").exists()
+
+
+def test_a_config_without_weights_is_named(tmp_path: Path) -> None:
+    new_router(make_model()).save_pretrained(tmp_path / "r")
+    (tmp_path / "r" / "model.safetensors").unlink()
+    with pytest.raises(TideMissingRouterError, match=r"has a config.json but no weights \(model.safetensors\)"):
+        TideRouter.from_pretrained(tmp_path / "r")
+    with pytest.raises(FileNotFoundError):  # the builtin base of transformers' own error is kept
+        TideRouter.from_pretrained(tmp_path / "r")
+
+
+KILLED_SAVE = """
+import os, shutil, signal, sys
+sys.path.insert(0, {tests!r})
+from helpers import make_model, new_router
+import tide_hf.modeling.files as files
+router = new_router(make_model(), seed=1)
+def kill(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+files.os.replace = kill  # the first move of the two-move save
+files.shutil.rmtree = kill  # the clean-up after a one-step swap
+router.save_pretrained({path!r}, overwrite=True)
+"""
+
+
+def test_a_save_killed_while_replacing_a_router_leaves_one_whole_router(tmp_path: Path) -> None:
+    """The old router was moved aside before the new one moved in: a kill between the two left no router at the
+    path (both were kept, the old one under a hidden name, which nothing named)."""
+    old = new_router(make_model())
+    old.save_pretrained(tmp_path / "r")
+    code = KILLED_SAVE.format(tests=str(Path(__file__).parent), path=str(tmp_path / "r"))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    try:
+        loaded = TideRouter.from_pretrained(tmp_path / "r")
+    except TideMissingRouterError as err:  # a system without the one-step swap: the old router is named
+        assert "an interrupted save left the router it replaced at" in str(err)
+    else:  # the swap: the new router is in place, whole
+        assert not torch.equal(loaded.routers["4"].fc1.weight, old.routers["4"].fc1.weight)
+
+
+def test_the_router_an_interrupted_two_move_save_left_aside_is_named(tmp_path: Path, monkeypatch) -> None:
+    """Where the one-step swap is missing, a kill between the two moves leaves the old router under a hidden
+    name next to the path; looking for the router there names it, for a path and for a bare folder name."""
+    new_router(make_model()).save_pretrained(tmp_path / "r")
+    (tmp_path / ".r.old-1a2b").mkdir()
+    (tmp_path / "r").rename(tmp_path / ".r.old-1a2b" / "router")  # what the kill left
+    monkeypatch.chdir(tmp_path)
+    for name in (tmp_path / "r", "r"):
+        with pytest.raises(TideMissingRouterError, match=r"an interrupted save left the router it replaced at "
+                                                         r".*\.r\.old-1a2b/router: move it back"):
+            TideRouter.from_pretrained(name)

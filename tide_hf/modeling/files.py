@@ -3,12 +3,16 @@ makes so that a router never comes back partly random or without its config."""
 
 from __future__ import annotations
 
+import ctypes
 import difflib
+import errno
+import glob
 import inspect
 import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import uuid
 from collections.abc import Callable
@@ -28,6 +32,12 @@ WEIGHT_FILES = re.compile(r"model\.safetensors(\.index\.json)?|model-\d+-of-\d+\
 ROUTER_FILES = re.compile(rf"config\.json|README\.md|\.gitattributes|{WEIGHT_FILES.pattern}")
 CONFIG_FILE = "config.json"  # a model's and a router's folder hold one
 SHOWN_FILES = 8  # a refused folder's files an error message lists
+# Pickled weights: never loaded (unpickling can run code); a folder holding only these is named as such.
+PICKLED_WEIGHTS = re.compile(r".*\.(bin|pt|pth|ckpt|pkl)")
+# renameat2(2) on Linux: swap two paths in one step (linux/fs.h's RENAME_EXCHANGE; AT_FDCWD: relative to the cwd).
+RENAME_EXCHANGE, AT_FDCWD = 2, -100
+# renameat2's errors that mean "this system or filesystem cannot swap": the save falls back to two renames.
+NO_EXCHANGE = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
 HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
 
 
@@ -69,7 +79,10 @@ def atomic_save(path: str | os.PathLike, write: Callable[[str], None], *, overwr
     """Run `write(folder)` into a fresh folder next to `path`, then move it into place.
 
     A crash or an error while writing leaves `path` as it was (an old router stays whole); the checks of
-    `check_save_target` come first. A symbolic link is followed: the folder it points to is replaced.
+    `check_save_target` come first. A symbolic link is followed: the folder it points to is replaced. An old
+    router is swapped with the new one in one step where the system can (`exchange`), so even a kill leaves
+    `path` holding one of the two; elsewhere it is moved aside first, and a kill between the two moves leaves it
+    next to `path` (`leftover_routers` names it when the router is then looked for).
     """
     target = Path(os.path.realpath(path))  # a link to a router folder: replace the folder, not the link
     check_save_target(target, overwrite)
@@ -79,6 +92,9 @@ def atomic_save(path: str | os.PathLike, write: Callable[[str], None], *, overwr
     backup = None
     try:
         write(str(staging))
+        if target.exists() and exchange(staging, target):
+            shutil.rmtree(staging, ignore_errors=True)  # it holds the old router now
+            return
         if target.exists():
             backup = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
             os.replace(target, backup / "router")
@@ -91,6 +107,28 @@ def atomic_save(path: str | os.PathLike, write: Callable[[str], None], *, overwr
     finally:
         if backup is not None:
             shutil.rmtree(backup, ignore_errors=True)
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two existing folders in one atomic step (Linux `renameat2`); False where the system or the filesystem
+    cannot, so the caller moves them one after the other."""
+    if not sys.platform.startswith("linux"):
+        return False
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)  # glibc >= 2.28
+    if renameat2 is None:
+        return False
+    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in NO_EXCHANGE:
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def leftover_routers(path: str | os.PathLike) -> list[Path]:
+    """Old routers an interrupted two-move save left next to `path` (`atomic_save`'s fallback)."""
+    target = Path(os.path.realpath(os.path.expanduser(path)))
+    return sorted(target.parent.glob(f".{glob.escape(target.name)}.old-*/router"))
 
 
 def check_writable(path: Path, what: str, *, folder: bool) -> None:
@@ -120,11 +158,13 @@ def check_config_source(name: str | os.PathLike, config_cls: Any, kwargs: dict[s
     """The router at `name` has a config.json of a TIDE router (a missing one would load defaults)."""
     text = os.fspath(name)
     written_as_path = not isinstance(name, str) or os.path.isabs(text) or text.startswith((".", "~"))  # a Path too
+    left = leftover_routers(text)
+    moved = f"; an interrupted save left the router it replaced at {left[-1]}: move it back to use it" if left else ""
     if written_as_path and not os.path.isdir(os.path.expanduser(text)):
-        raise TideMissingRouterError(f"no TIDE router folder at {text}")  # not the Hub's "repo id must be ..."
+        raise TideMissingRouterError(f"no TIDE router folder at {text}{moved}")  # not the Hub's "repo id must be"
     if "/" not in text and not os.path.isdir(text):  # a mistyped folder: not a Hub id, whose retries take ~25 s
         raise TideMissingRouterError(f"no TIDE router folder named {text!r} here ({os.getcwd()}), and it is not "
-                                     "a Hub repo id (those read 'owner/name')")
+                                     f"a Hub repo id (those read 'owner/name'){moved}")
     hub = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
     if hub.get("subfolder") and os.path.isdir(text) and not os.path.isdir(os.path.join(text, hub["subfolder"])):
         raise TideRouterFileError(f"no TIDE router folder at {text}: it has no subfolder {hub['subfolder']!r}")
@@ -138,6 +178,8 @@ def check_config_source(name: str | os.PathLike, config_cls: Any, kwargs: dict[s
         if not isinstance(written, dict):
             raise TideRouterFileError(f"TIDE router {where}: config.json holds a {type(written).__name__}, not an "
                                       "object of router fields")
+    folder = os.path.join(os.path.expanduser(text), hub.get("subfolder") or "")
+    check_local_weights(folder, where)
     config, _ = config_cls.get_config_dict(name, **hub)  # a missing repo / no network: transformers' OSError
     if not config:
         raise TideRouterFileError(f"{where} has no config.json: not a TIDE router (its weights alone do not say "
@@ -151,6 +193,25 @@ def check_config_source(name: str | os.PathLike, config_cls: Any, kwargs: dict[s
             raise TideRouterFileError(f"TIDE router {where}: config.json's {key} {config[key]!r} is not a torch "
                                       "dtype (e.g. 'float32')")
     check_field_names(kwargs, config_cls, "TideRouter.from_pretrained")
+
+
+def check_local_weights(folder: str, where: object) -> None:
+    """A local router folder holds safetensors weights: one holding only pickles is named as such (transformers
+    would say "no file named model.safetensors", or a missing config would hide the cause). A Hub repo id is
+    left to the download."""
+    if not os.path.isdir(folder):
+        return
+    names = sorted(os.listdir(folder))
+    if any(WEIGHT_FILES.fullmatch(n) for n in names):
+        return
+    pickles = [n for n in names if PICKLED_WEIGHTS.fullmatch(n)]
+    if pickles:  # a missing file to transformers (OSError): TideMissingRouterError keeps that base
+        raise TideMissingRouterError(
+            f"TIDE router {where} holds pickled weights only ({', '.join(pickles[:SHOWN_FILES])}), which tide_hf "
+            "never loads (unpickling can run code); if you trust the file, convert it: "
+            "safetensors.torch.save_file(torch.load(FILE, weights_only=True), 'model.safetensors')")
+    if CONFIG_FILE in names:
+        raise TideMissingRouterError(f"TIDE router {where} has a config.json but no weights (model.safetensors)")
 
 
 def config_fields(config_cls: Any) -> set[str]:

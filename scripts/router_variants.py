@@ -62,6 +62,7 @@ VARIANTS = {
     "base_s2": Variant(seed=2),
     "kl": Variant(label="kl"),
     "top1_kl": Variant(label="top1_kl"),
+    "stable": Variant(label="stable"),
     "rms": Variant(extras=("log_rms",)),
     "move1": Variant(extras=("move1",)),
     "move": Variant(extras=("move",)),
@@ -108,6 +109,10 @@ class Head(torch.nn.Module):
 
 
 def labels_of(data: dict, kind: str, k: int, kl_threshold: float | None = None) -> torch.Tensor:
+    """"stable": top-1 agreement at k and at every later checkpoint (a token that agrees at k by chance and
+    disagrees again later is negative), a label that is monotone in depth."""
+    if kind == "stable":
+        return torch.stack([data["top1"][j] for j in data["layers"] if j >= k]).all(0)
     kl_ok = data["kl"][k] < (data["kl_threshold"] if kl_threshold is None else kl_threshold)
     return {"top1": data["top1"][k], "kl": kl_ok, "top1_kl": data["top1"][k] & kl_ok}[kind]
 

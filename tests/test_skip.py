@@ -23,6 +23,7 @@ from transformers import (
 )
 
 import tide_hf
+from tide_hf.compat import CACHE_KWARG
 from tide_hf.runtime.kv import FusedPropagation, propagate_kv
 
 NUM_LAYERS = 9  # router checkpoints [4, 8]
@@ -363,3 +364,24 @@ def test_recompute_under_a_static_cache_keeps_padding_out_of_the_catch_up(call: 
             stats = handle.last_stats.prefill.tokens
         assert call == "continued cache" or stats == int(mask.sum()) * (2 if "two" in call else 1)  # no padding
     torch.testing.assert_close(logits["static"], logits["dynamic"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted({CACHE_KWARG, "past_key_values"}))
+def test_recompute_with_an_empty_dynamic_cache_of_the_users(name: str) -> None:
+    """A `DynamicCache()` made without a config adds a layer when it is first written: the catch-up of tokens
+    parked below layers never written yet read `cache.layers[i]` past its end (IndexError). Now it generates
+    what generate's own cache gives, and the cache holds every layer, whole."""
+    from helpers import left_padded, make_model, mixed_router
+
+    model = make_model()
+    prompt = torch.tensor([[5]])  # under this router it exits at 4, and the next step runs deeper
+    router = mixed_router(model, *left_padded(lengths=(7, 5, 3)))
+    call = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with tide_hf.attach(model, router, mode="skip", kv="recompute") as handle:
+        own = model.generate(prompt, **call)
+        assert handle.last_stats.decode.recomputed > 0  # parked tokens were caught up
+        cache = DynamicCache()
+        given = model.generate(prompt, **{name: cache}, **call)
+    assert torch.equal(given, own)
+    assert len(cache.layers) == model.config.num_hidden_layers
+

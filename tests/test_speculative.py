@@ -14,6 +14,7 @@ import pytest
 import torch
 from helpers import make_tiny_llama
 from transformers import (
+    DynamicCache,
     GPT2Config,
     GPT2LMHeadModel,
     LogitsProcessor,
@@ -24,6 +25,7 @@ from transformers import (
 
 import tide_hf
 from tide_hf import TideRouter, TideRouterConfig
+from tide_hf.compat import CACHE_KWARG
 from tide_hf.errors import TideUnsupportedError
 from tide_hf.eval.easy import make_near_identity
 from tide_hf.integrations import speculative as spec_module
@@ -768,3 +770,22 @@ def test_generation_config_with_speculative_logs_nothing_stock_does_not(caplog):
     assert "generation_config" not in caplog.text and config.assistant_early_exit is None
     with torch.no_grad():
         assert torch.equal(out, model.generate(prompts(0)[0][:1], generation_config=config))
+
+
+@pytest.mark.skipif(CACHE_KWARG != "cache", reason="generate takes cache_params as the cache from transformers 5.24")
+def test_a_cache_given_under_any_of_generates_names_falls_back_to_stock():
+    """transformers 5.24's generate takes the cache as `cache`, `past_key_values` or `cache_params`; the last was
+    not known as a user cache, so the batch was decoded row by row into the one cache object: rows 2-3 came out
+    wrong and the cache held every row's tokens back to back."""
+    model = make_model()
+    router = make_router(model, "never")
+    ids, mask = prompts(0)
+    call = {"attention_mask": mask, "max_new_tokens": 5, "do_sample": False}
+    stock_cache = DynamicCache()
+    with torch.no_grad():
+        stock = model.generate(ids, cache=stock_cache, **call)
+    for name in ("cache", "past_key_values", "cache_params"):
+        cache = DynamicCache()
+        out, stats = speculative(model, router, ids, **{name: cache}, **call)
+        assert torch.equal(out, stock) and stats.speculative["fallback"] == f"{name}= given"
+        assert cache.get_seq_length() == stock_cache.get_seq_length()

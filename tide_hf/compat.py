@@ -29,7 +29,9 @@ from transformers.generation.candidate_generator import (
 from transformers.utils.output_capturing import _active_collector
 
 CANDIDATE_GENERATOR_FACTORY = "_get_candidate_generator"  # GenerationMixin method that builds the drafter
-CACHE_KWARGS = ("cache", "past_key_values")  # the KV cache's keyword: transformers >= 5.24's, then older ones'
+# the KV cache's keyword: transformers >= 5.24's, then older ones' (generate >= 5.24 also takes state-space
+# models' `cache_params` as its cache)
+CACHE_KWARGS = ("cache", "past_key_values", "cache_params")
 # the name this transformers' generate keeps the cache under in its model kwargs (and passes to forward)
 CACHE_KWARG = next(name for name in CACHE_KWARGS
                    if name in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters)

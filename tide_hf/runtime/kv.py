@@ -283,9 +283,12 @@ class KVRecompute:
     def catch_up_mask(cache: Any, layer_idx: int, block: torch.Tensor, mask2d: torch.Tensor | None) -> torch.Tensor:
         """Additive mask for the extended queries of cache layer `layer_idx`: causal, padding from the call's
         2-D mask."""
-        cached = cache.layers[layer_idx].get_seq_length()
+        # a DynamicCache() made without a config adds a layer when it is first written: one the parked tokens
+        # never reached is not there yet, so it holds nothing and grows as needed
+        layer = cache.layers[layer_idx] if layer_idx < len(cache.layers) else None
+        cached = layer.get_seq_length() if layer is not None else 0
         queries = block.shape[1]
-        width = max(cache.layers[layer_idx].get_max_length(), cached + queries)
+        width = max(layer.get_max_length() if layer is not None else 0, cached + queries)
         keys = torch.arange(width, device=block.device)
         allowed = keys[None, :] <= cached + torch.arange(queries, device=block.device)[:, None]
         allowed = allowed[None].expand(block.shape[0], -1, -1)

@@ -16,6 +16,7 @@ from helpers import make_model, new_router
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
+import tide_hf.modeling.files as files
 from tide_hf import TideRouter, TideRouterConfig
 from tide_hf.errors import TideMissingRouterError, TideRouterFileError
 
@@ -169,3 +170,18 @@ def test_the_router_an_interrupted_two_move_save_left_aside_is_named(tmp_path: P
         with pytest.raises(TideMissingRouterError, match=r"an interrupted save left the router it replaced at "
                                                          r".*\.r\.old-1a2b/router: move it back"):
             TideRouter.from_pretrained(name)
+
+
+@pytest.mark.parametrize("swap", [True, False])
+def test_overwriting_a_router_leaves_the_new_one_and_no_hidden_folders(tmp_path: Path, monkeypatch, swap: bool
+                                                                         ) -> None:
+    """Both ways of replacing an old router (one-step swap; two moves where the system has no swap) end with the
+    new router in place and nothing left beside it."""
+    if not swap:
+        monkeypatch.setattr(files, "exchange", lambda a, b: False)
+    new_router(make_model()).save_pretrained(tmp_path / "r")
+    newer = new_router(make_model(), seed=1)
+    newer.save_pretrained(tmp_path / "r", overwrite=True)
+    loaded = TideRouter.from_pretrained(tmp_path / "r")
+    torch.testing.assert_close(loaded.routers["4"].fc1.weight, newer.routers["4"].fc1.weight)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]

@@ -789,3 +789,19 @@ def test_a_cache_given_under_any_of_generates_names_falls_back_to_stock():
         out, stats = speculative(model, router, ids, **{name: cache}, **call)
         assert torch.equal(out, stock) and stats.speculative["fallback"] == f"{name}= given"
         assert cache.get_seq_length() == stock_cache.get_seq_length()
+
+
+def test_a_prompt_prefilled_in_chunks_falls_back_to_stock():
+    """Assisted decoding prefills the prompt in one forward: with `prefill_chunk_size` the memory bound the user
+    asked for was not kept, and the logits were the unchunked run's."""
+    model = make_model()
+    router = make_router(model, "never")
+    ids, mask = prompts(0)
+    call = {"attention_mask": mask[:1], "max_new_tokens": 6, "do_sample": False, "return_dict_in_generate": True,
+            "output_logits": True, "prefill_chunk_size": 3}
+    with torch.no_grad():
+        stock = model.generate(ids[:1], **call)
+    out, stats = speculative(model, router, ids[:1], **call)
+    assert "prefill_chunk_size" in stats.speculative["fallback"]
+    assert torch.equal(out.sequences, stock.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, stock.logits, strict=True))

@@ -44,6 +44,8 @@ def fallback_reason(model: nn.Module, args: tuple, kwargs: dict, batch: int, gc:
         return "beam search or several sequences per prompt"
     if gc.use_cache is False or gc.cache_implementation is not None or gc.use_mtp:
         return "cache settings that assisted decoding does not support"
+    if getattr(gc, "prefill_chunk_size", None) is not None:
+        return "prefill_chunk_size (assisted decoding prefills the prompt in one forward)"
     if gc.guidance_scale not in (None, 1.0) or gc.dola_layers is not None:
         return "classifier-free guidance or DoLa"
     if gc.assistant_early_exit is not None or gc.prompt_lookup_num_tokens is not None:

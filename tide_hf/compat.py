@@ -7,9 +7,9 @@ reads the EOS ids generate prepared, and refuses the models transformers marks s
 Compiled skip mode reads transformers' output-capture collector the way transformers' own compiled forward
 does. Calibration records the Hub revision a model was loaded
 from (`config._commit_hash`). transformers 5.24 renamed the KV cache's keyword, generate's model kwarg and the
-outputs' field from `past_key_values` to `cache` (the old name still works, with a warning): `cache_in`,
-`split_cache` and `with_cache` read and write it by either name. Should transformers rename any of these, this
-module is the one to change.
+outputs' field from `past_key_values` to `cache` (the old name still works, with a warning; generate also
+takes `cache_params`): `cache_in`, `split_cache` and `with_cache` read and write it by any of these names.
+Should transformers rename any of these, this module is the one to change.
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ CACHE_KWARG = next(name for name in CACHE_KWARGS
 
 
 def cache_in(kwargs: dict[str, Any]) -> Any:
-    """The KV cache a forward (or generate's model kwargs) was given, by either name; None without one."""
+    """The KV cache a forward (or generate's model kwargs) was given, by any of its names; None without one."""
     return next((kwargs[name] for name in CACHE_KWARGS if kwargs.get(name) is not None), None)
 
 
 def split_cache(kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """generate's model kwargs as their cache (by either name) and the rest."""
+    """generate's model kwargs as their cache (by any of its names) and the rest."""
     return cache_in(kwargs), {k: v for k, v in kwargs.items() if k not in CACHE_KWARGS}
 
 

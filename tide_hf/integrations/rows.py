@@ -17,7 +17,7 @@ from ..compat import CACHE_KWARGS
 from ..errors import TideArgumentError
 from ..runtime import Session
 
-# generate() arguments assisted decoding cannot take (or would change the output with); a cache by either name
+# generate() arguments assisted decoding cannot take (or would change the output with); a cache by any of its names
 FALLBACK_KWARGS = ("assistant_model", "custom_generate", *CACHE_KWARGS, "inputs_embeds", "negative_prompt_ids")
 
 

@@ -4,6 +4,7 @@ whose key misspells a field (through transformers' own config loaders too), pick
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import signal
 import subprocess
@@ -114,9 +115,12 @@ def test_a_folder_of_pickled_weights_is_named_and_never_unpickled(tmp_path: Path
     if not keep_config:
         (tmp_path / "r" / "config.json").unlink()
     (tmp_path / "r" / "pytorch_model.bin").write_bytes(pickle.dumps(Trap(str(tmp_path / "unpickled"))))
-    with pytest.raises(TideMissingRouterError, match=r"pickled weights only \(pytorch_model.bin\), which tide_hf "
-                                                     r"never loads"):
+    with pytest.raises(TideMissingRouterError, match=r"has no model.safetensors, only pickle files "
+                                                     r"\(pytorch_model.bin\), which tide_hf never loads"):
         TideRouter.from_pretrained(tmp_path / "r")
+    if keep_config:  # a config given as an argument: the folder's weights are checked all the same
+        with pytest.raises(TideMissingRouterError, match="only pickle files"):
+            TideRouter.from_pretrained(tmp_path / "r", config=TideRouterConfig.from_pretrained(tmp_path / "r"))
     assert not (tmp_path / "unpickled").exists()
 
 
@@ -185,3 +189,78 @@ def test_overwriting_a_router_leaves_the_new_one_and_no_hidden_folders(tmp_path:
     loaded = TideRouter.from_pretrained(tmp_path / "r")
     torch.testing.assert_close(loaded.routers["4"].fc1.weight, newer.routers["4"].fc1.weight)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+
+
+def test_the_newest_leftover_is_named_whatever_the_spelling_of_the_path(tmp_path: Path, monkeypatch) -> None:
+    """`sub/r` (read as a Hub id) went to the Hub for ~25 s instead of naming the leftover; with two leftovers the
+    one named was picked by the random folder suffix, not the newest."""
+    (tmp_path / "sub").mkdir()
+    for seed, suffix in ((0, "zz"), (1, "aa")):  # the newer one sorts first by name
+        new_router(make_model(), seed=seed).save_pretrained(tmp_path / "sub" / f".r.old-{suffix}" / "router")
+        os.utime(tmp_path / "sub" / f".r.old-{suffix}" / "router", (seed + 1, seed + 1))
+    monkeypatch.chdir(tmp_path)
+    for name in ("sub/r", "./sub/r", tmp_path / "sub" / "r"):
+        with pytest.raises(TideMissingRouterError, match=r"replaced at .*\.r\.old-aa/router"):
+            TideRouter.from_pretrained(name)
+
+
+@pytest.mark.parametrize("swap", [True, False])
+@pytest.mark.parametrize("intruder", ["model", "router"])
+@pytest.mark.parametrize("overwrite", [True, False])
+def test_a_target_another_process_fills_during_the_write(tmp_path: Path, monkeypatch, swap: bool, intruder: str,
+                                                          overwrite: bool) -> None:
+    """What the save replaces is checked again at the move: a model folder put there during the write was swapped
+    out and deleted; a router another save put at a missing target made a raw ENOTEMPTY."""
+    if not swap:
+        monkeypatch.setattr(files, "exchange", lambda a, b: False)
+    model = make_model()
+    other, newer = new_router(model, seed=2), new_router(model, seed=1)
+    target = tmp_path / "r"
+
+    def write(folder: str) -> None:  # another process saves at the target while this save writes
+        (model if intruder == "model" else other).save_pretrained(target)
+        newer.save_pretrained(folder)
+
+    if intruder == "router" and overwrite:  # replaced, as if it had been there at the start
+        files.atomic_save(target, write, overwrite=True)
+        loaded = TideRouter.from_pretrained(target)
+        torch.testing.assert_close(loaded.routers["4"].fc1.weight, newer.routers["4"].fc1.weight)
+    else:  # refused, the other process's folder left as it wrote it
+        with pytest.raises(TideRouterFileError, match="not a TIDE router|already holds a TIDE router"):
+            files.atomic_save(target, write, overwrite=overwrite)
+        if intruder == "model":
+            assert (target / "generation_config.json").exists()
+        else:
+            kept = TideRouter.from_pretrained(target)
+            torch.testing.assert_close(kept.routers["4"].fc1.weight, other.routers["4"].fc1.weight)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+
+
+def test_a_home_folder_path_is_saved_where_it_is_loaded_from(tmp_path: Path, monkeypatch) -> None:
+    """`save_pretrained("~/r")` made a folder literally named `~` in the working directory, while loading read
+    `~/r` in the home folder."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    new_router(make_model()).save_pretrained("~/r")
+    assert (tmp_path / "home" / "r" / "config.json").exists() and not (tmp_path / "~").exists()
+    assert TideRouter.from_pretrained("~/r")
+
+
+def test_an_empty_mount_point_is_written_into_and_left_empty_by_a_failed_write(tmp_path: Path, monkeypatch) -> None:
+    """A mount point (a container's volume) cannot be moved or swapped: renameat2 said EBUSY."""
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    monkeypatch.setattr(files.os.path, "ismount", lambda p: Path(p) == volume)
+    router = new_router(make_model())
+
+    def failing(folder: str) -> None:
+        (Path(folder) / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        files.atomic_save(volume, failing, overwrite=False)
+    assert not any(volume.iterdir())
+    router.save_pretrained(volume)
+    assert TideRouter.from_pretrained(volume)
+    with pytest.raises(TideRouterFileError, match="is a mount point holding files"):
+        router.save_pretrained(volume, overwrite=True)

@@ -32,12 +32,14 @@ WEIGHT_FILES = re.compile(r"model\.safetensors(\.index\.json)?|model-\d+-of-\d+\
 ROUTER_FILES = re.compile(rf"config\.json|README\.md|\.gitattributes|{WEIGHT_FILES.pattern}")
 CONFIG_FILE = "config.json"  # a model's and a router's folder hold one
 SHOWN_FILES = 8  # a refused folder's files an error message lists
-# Pickled weights: never loaded (unpickling can run code); a folder holding only these is named as such.
+# Pickle files: never loaded (unpickling can run code); a folder holding these but no safetensors is named as such.
 PICKLED_WEIGHTS = re.compile(r".*\.(bin|pt|pth|ckpt|pkl)")
 # renameat2(2) on Linux: swap two paths in one step (linux/fs.h's RENAME_EXCHANGE; AT_FDCWD: relative to the cwd).
 RENAME_EXCHANGE, AT_FDCWD = 2, -100
 # renameat2's errors that mean "this system or filesystem cannot swap": the save falls back to two renames.
 NO_EXCHANGE = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
+# What a move meets when another process moves the same folders meanwhile (a target made or taken away).
+RACED = (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT)
 HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
 
 
@@ -76,37 +78,93 @@ def check_save_target(path: Path, overwrite: bool) -> None:
 
 
 def atomic_save(path: str | os.PathLike, write: Callable[[str], None], *, overwrite: bool) -> None:
-    """Run `write(folder)` into a fresh folder next to `path`, then move it into place.
+    """Run `write(folder)` into a fresh folder next to `path`, then move it into place (`place`).
 
     A crash or an error while writing leaves `path` as it was (an old router stays whole); the checks of
-    `check_save_target` come first. A symbolic link is followed: the folder it points to is replaced. An old
-    router is swapped with the new one in one step where the system can (`exchange`), so even a kill leaves
-    `path` holding one of the two; elsewhere it is moved aside first, and a kill between the two moves leaves it
-    next to `path` (`leftover_routers` names it when the router is then looked for).
+    `check_save_target` come first, and are made again on what the move replaces (it may have changed during the
+    write). A symbolic link is followed: the folder it points to is replaced. An empty mount point (a container's
+    volume), which cannot be moved, is written into directly.
     """
-    target = Path(os.path.realpath(path))  # a link to a router folder: replace the folder, not the link
+    target = Path(os.path.realpath(os.path.expanduser(path)))  # a link: replace the folder, not the link
     check_save_target(target, overwrite)
+    if target.is_dir() and os.path.ismount(target):
+        write_into_mount_point(target, write)
+        return
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex}"
     staging.mkdir()  # not mkdtemp: the folder gets the umask's permissions, as a plain save would
-    backup = None
     try:
         write(str(staging))
-        if target.exists() and exchange(staging, target):
-            shutil.rmtree(staging, ignore_errors=True)  # it holds the old router now
+        place(staging, target, overwrite)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # what was written, or the old router swapped into it
+
+
+def place(staging: Path, target: Path, overwrite: bool) -> None:
+    """Move the written folder `staging` to `target`. An old router is swapped with it in one step where the
+    system can (`exchange`), so even a kill leaves `target` holding one of the two; elsewhere it is moved aside
+    first, and a kill between the two moves leaves it next to `target` (`leftover_routers` names it). What is
+    replaced must still be what `check_save_target` allowed (another process may have saved there meanwhile):
+    otherwise it is put back and the save refused."""
+    if not target.exists():
+        try:
+            os.replace(staging, target)
             return
-        if target.exists():
-            backup = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            os.replace(target, backup / "router")
+        except OSError as err:
+            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise  # else another save made `target` meanwhile: replace it as below, if allowed
+    if exchange(staging, target):
+        if not replaceable(staging, overwrite):
+            exchange(staging, target)  # put it back
+            refuse_changed(target, overwrite)
+        return
+    backup = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    old = backup / "router"
+    try:
+        os.replace(target, old)
+        if not replaceable(old, overwrite):
+            os.replace(old, target)
+            refuse_changed(target, overwrite)
         os.replace(staging, target)
-    except BaseException:
-        if backup is not None and not target.exists():
-            os.replace(backup / "router", target)  # put the old router back
-        shutil.rmtree(staging, ignore_errors=True)
+    except BaseException as err:
+        if old.exists() and not target.exists():
+            os.replace(old, target)  # put the old router back
+        if isinstance(err, OSError) and err.errno in RACED:
+            raise TideRouterFileError(f"another process was saving at {target} at the same time: this save was not "
+                                      "made") from err
         raise
     finally:
-        if backup is not None:
+        if target.exists() or not old.exists():  # else the old router is the only one left: it stays, named
             shutil.rmtree(backup, ignore_errors=True)
+
+
+def refuse_changed(target: Path, overwrite: bool) -> None:
+    """Refuse a save whose target changed during the write into something it may not replace (said as
+    `check_save_target` says it, where it can)."""
+    check_save_target(target, overwrite)
+    raise TideRouterFileError(f"{target} changed during the save (another process wrote there); it is left as it is")
+
+
+def replaceable(folder: Path, overwrite: bool) -> bool:
+    """What a save may replace: an empty folder, or with `overwrite` a folder holding a TIDE router only."""
+    return not any(folder.iterdir()) or (overwrite and is_router_folder(folder))
+
+
+def write_into_mount_point(target: Path, write: Callable[[str], None]) -> None:
+    """Write straight into an empty mount point (it cannot be swapped or moved); what a failed write left there is
+    removed, so the folder stays empty."""
+    if any(target.iterdir()):
+        raise TideRouterFileError(f"{target} is a mount point holding files: a router there cannot be replaced "
+                                  "safely; save into a new folder inside it")
+    try:
+        write(str(target))
+    except BaseException:
+        for child in target.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+        raise
 
 
 def exchange(a: Path, b: Path) -> bool:
@@ -126,9 +184,10 @@ def exchange(a: Path, b: Path) -> bool:
 
 
 def leftover_routers(path: str | os.PathLike) -> list[Path]:
-    """Old routers an interrupted two-move save left next to `path` (`atomic_save`'s fallback)."""
+    """Old routers an interrupted two-move save left next to `path` (`place`'s fallback), the newest last."""
     target = Path(os.path.realpath(os.path.expanduser(path)))
-    return sorted(target.parent.glob(f".{glob.escape(target.name)}.old-*/router"))
+    left = target.parent.glob(f".{glob.escape(target.name)}.old-*/router")
+    return sorted(left, key=lambda folder: folder.stat().st_mtime)
 
 
 def check_writable(path: Path, what: str, *, folder: bool) -> None:
@@ -158,13 +217,16 @@ def check_config_source(name: str | os.PathLike, config_cls: Any, kwargs: dict[s
     """The router at `name` has a config.json of a TIDE router (a missing one would load defaults)."""
     text = os.fspath(name)
     written_as_path = not isinstance(name, str) or os.path.isabs(text) or text.startswith((".", "~"))  # a Path too
-    left = leftover_routers(text)
-    moved = f"; an interrupted save left the router it replaced at {left[-1]}: move it back to use it" if left else ""
-    if written_as_path and not os.path.isdir(os.path.expanduser(text)):
-        raise TideMissingRouterError(f"no TIDE router folder at {text}{moved}")  # not the Hub's "repo id must be"
-    if "/" not in text and not os.path.isdir(text):  # a mistyped folder: not a Hub id, whose retries take ~25 s
+    missing = not os.path.isdir(os.path.expanduser(text))
+    left = leftover_routers(text) if missing else []
+    if left:  # whatever the spelling: `owner/name` too, where a local folder `owner` holds the leftover
+        raise TideMissingRouterError(f"no TIDE router folder at {text}; an interrupted save left the router it "
+                                     f"replaced at {left[-1]}: move it back to use it")
+    if written_as_path and missing:
+        raise TideMissingRouterError(f"no TIDE router folder at {text}")  # not the Hub's "repo id must be ..."
+    if "/" not in text and missing:  # a mistyped folder: not a Hub id, whose retries take ~25 s
         raise TideMissingRouterError(f"no TIDE router folder named {text!r} here ({os.getcwd()}), and it is not "
-                                     f"a Hub repo id (those read 'owner/name'){moved}")
+                                     "a Hub repo id (those read 'owner/name')")
     hub = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
     if hub.get("subfolder") and os.path.isdir(text) and not os.path.isdir(os.path.join(text, hub["subfolder"])):
         raise TideRouterFileError(f"no TIDE router folder at {text}: it has no subfolder {hub['subfolder']!r}")
@@ -207,9 +269,9 @@ def check_local_weights(folder: str, where: object) -> None:
     pickles = [n for n in names if PICKLED_WEIGHTS.fullmatch(n)]
     if pickles:  # a missing file to transformers (OSError): TideMissingRouterError keeps that base
         raise TideMissingRouterError(
-            f"TIDE router {where} holds pickled weights only ({', '.join(pickles[:SHOWN_FILES])}), which tide_hf "
-            "never loads (unpickling can run code); if you trust the file, convert it: "
-            "safetensors.torch.save_file(torch.load(FILE, weights_only=True), 'model.safetensors')")
+            f"TIDE router {where} has no model.safetensors, only pickle files ({', '.join(pickles[:SHOWN_FILES])}), "
+            "which tide_hf never loads (unpickling can run code); if one holds the router's weights and you trust "
+            "it, convert it: safetensors.torch.save_file(torch.load(FILE, weights_only=True), 'model.safetensors')")
     if CONFIG_FILE in names:
         raise TideMissingRouterError(f"TIDE router {where} has a config.json but no weights (model.safetensors)")
 

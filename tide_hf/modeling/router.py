@@ -16,7 +16,15 @@ from transformers import AutoConfig, AutoModel, PreTrainedModel
 from ..config import TideRouterConfig, check_coverage, plain
 from ..errors import TideArgumentError, TideArgumentTypeError, TideCompatibilityError, TideRouterFileError
 from .adapters import ModelAdapter, get_adapter, text_config
-from .files import atomic_save, check_config_source, check_field_names, check_finite, check_loading_info, config_fields
+from .files import (
+    atomic_save,
+    check_config_source,
+    check_field_names,
+    check_finite,
+    check_loading_info,
+    check_local_weights,
+    config_fields,
+)
 from .fingerprint import fingerprint_version, model_fingerprint
 from .hub import check_repo_id, push_folder
 from .quiet import quiet_hf
@@ -141,9 +149,14 @@ class TideRouter(PreTrainedModel):
         """
         if kwargs.get("use_safetensors") is False:
             raise TideRouterFileError("TideRouter loads safetensors only; use_safetensors=False is not supported")
+        if isinstance(pretrained_model_name_or_path, (str, os.PathLike)):  # "~/r": transformers reads a Hub id
+            pretrained_model_name_or_path = os.path.expanduser(pretrained_model_name_or_path)
         kwargs["use_safetensors"] = True
         if kwargs.get("config") is None and not args:
             check_config_source(pretrained_model_name_or_path, cls.config_class, kwargs)
+        else:  # the config is given: the folder's weights are still checked
+            check_local_weights(os.path.join(os.path.expanduser(os.fspath(pretrained_model_name_or_path)),
+                                             kwargs.get("subfolder") or ""), pretrained_model_name_or_path)
         fields = config_fields(cls.config_class)  # set on the config as given: numpy numbers and paths made plain
         kwargs = {k: (os.fspath(v) if isinstance(v, os.PathLike) else plain(v)) if k in fields else v
                   for k, v in kwargs.items()}

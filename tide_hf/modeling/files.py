@@ -33,13 +33,14 @@ ROUTER_FILES = re.compile(rf"config\.json|README\.md|\.gitattributes|{WEIGHT_FIL
 CONFIG_FILE = "config.json"  # a model's and a router's folder hold one
 SHOWN_FILES = 8  # a refused folder's files an error message lists
 # Pickle files: never loaded (unpickling can run code); a folder holding these but no safetensors is named as such.
-PICKLED_WEIGHTS = re.compile(r".*\.(bin|pt|pth|ckpt|pkl)")
+PICKLE_FILES = re.compile(r".*\.(bin|pt|pth|ckpt|pkl)")
 # renameat2(2) on Linux: swap two paths in one step (linux/fs.h's RENAME_EXCHANGE; AT_FDCWD: relative to the cwd).
 RENAME_EXCHANGE, AT_FDCWD = 2, -100
 # renameat2's errors that mean "this system or filesystem cannot swap": the save falls back to two renames.
 NO_EXCHANGE = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
-# What a move meets when another process moves the same folders meanwhile (a target made or taken away).
-RACED = (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT)
+# What a move meets when another process moves the same folders meanwhile: a target made, or taken away.
+MADE_MEANWHILE = (errno.ENOTEMPTY, errno.EEXIST)
+RACED = (*MADE_MEANWHILE, errno.ENOENT)
 HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
 
 
@@ -111,7 +112,7 @@ def place(staging: Path, target: Path, overwrite: bool) -> None:
             os.replace(staging, target)
             return
         except OSError as err:
-            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            if err.errno not in MADE_MEANWHILE:
                 raise  # else another save made `target` meanwhile: replace it as below, if allowed
     if exchange(staging, target):
         if not replaceable(staging, overwrite):
@@ -266,12 +267,12 @@ def check_local_weights(folder: str, where: object) -> None:
     names = sorted(os.listdir(folder))
     if any(WEIGHT_FILES.fullmatch(n) for n in names):
         return
-    pickles = [n for n in names if PICKLED_WEIGHTS.fullmatch(n)]
+    pickles = [n for n in names if PICKLE_FILES.fullmatch(n)]
     if pickles:  # a missing file to transformers (OSError): TideMissingRouterError keeps that base
         raise TideMissingRouterError(
             f"TIDE router {where} has no model.safetensors, only pickle files ({', '.join(pickles[:SHOWN_FILES])}), "
-            "which tide_hf never loads (unpickling can run code); if one holds the router's weights and you trust "
-            "it, convert it: safetensors.torch.save_file(torch.load(FILE, weights_only=True), 'model.safetensors')")
+            "which tide_hf never loads (unpickling can run code); save the router again with "
+            "TideRouter.save_pretrained, which writes model.safetensors")
     if CONFIG_FILE in names:
         raise TideMissingRouterError(f"TIDE router {where} has a config.json but no weights (model.safetensors)")
 

@@ -154,9 +154,9 @@ class TideRouter(PreTrainedModel):
         kwargs["use_safetensors"] = True
         if kwargs.get("config") is None and not args:
             check_config_source(pretrained_model_name_or_path, cls.config_class, kwargs)
-        else:  # the config is given: the folder's weights are still checked
-            check_local_weights(os.path.join(os.path.expanduser(os.fspath(pretrained_model_name_or_path)),
-                                             kwargs.get("subfolder") or ""), pretrained_model_name_or_path)
+        elif isinstance(pretrained_model_name_or_path, (str, os.PathLike)):  # a config given: weights checked still
+            folder = os.path.join(pretrained_model_name_or_path, kwargs.get("subfolder") or "")
+            check_local_weights(folder, pretrained_model_name_or_path)
         fields = config_fields(cls.config_class)  # set on the config as given: numpy numbers and paths made plain
         kwargs = {k: (os.fspath(v) if isinstance(v, os.PathLike) else plain(v)) if k in fields else v
                   for k, v in kwargs.items()}

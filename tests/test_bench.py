@@ -155,7 +155,8 @@ def test_modes_refuses_depths_between_checkpoints_before_loading_the_model(tmp_p
 def test_synthetic_table_reports_decode_times_below_noise_without_ratios() -> None:
     """(T(n) - T(1)) / (n - 1) can come out <= 0 when the decode time drowns in timing noise: no ratio is
     computed from such a time, and the table says so instead of printing a negative time."""
-    from tide_hf.eval.synthetic import format_synthetic, with_ideal_ratios
+    from tide_hf.eval.synthetic import with_ideal_ratios
+    from tide_hf.eval.tables import format_synthetic
 
     rows = [{"config": "stock", "batch_size": 1, "compiled": False, "ms_per_token": 2.0, "vs_stock": 1.0},
             {"config": "select, all exit at 4", "batch_size": 1, "compiled": False, "ms_per_token": -0.5,
@@ -172,7 +173,7 @@ def test_synthetic_table_reports_decode_times_below_noise_without_ratios() -> No
 
 def test_bench_table_names_the_router_of_each_row_when_there_are_several() -> None:
     """Two routers of the same label gave rows nothing told apart."""
-    from tide_hf.eval.bench import format_table
+    from tide_hf.eval.tables import format_table
 
     row = {"label": "top1", "threshold": 0.9, "decode_exit_rate": 0.5, "decode_mean_layers": 6.0,
            "greedy_exact_match": 1.0, "greedy_prefix_match": 1.0, "perplexity_change": 0.01, "speed_ratio": 1.1}

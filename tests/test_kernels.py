@@ -430,7 +430,7 @@ def test_microbench_reports_both_paths() -> None:
 def test_format_kernels_places_gpu_rows_on_the_roofline() -> None:
     """GPU results carry the measured roofline: the table shows device and host time, shares as percentages,
     and the bound; CPU results (the committed README table) keep their columns."""
-    from tide_hf.eval.kernels import format_kernels
+    from tide_hf.eval.tables import format_kernels
 
     gpu = {"rows": 4096, "hidden": 4096, "bottleneck": 128, "dtype": "bfloat16", "device": "cuda",
            "backend": "cuda", "device_name": "NVIDIA H100", "copy_gbps": 3000.0, "matmul_tflops": 700.0,

@@ -82,3 +82,23 @@ def test_bad_results_are_named_and_the_readme_is_left_as_it_was(tmp_path: Path) 
     with pytest.raises(TideDataError, match="not a folder of result JSON files"):
         render(tmp_path / "empty", readme)
     assert section_markers(tmp_path / "results" / "h100" / ".." / "h100", readme) == SECTIONS["results/h100"]
+
+
+def test_rendering_the_readme_loads_no_torch(tmp_path: Path) -> None:
+    """The tables lived beside the measurements, so rendering the README from JSON imported torch, transformers
+    and the model code (7 s a call here)."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    readme = tmp_path / "README.md"
+    readme.write_text((ROOT / "README.md").read_text())
+    shutil.copytree(ROOT / "results" / "smollm2-cpu", tmp_path / "results" / "smollm2-cpu")
+    code = ("import json, runpy, sys\nsys.argv = ['report', *sys.argv[1:]]\ntry:\n"
+            "    runpy.run_module('tide_hf.eval.report', run_name='__main__')\nexcept SystemExit as e:\n"
+            "    assert not e.code, e.code\nprint(json.dumps(sorted(m for m in ('torch', 'transformers') if m in "
+            "sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+    assert readme.read_text() == (ROOT / "README.md").read_text()  # rendered, equal to the committed one

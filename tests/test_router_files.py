@@ -264,3 +264,22 @@ def test_an_empty_mount_point_is_written_into_and_left_empty_by_a_failed_write(t
     assert TideRouter.from_pretrained(volume)
     with pytest.raises(TideRouterFileError, match="is a mount point holding files"):
         router.save_pretrained(volume, overwrite=True)
+
+
+@pytest.mark.parametrize("vanishes_at", ["listing", "config"])
+def test_a_target_moved_away_during_the_check_counts_as_missing(tmp_path: Path, monkeypatch, vanishes_at: str
+                                                                ) -> None:
+    """Where the system has no one-step swap, another save moves the old router aside for a moment: a check that
+    met it half-way was a raw FileNotFoundError (or called the vanished folder 'not a TIDE router')."""
+    target = tmp_path / "r"
+    new_router(make_model()).save_pretrained(target)
+    original = Path.iterdir if vanishes_at == "listing" else Path.read_text
+
+    def vanish_then(self: Path, *args, **kwargs):
+        if target.exists() and (self == target or self.parent == target):
+            os.replace(target, tmp_path / "aside")  # the other save's first move
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "iterdir" if vanishes_at == "listing" else "read_text", vanish_then)
+    files.check_save_target(target, overwrite=False)  # allowed, as for a missing folder
+    assert not target.exists() and (tmp_path / "aside" / "config.json").exists()

@@ -36,6 +36,7 @@ from ..modeling.targets import select
 from .plots import convergence as plot_convergence
 from .plots import efficiency as plot_efficiency
 from .plots import heatmap as plot_heatmap
+from .tables import format_analysis
 
 ORACLE_CURVE = [1.0 - i / 20 for i in range(11)]  # agreements 1.0 down to 0.5 in steps of 0.05, beside the rows'
 AGREEMENT_DECIMALS = 4  # agreements closer than this are one point of the oracle's curve
@@ -221,47 +222,6 @@ def router_efficiency(model: Any, router: TideRouter, prompts: list[torch.Tensor
     curve = sorted({round(x, AGREEMENT_DECIMALS) for x in [*ORACLE_CURVE, *agreements]})
     out["oracle"] = oracle(match, checkpoints, n, curve[::-1])
     return out
-
-
-def format_analysis(result: dict, convergence: bool = True) -> str:
-    """Markdown: per-layer table and oracle table (unless `convergence` is False: they describe the model and
-    text, not the router), and router efficiency when present."""
-    lines: list[str] = []
-    if convergence:
-        conv = result["convergence"]
-        lines += [f"{conv['title']}", "", "| layer | mean cosine | cos > threshold | top-1 agreement | mean KL |",
-                  "|---|---|---|---|---|"]
-        for r in conv["layers"]:
-            mark = " (checkpoint)" if r["layer"] in conv["checkpoints"] else ""
-            lines.append(f"| {r['layer']}{mark} | {r['mean_cosine']:.3f} | {r['cosine_label_rate']:.1%} | "
-                         f"{r['top1_agreement']:.1%} | {r['mean_kl']:.3f} |")
-        lines += ["", f"oracle over checkpoints {conv['checkpoints']} ({conv['num_layers']} layers):", "",
-                  "| top-1 agreement | mean layers | layers saved |", "|---|---|---|"]
-        lines += [f"| {o['agreement']:.1%} | {o['mean_layers']:.2f} | {o['layers_saved']:.2f} |"
-                  for o in conv["oracle"]]
-    eff = result.get("efficiency")
-    if eff:
-        lines += [""] * bool(lines) + [f"router efficiency on the model's own greedy text ({eff['tokens']} tokens):",
-                                        "", "| threshold | agreement | layers saved | oracle saves | efficiency |",
-                                        "|---|---|---|---|---|"]
-        for r in eff["router"]:
-            e = "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}"
-            lines.append(f"| {r['threshold']} | {r['agreement']:.1%} | {r['layers_saved']:.2f} | "
-                         f"{r['oracle_layers_saved']:.2f} | {e} |")
-        if eff.get("targets"):
-            lines += ["", f"quality targets (per-checkpoint thresholds, confidence {eff['confidence']}): agreement "
-                      "delivered on the model's own greedy text and on held-out text "
-                      f"({eff.get('heldout_tokens', 0)} teacher-forced tokens):", "",
-                      "| target | greedy text: agreement | layers saved | oracle saves | efficiency | "
-                      "held-out text: agreement | layers saved |", "|---|---|---|---|---|---|---|"]
-            held = {r["target"]: r for r in eff.get("heldout_targets", [])}
-            for r in eff["targets"]:
-                e = "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}"
-                h = held.get(r["target"])
-                tail = f"{h['agreement']:.1%} | {h['layers_saved']:.2f}" if h else "- | -"
-                lines.append(f"| {r['target']} | {r['agreement']:.1%} | {r['layers_saved']:.2f} | "
-                             f"{r['oracle_layers_saved']:.2f} | {e} | {tail} |")
-    return "\n".join(lines)
 
 
 def run(args: Any) -> dict:

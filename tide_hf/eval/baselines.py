@@ -216,38 +216,3 @@ def at_perplexity(rows: list[dict], num_layers: int, levels: tuple[float, ...]) 
                     "baseline_saved": rivals.get(rival), "ratio": saved["tide"] / rivals[rival]
                     if "tide" in saved and rival is not None and rivals[rival] > 0 else None})
     return out
-
-
-def format_baselines(result: dict) -> str:
-    """Markdown table of every point, then the verdict per TIDE threshold."""
-    lines = [f"stock perplexity {result['stock']['perplexity']:.3f}; static skipping drops, in order: "
-             + ", ".join(f"{o['layer']} ({o['agreement']:.1%})" for o in result["static_skip_order"]), "",
-             "| method | setting | decode layers | text layers | greedy exact | greedy prefix | ppl change "
-             "| speed vs stock |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        lines.append(f"| {r['method']} | {r['param']} | {r['decode_mean_layers']:.2f} | "
-                     f"{r['text_mean_layers']:.2f} | "
-                     f"{r['greedy_exact_match']:.1%} | {r['greedy_prefix_match']:.1%} | "
-                     f"{r['perplexity_change']:+.1%} | "
-                     f"{r['speed_ratio']:.2f} |")
-    lines += ["", "| TIDE threshold | quality measure | TIDE | TIDE layers | "
-              "best baseline at equal or better quality | "
-              "its quality | its layers | TIDE saves more |", "|---|---|---|---|---|---|---|---|"]
-    for v in result["verdict"]:
-        fmt = "{:.1%}" if v["quality"] == "greedy_prefix_match" else "{:+.1%}"
-        theirs = "-" if v["baseline_quality"] is None else fmt.format(v["baseline_quality"])
-        layers = "-" if v["baseline_layers"] is None else f"{v['baseline_layers']:.2f}"
-        lines.append(f"| {v['threshold']} | {v['quality']} | {fmt.format(v['tide_quality'])} | "
-                     f"{v['tide_layers']:.2f} | "
-                     f"{v['best_baseline'] or 'none'} | {theirs} | {layers} | "
-                     f"{'yes' if v['tide_saves_more'] else 'no'} |")
-    if result.get("at_perplexity"):
-        lines += ["", "| perplexity change at most | TIDE layers saved | TIDE setting | best baseline | "
-                  "its layers saved | TIDE / baseline |", "|---|---|---|---|---|---|"]
-        for a in result["at_perplexity"]:
-            def cell(value: float | None, fmt: str = "{:.2f}") -> str:
-                return "-" if value is None else fmt.format(value)
-            lines.append(f"| +{a['level']:.0%} | {cell(a['tide'])} | {a['tide_setting'] or '-'} | "
-                         f"{a['best_baseline'] or 'none'} | {cell(a['baseline_saved'])} | {cell(a['ratio'])} |")
-    return "\n".join(lines)

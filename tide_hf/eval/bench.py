@@ -23,6 +23,7 @@ from ..modeling import TideRouter
 from ..modeling.files import check_results_folder
 from ..runtime import attach
 from .measure import check_exit_depths, evaluation_text, generate, left_pad, match_rate, perplexity
+from .tables import format_baselines, format_kernels, format_modes, format_speculative, format_synthetic, format_table
 
 
 def overhead(model: Any, router: TideRouter, prompts: list[torch.Tensor], pad_id: int, batch_sizes: list[int],
@@ -81,27 +82,6 @@ def quality(model: Any, routers: dict[str, TideRouter], thresholds: list[float],
     return {"stock_perplexity": base_ppl, "rows": rows}
 
 
-def format_table(result: dict) -> str:
-    """Markdown tables of a bench result (the README shows these)."""
-    lines = ["| batch | stock tok/s | TIDE (exits off) tok/s | ratio |", "|---|---|---|---|"]
-    for r in result["overhead"]:
-        lines.append(f"| {r['batch_size']} | {r['stock_tok_s']:.1f} | {r['tide_tok_s']:.1f} | {r['ratio']:.3f} |")
-    rows = result["quality"]["rows"]
-    named = len({r.get("router") for r in rows}) > 1  # a router column only where it tells rows apart
-    lines += ["", f"stock perplexity {result['quality']['stock_perplexity']:.3f}", "",
-              "| " + "router | " * named + "label | threshold | decode exit rate | mean layers | greedy exact | "
-              "greedy prefix | ppl change | speed vs stock |",
-              "|---" * (8 + named) + "|"]
-    for r in rows:
-        lines.append("| " + (f"{r['router']} | " if named else "") + f"{r['label']} | {r['threshold']} | "
-                     f"{r['decode_exit_rate']:.1%} | "
-                     f"{r['decode_mean_layers']:.2f} | "
-                     f"{r['greedy_exact_match']:.1%} | {r['greedy_prefix_match']:.1%} | "
-                     f"{r['perplexity_change']:+.2%} | "
-                     f"{r['speed_ratio']:.3f} |")
-    return "\n".join(lines)
-
-
 def run(args: Any) -> dict:
     """The `tide-hf bench` command: writes JSON and Markdown tables to `args.output` and prints them.
 
@@ -113,11 +93,11 @@ def run(args: Any) -> dict:
     out = Path(args.output)
     check_results_folder(out, "--output")  # made when the first file is written (a refusal leaves none)
     if args.synthetic:
-        from .synthetic import format_synthetic, run_synthetic
+        from .synthetic import run_synthetic
 
         return write_result(out, "synthetic", run_synthetic(args), format_synthetic)
     if args.kernels:
-        from .kernels import format_kernels, kernel_rows
+        from .kernels import kernel_rows
 
         return write_result(out, "kernels", {"rows": kernel_rows(args.dtype)}, format_kernels)
     routers = {name: TideRouter.from_pretrained(name) for name in args.router}  # a bad folder fails before the model
@@ -134,7 +114,7 @@ def run(args: Any) -> dict:
               "torch_threads": torch.get_num_threads(),
               "settings": {k: v for k, v in vars(args).items() if k != "func"}}
     if args.baselines:
-        from .baselines import format_baselines, run_baselines
+        from .baselines import run_baselines
         from .plots import pareto
 
         result.update(run_baselines(model, tokenizer, router, default_dataset(args.dataset), prompts, chunks,
@@ -143,7 +123,7 @@ def run(args: Any) -> dict:
         print("Pareto plot:", pareto(result, out / "pareto.png"))
         return write_result(out, "baselines", result, format_baselines)
     if args.modes:
-        from .modes import format_modes, run_modes
+        from .modes import run_modes
 
         result.update(run_modes(model, router, prompts, chunks, pad_id, args))
         return write_result(out, "modes", result, format_modes)
@@ -157,7 +137,7 @@ def _easy_modes(model: Any, tokenizer: Any, args: Any, out: Path) -> dict:
     """`--modes --near-identity-after K`: the speculative section on the easy model, with routers calibrated
     on it, against stock and `assistant_early_exit=K` (writes modes-easy.json)."""
     from .easy import NEAR_IDENTITY_SCALE, easy_router, make_near_identity
-    from .modes import format_speculative, speculative
+    from .modes import speculative
 
     scale = NEAR_IDENTITY_SCALE if args.near_identity_scale is None else args.near_identity_scale
     make_near_identity(model, args.near_identity_after, scale)

@@ -240,24 +240,3 @@ def kernel_rows(dtype: str) -> list[dict]:
     shapes = [(n, SMOL_HIDDEN, GPU_BOTTLENECK) for n in CPU_SMOL_ROWS]
     shapes += [(n, GPU_HIDDEN, GPU_BOTTLENECK) for n in CPU_8B_ROWS]
     return microbench(shapes, getattr(torch, dtype), "cpu")
-
-
-def format_kernels(result: dict) -> str:
-    """Markdown table of `bench --kernels`; GPU results add host time and the roofline columns."""
-    rows = result["rows"]
-    keys = ["rows", "hidden", "bottleneck", "dtype", "backend", "kernel_us", "torch_us", "speedup"]
-    gpu = bool(rows) and "copy_gbps" in rows[0]
-    lines = []
-    if gpu:
-        first = rows[0]
-        lines += [f"{first['device_name']}: copy {first['copy_gbps']:.0f} GB/s, bf16 matmul "
-                  f"{first['matmul_tflops']:.0f} TFLOP/s (measured in the same run); µs are device time "
-                  f"({first['timing']}), host µs what the caller spends per call.", ""]
-        keys = ["rows", "hidden", "dtype", "kernel_us", "kernel_host_us", "torch_us", "speedup", "kernel_gbps",
-                "copy_share", "kernel_tflops", "matmul_share", "bound", "roofline_share"]
-    lines += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    formats = {"copy_share": ".1%", "matmul_share": ".1%", "roofline_share": ".1%", "kernel_tflops": ".2f"}
-    for r in rows:
-        cells = [format(r[k], formats.get(k, ".1f")) if isinstance(r[k], float) else str(r[k]) for k in keys]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)

@@ -209,16 +209,3 @@ def with_ideal_ratios(rows: list[dict], depth: int) -> list[dict]:
         if f"exit at {depth}" in r["config"] and key in ideal and min(ideal[key], r["ms_per_token"]) > 0:
             r["vs_ideal"] = ideal[key] / r["ms_per_token"]
     return rows
-
-
-def format_synthetic(result: dict) -> str:
-    lines = [f"{result['shape']} ({result['dtype']}, random weights) on {result['device']}, prompt "
-             f"{result['prompt_len']}, {result['new_tokens']} tokens, median of {result['reps']}", "",
-             "| configuration | batch | path | ms / token | vs stock | vs ideal |", "|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        ideal = f"{r['vs_ideal']:.2f}" if "vs_ideal" in r else ""
-        path = "compiled static" if r["compiled"] else "eager"
-        ms, vs_stock = ((f"{r['ms_per_token']:.2f}", "" if r["vs_stock"] is None else f"{r['vs_stock']:.3f}")
-                        if r["ms_per_token"] > 0 else ("below noise", ""))
-        lines.append(f"| {r['config']} | {r['batch_size']} | {path} | {ms} | {vs_stock} | {ideal} |")
-    return "\n".join(lines)

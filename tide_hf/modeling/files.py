@@ -65,10 +65,14 @@ def check_save_target(path: Path, overwrite: bool) -> None:
         return
     if not path.is_dir():
         raise TideRouterFileError(f"cannot save a TIDE router to {path}: it exists and is not a folder")
-    names = sorted(p.name for p in path.iterdir())
-    if not names:
+    try:
+        names = sorted(p.name for p in path.iterdir())
+        router = bool(names) and is_router_folder(path)
+    except FileNotFoundError:
         return
-    if not is_router_folder(path):
+    if not names or not path.exists():  # moved away meanwhile (another save's two-move replace): as if missing
+        return
+    if not router:
         shown = ", ".join(names[:SHOWN_FILES]) + (", ..." if len(names) > SHOWN_FILES else "")
         raise TideRouterFileError(
             f"refusing to save a TIDE router into {path}: the folder holds files that are not a TIDE router "

@@ -1,0 +1,179 @@
+"""Markdown tables of the result JSON that `tide-hf analyze` / `tide-hf bench` write: kept apart from the
+measurements (no torch, no model code), so `python -m tide_hf.eval.report` renders the README in a moment."""
+
+from __future__ import annotations
+
+
+def format_table(result: dict) -> str:
+    """Markdown tables of a bench result (the README shows these)."""
+    lines = ["| batch | stock tok/s | TIDE (exits off) tok/s | ratio |", "|---|---|---|---|"]
+    for r in result["overhead"]:
+        lines.append(f"| {r['batch_size']} | {r['stock_tok_s']:.1f} | {r['tide_tok_s']:.1f} | {r['ratio']:.3f} |")
+    rows = result["quality"]["rows"]
+    named = len({r.get("router") for r in rows}) > 1  # a router column only where it tells rows apart
+    lines += ["", f"stock perplexity {result['quality']['stock_perplexity']:.3f}", "",
+              "| " + "router | " * named + "label | threshold | decode exit rate | mean layers | greedy exact | "
+              "greedy prefix | ppl change | speed vs stock |",
+              "|---" * (8 + named) + "|"]
+    for r in rows:
+        lines.append("| " + (f"{r['router']} | " if named else "") + f"{r['label']} | {r['threshold']} | "
+                     f"{r['decode_exit_rate']:.1%} | "
+                     f"{r['decode_mean_layers']:.2f} | "
+                     f"{r['greedy_exact_match']:.1%} | {r['greedy_prefix_match']:.1%} | "
+                     f"{r['perplexity_change']:+.2%} | "
+                     f"{r['speed_ratio']:.3f} |")
+    return "\n".join(lines)
+
+
+def format_modes(result: dict) -> str:
+    """Markdown tables of the modes section."""
+    lines = ["| exit depth | kv | stock ms/step | ideal ms/step | skip ms/step | speedup vs stock | realized / ideal |",
+             "|---|---|---|---|---|---|---|"]
+    for r in result["forced"]["rows"]:
+        lines.append(f"| {r['depth']} | {r['kv']} | {r['stock_step_ms']:.1f} | {r['ideal_step_ms']:.1f} | "
+                     f"{r['skip_step_ms']:.1f} | {r['speedup_vs_stock']:.2f} | {r['realized_over_ideal']:.2f} |")
+    lines += ["", "| kv | threshold | mean executed layers | speedup vs stock | realized / ideal | greedy exact | "
+              "greedy prefix | ppl change |", "|---|---|---|---|---|---|---|---|"]
+    for r in result["mixed"]["rows"]:
+        lines.append(f"| {r['kv']} | {r['threshold']} | {r['mean_executed_layers']:.2f} | "
+                     f"{r['speedup_vs_stock']:.2f} | "
+                     f"{r['realized_over_ideal']:.2f} | {r['greedy_exact_match']:.1%} | "
+                     f"{r['greedy_prefix_match']:.1%} | "
+                     f"{r['perplexity_change']:+.2%} |")
+    if result.get("speculative"):
+        lines += ["", format_speculative(result["speculative"])]
+    return "\n".join(lines)
+
+
+def format_speculative(spec: dict) -> str:
+    """Markdown table of the speculative section (results written before the drafting policy lack its
+    columns: shown as "-")."""
+    def cell(key: str, fmt: str) -> str:
+        return "-" if spec.get(key) is None else format(spec[key], fmt)
+
+    return "\n".join([
+        "| speculative | draft layer (vocabulary) | speed vs stock | `assistant_early_exit` speed | "
+        "acceptance per token | "
+        "mean draft length (planned) | optimal length | optimum E | realized / optimum | "
+        "divergence (ours / assisted) | identical (batched) |", "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| {spec['prompts']} prompts x {spec['reps']} reps | "
+        f"{spec['draft_layer']} ({spec.get('draft_vocab') or 'all'}) | "
+        f"{spec['speed_ratio']:.3f} | "
+        f"{cell('assisted_speed_ratio', '.3f')} (layer {spec.get('assisted_layer', '-')}) | "
+        f"{cell('acceptance_per_token', '.1%')} | {spec['mean_draft_length']:.2f} "
+        f"({cell('mean_planned_length', '.2f')}) | {cell('optimal_draft_length', 'd')} | "
+        f"{cell('optimal_speedup', '.3f')} | {cell('realized_over_optimum', '.2f')} | "
+        f"{cell('divergence', '.1%') if 'divergence' in spec else ('0' if spec['identical_all_prompts'] else '> 0')}"
+        f" / {cell('assisted_divergence', '.1%')} | "
+        f"{spec['identical_batched']} ({spec['batched_rows']} rows) |"])
+
+
+def format_baselines(result: dict) -> str:
+    """Markdown table of every point, then the verdict per TIDE threshold."""
+    lines = [f"stock perplexity {result['stock']['perplexity']:.3f}; static skipping drops, in order: "
+             + ", ".join(f"{o['layer']} ({o['agreement']:.1%})" for o in result["static_skip_order"]), "",
+             "| method | setting | decode layers | text layers | greedy exact | greedy prefix | ppl change "
+             "| speed vs stock |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['method']} | {r['param']} | {r['decode_mean_layers']:.2f} | "
+                     f"{r['text_mean_layers']:.2f} | "
+                     f"{r['greedy_exact_match']:.1%} | {r['greedy_prefix_match']:.1%} | "
+                     f"{r['perplexity_change']:+.1%} | "
+                     f"{r['speed_ratio']:.2f} |")
+    lines += ["", "| TIDE threshold | quality measure | TIDE | TIDE layers | "
+              "best baseline at equal or better quality | "
+              "its quality | its layers | TIDE saves more |", "|---|---|---|---|---|---|---|---|"]
+    for v in result["verdict"]:
+        fmt = "{:.1%}" if v["quality"] == "greedy_prefix_match" else "{:+.1%}"
+        theirs = "-" if v["baseline_quality"] is None else fmt.format(v["baseline_quality"])
+        layers = "-" if v["baseline_layers"] is None else f"{v['baseline_layers']:.2f}"
+        lines.append(f"| {v['threshold']} | {v['quality']} | {fmt.format(v['tide_quality'])} | "
+                     f"{v['tide_layers']:.2f} | "
+                     f"{v['best_baseline'] or 'none'} | {theirs} | {layers} | "
+                     f"{'yes' if v['tide_saves_more'] else 'no'} |")
+    if result.get("at_perplexity"):
+        lines += ["", "| perplexity change at most | TIDE layers saved | TIDE setting | best baseline | "
+                  "its layers saved | TIDE / baseline |", "|---|---|---|---|---|---|"]
+        for a in result["at_perplexity"]:
+            def cell(value: float | None, fmt: str = "{:.2f}") -> str:
+                return "-" if value is None else fmt.format(value)
+            lines.append(f"| +{a['level']:.0%} | {cell(a['tide'])} | {a['tide_setting'] or '-'} | "
+                         f"{a['best_baseline'] or 'none'} | {cell(a['baseline_saved'])} | {cell(a['ratio'])} |")
+    return "\n".join(lines)
+
+
+def format_analysis(result: dict, convergence: bool = True) -> str:
+    """Markdown: per-layer table and oracle table (unless `convergence` is False: they describe the model and
+    text, not the router), and router efficiency when present."""
+    lines: list[str] = []
+    if convergence:
+        conv = result["convergence"]
+        lines += [f"{conv['title']}", "", "| layer | mean cosine | cos > threshold | top-1 agreement | mean KL |",
+                  "|---|---|---|---|---|"]
+        for r in conv["layers"]:
+            mark = " (checkpoint)" if r["layer"] in conv["checkpoints"] else ""
+            lines.append(f"| {r['layer']}{mark} | {r['mean_cosine']:.3f} | {r['cosine_label_rate']:.1%} | "
+                         f"{r['top1_agreement']:.1%} | {r['mean_kl']:.3f} |")
+        lines += ["", f"oracle over checkpoints {conv['checkpoints']} ({conv['num_layers']} layers):", "",
+                  "| top-1 agreement | mean layers | layers saved |", "|---|---|---|"]
+        lines += [f"| {o['agreement']:.1%} | {o['mean_layers']:.2f} | {o['layers_saved']:.2f} |"
+                  for o in conv["oracle"]]
+    eff = result.get("efficiency")
+    if eff:
+        lines += [""] * bool(lines) + [f"router efficiency on the model's own greedy text ({eff['tokens']} tokens):",
+                                        "", "| threshold | agreement | layers saved | oracle saves | efficiency |",
+                                        "|---|---|---|---|---|"]
+        for r in eff["router"]:
+            e = "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}"
+            lines.append(f"| {r['threshold']} | {r['agreement']:.1%} | {r['layers_saved']:.2f} | "
+                         f"{r['oracle_layers_saved']:.2f} | {e} |")
+        if eff.get("targets"):
+            lines += ["", f"quality targets (per-checkpoint thresholds, confidence {eff['confidence']}): agreement "
+                      "delivered on the model's own greedy text and on held-out text "
+                      f"({eff.get('heldout_tokens', 0)} teacher-forced tokens):", "",
+                      "| target | greedy text: agreement | layers saved | oracle saves | efficiency | "
+                      "held-out text: agreement | layers saved |", "|---|---|---|---|---|---|---|"]
+            held = {r["target"]: r for r in eff.get("heldout_targets", [])}
+            for r in eff["targets"]:
+                e = "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}"
+                h = held.get(r["target"])
+                tail = f"{h['agreement']:.1%} | {h['layers_saved']:.2f}" if h else "- | -"
+                lines.append(f"| {r['target']} | {r['agreement']:.1%} | {r['layers_saved']:.2f} | "
+                             f"{r['oracle_layers_saved']:.2f} | {e} | {tail} |")
+    return "\n".join(lines)
+
+
+def format_kernels(result: dict) -> str:
+    """Markdown table of `bench --kernels`; GPU results add host time and the roofline columns."""
+    rows = result["rows"]
+    keys = ["rows", "hidden", "bottleneck", "dtype", "backend", "kernel_us", "torch_us", "speedup"]
+    gpu = bool(rows) and "copy_gbps" in rows[0]
+    lines = []
+    if gpu:
+        first = rows[0]
+        lines += [f"{first['device_name']}: copy {first['copy_gbps']:.0f} GB/s, bf16 matmul "
+                  f"{first['matmul_tflops']:.0f} TFLOP/s (measured in the same run); µs are device time "
+                  f"({first['timing']}), host µs what the caller spends per call.", ""]
+        keys = ["rows", "hidden", "dtype", "kernel_us", "kernel_host_us", "torch_us", "speedup", "kernel_gbps",
+                "copy_share", "kernel_tflops", "matmul_share", "bound", "roofline_share"]
+    lines += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    formats = {"copy_share": ".1%", "matmul_share": ".1%", "roofline_share": ".1%", "kernel_tflops": ".2f"}
+    for r in rows:
+        cells = [format(r[k], formats.get(k, ".1f")) if isinstance(r[k], float) else str(r[k]) for k in keys]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_synthetic(result: dict) -> str:
+    """Markdown table of a `--synthetic` run (rows below the timer's noise are named so, not given a ratio)."""
+    lines = [f"{result['shape']} ({result['dtype']}, random weights) on {result['device']}, prompt "
+             f"{result['prompt_len']}, {result['new_tokens']} tokens, median of {result['reps']}", "",
+             "| configuration | batch | path | ms / token | vs stock | vs ideal |", "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        ideal = f"{r['vs_ideal']:.2f}" if "vs_ideal" in r else ""
+        path = "compiled static" if r["compiled"] else "eager"
+        ms, vs_stock = ((f"{r['ms_per_token']:.2f}", "" if r["vs_stock"] is None else f"{r['vs_stock']:.3f}")
+                        if r["ms_per_token"] > 0 else ("below noise", ""))
+        lines.append(f"| {r['config']} | {r['batch_size']} | {path} | {ms} | {vs_stock} | {ideal} |")
+    return "\n".join(lines)

@@ -125,3 +125,32 @@ def test_bad_continuation_settings_are_refused_before_any_forward_pass(model) ->
         calibrate_tokens(model, corpus(), continuation="greedy", continuation_prompt_len=2.5, **FAST)
     with pytest.raises(TideArgumentError, match="needs samples longer than continuation_prompt_len=20"):
         calibrate_tokens(model, corpus(), continuation="greedy", continuation_prompt_len=20, **FAST)
+
+
+def argmax_text(model, sample: torch.Tensor) -> torch.Tensor:
+    """The model's own argmax, one forward per token over the whole text (no generate, no cache)."""
+    ids = sample[:PROMPT]
+    with torch.no_grad():
+        while len(ids) < len(sample):
+            ids = torch.cat([ids, model(ids[None]).logits[0, -1].argmax()[None]])
+    return ids
+
+
+def test_greedy_continuations_ignore_decoding_settings_of_the_models_generation_config() -> None:
+    """A generation config with a repetition penalty, beams, an n-gram ban or return_dict_in_generate made
+    "greedy" continuations something else (or a crash); they are the model's argmax, and its config is left as
+    it was."""
+    model = make_tiny_llama()
+    model.generation_config.eos_token_id = None
+    samples = [s for s in corpus() if len(s) > PROMPT]
+    for setting in (dict(repetition_penalty=5.0), dict(num_beams=3), dict(no_repeat_ngram_size=1),
+                    dict(return_dict_in_generate=True, output_scores=True)):
+        for key, value in setting.items():
+            setattr(model.generation_config, key, value)
+        before = model.generation_config.to_dict()
+        written, _ = continue_samples(model, samples, config("greedy"), batch_size=3, pad_id=0, progress=False)
+        assert model.generation_config.to_dict() == before
+        for s, w in zip(samples, written):
+            assert torch.equal(w, argmax_text(model, s)), setting
+        for key in setting:
+            setattr(model.generation_config, key, getattr(type(model.generation_config)(), key))

@@ -512,3 +512,15 @@ def test_smollm2_identity_and_exit_semantics(smollm2):
     finally:
         handle.detach()
     assert hooks(model) == stock_hooks
+
+
+def test_attaching_to_a_pipeline_points_to_its_model(word_tokenizer):
+    """`attach(pipe, router)` was an AttributeError ('TextGenerationPipeline' object has no attribute 'config')."""
+    from transformers import pipeline
+
+    model = make_model()
+    pipe = pipeline("text-generation", model=model, tokenizer=word_tokenizer)
+    with pytest.raises(tide_hf.TideArgumentTypeError, match="TextGenerationPipeline; for a pipeline, pass pipe.model"):
+        tide_hf.attach(pipe, new_router(model))
+    with tide_hf.attach(pipe.model, new_router(model)):
+        assert tide_hf.get_handle(model) is not None

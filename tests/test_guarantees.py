@@ -45,7 +45,7 @@ def test_calibrate_rejects_misspelled_keyword(model, text_folder) -> None:
     ({"min_layers": 2.5}, TypeError, "min_layers"),
     ({"min_layers": 0}, ValueError, "min_layers"),
     ({"mode": ["select"]}, ValueError, "mode"),
-    ({"draft_layer": 1.5}, TypeError, "draft_layer"),
+    ({"mode": "speculative", "draft_layer": 1.5}, TypeError, "draft_layer"),
 ])
 def test_attach_rejects_bad_options(model, kwargs, error, name) -> None:
     router = new_router(model)

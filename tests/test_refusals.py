@@ -627,3 +627,39 @@ def test_attach_takes_a_router_folder_and_names_missing_paths(tmp_path: Path) ->
     for missing in (str(tmp_path / "nofile.txt"), "./nofile.jsonl", "~/no/such/folder", tmp_path / "folder"):
         with pytest.raises(TideMissingError, match="no such file or folder"):
             tide_hf.load_texts(missing)
+
+
+def test_what_is_not_a_model_is_named() -> None:
+    """A model id or None was a raw TypeError from the registry's weak references (a pipeline: see
+    test_generate.py); a bad handle_class was a TypeError from calling it."""
+    model = make_model()
+    router = new_router(model)
+    for bad in (None, "HuggingFaceTB/SmolLM2-135M"):
+        for call in (lambda: tide_hf.attach(bad, router), lambda: tide_hf.detach(bad),
+                     lambda: tide_hf.last_stats(bad)):
+            with pytest.raises(TideArgumentTypeError, match=r"model must be a torch.nn.Module .*got (NoneType|str)"):
+                call()
+    with pytest.raises(TideArgumentTypeError, match="handle_class must be a TideHandle subclass, got <class 'int'>"):
+        tide_hf.attach(model, router, handle_class=int)
+    assert tide_hf.get_handle(model) is None and hooks(model) == hooks(make_model())
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (dict(mode="select", kv="recompute"), r"kv='recompute' applies to mode='skip' only"),
+    (dict(mode="speculative", kv="propagate"), r"kv='propagate' applies to mode='skip' only"),
+    (dict(mode="select", draft_layer=4), r"draft_layer=4 applies to mode='speculative' only"),
+    (dict(mode="skip", draft_layer=4), r"draft_layer=4 applies to mode='speculative' only"),
+])
+def test_an_option_the_mode_never_reads_is_refused(options: dict, message: str) -> None:
+    """kv= in select / speculative mode and draft_layer= outside speculative mode were accepted and ignored."""
+    model = make_model()
+    with pytest.raises(TideArgumentError, match=message):
+        tide_hf.attach(model, new_router(model), **options)
+    assert tide_hf.get_handle(model) is None
+
+
+def test_a_numpy_bool_for_tide_is_named_with_its_value() -> None:
+    """`tide=np.bool_(True)` was refused as 'takes True/False ...; got bool', contradicting itself."""
+    model = make_model()
+    with pytest.raises(TideArgumentTypeError, match=r"got np\.True_ \(bool\)"):
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, tide=np.bool_(True))

@@ -611,8 +611,9 @@ def test_statistics_count_like_select_mode(case):
             **({"num_beams": 2} if case == "beams" else {})}
     counts = {}
     for mode, gate in (("select", "never"), ("speculative", "always")):
+        drafting = {"draft_layer": 4} if mode == "speculative" else {}
         with torch.no_grad(), tide_hf.attach(model, make_router(model, gate), mode=mode, exit_threshold=0.5,
-                                             draft_layer=4) as handle:
+                                             **drafting) as handle:
             model.generate(ids, **call)
             stats = handle.last_stats
         counts[mode] = (stats.prefill.tokens, stats.decode.tokens)

@@ -4,6 +4,8 @@ Speculative mode hands its candidates to stock assisted decoding through the ins
 looks up (`_get_candidate_generator`), reads a call's settings as generate merges them
 (`_prepare_generation_config`), extends a prompt's model kwargs to a draft with stock's own helpers,
 reads the EOS ids generate prepared, and refuses the models transformers marks stateful (`_is_stateful`).
+Calibration's continuations reset a model's decoding settings to the values generate fills in for unset ones
+(`GenerationConfig._get_default_generation_params`).
 Compiled skip mode reads transformers' output-capture collector the way transformers' own compiled forward
 does. Calibration records the Hub revision a model was loaded
 from (`config._commit_hash`). transformers 5.24 renamed the KV cache's keyword, generate's model kwarg and the
@@ -20,7 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from transformers import GenerationMixin
+from transformers import GenerationConfig, GenerationMixin
 from transformers.generation.candidate_generator import (
     _prepare_attention_mask,
     _prepare_position_ids,
@@ -73,6 +75,12 @@ def merged_generation_config(model: Any, kwargs: dict[str, Any]) -> Any:
         warnings.simplefilter("ignore")
         config, _ = model._prepare_generation_config(kwargs.get("generation_config"), **quiet)
     return config
+
+
+def default_generation_settings() -> dict[str, Any]:
+    """The values generate gives settings that neither the model nor the call sets (a `GenerationConfig` leaves
+    them None and generate fills them in: greedy, one beam, no penalty)."""
+    return {**GenerationConfig().to_dict(), **GenerationConfig._get_default_generation_params()}
 
 
 def is_stateful(model: Any) -> bool:

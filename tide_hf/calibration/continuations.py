@@ -22,16 +22,32 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..compat import default_generation_settings
 from ..config import TideRouterConfig
 from ..errors import TideArgumentError
 from ..modeling.devices import execution_device
 from .distributed import local_starts
+
+# generation-config fields a continuation keeps from the model (they choose no token; max_new_tokens is set here)
+KEPT_SETTINGS = frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "max_length",
+                           "use_cache", "cache_implementation", "cache_config", "transformers_version"})
 
 
 def end_ids(model: nn.Module) -> torch.Tensor:
     """The model's end-of-sequence token ids (none when its generation config names none)."""
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     return torch.as_tensor([] if eos is None else eos, dtype=torch.long).reshape(-1)  # an int, a list or a tensor
+
+
+def plain_decoding(model: nn.Module) -> dict[str, Any]:
+    """What the model's generation config sets away from transformers' defaults (a repetition penalty, beams,
+    n-gram bans, return_dict_in_generate, ...), reset to the defaults: the continuations are the model's own argmax
+    or full distribution. Token ids, lengths and cache settings, which choose no token, stay the model's."""
+    own = getattr(model, "generation_config", None)
+    if own is None:
+        return {}
+    default = default_generation_settings()
+    return {k: default[k] for k in own.to_diff_dict() if k not in KEPT_SETTINGS and k in default}
 
 
 def cut_at_end(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
@@ -59,7 +75,7 @@ def continue_samples(model: nn.Module, samples: list[torch.Tensor], cfg: TideRou
                                 f"{prompt_len} tokens (the longest has {max(len(s) for s in samples)}): raise seq_len "
                                 "or lower continuation_prompt_len")
     sample = cfg.continuation == "sample"
-    settings: dict[str, Any] = {"do_sample": sample, "pad_token_id": pad_id}
+    settings: dict[str, Any] = {**plain_decoding(model), "do_sample": sample, "pad_token_id": pad_id}
     if sample:  # the model's own distribution, whatever its generation config says
         settings.update(temperature=1.0, top_k=0, top_p=1.0)
     eos, device = end_ids(model), execution_device(model.get_input_embeddings())

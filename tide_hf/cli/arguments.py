@@ -140,9 +140,10 @@ def add_calibration_args(p: argparse.ArgumentParser, rank_default: str) -> None:
     p.add_argument("--max-train-tokens", type=int, default=d.max_train_tokens,
                    help="tokens kept per checkpoint, on average (each with probability max / total; sets memory)")
     p.add_argument("--exit-threshold", type=float, default=d.exit_threshold,
-                   help="global router score at which a token exits, used only without a quality target "
-                        "(attach with min_agreement=None, or routers without exit paths); saved in the router, "
-                        "and the card's validation table is taken at it")
+                   help="global router score at which a token exits, used only where no quality target is in "
+                        "effect (a router loaded with min_agreement=None, or one without exit paths); "
+                        "attach(exit_threshold=...) overrides it per attach; saved in the router, and the card's "
+                        "validation table is taken at it")
     p.add_argument("--min-layers", type=int, default=None,
                    help="no exit before this many layers (default: the first checkpoint)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of sampling, the split and training")

@@ -17,6 +17,7 @@ import functools
 import hashlib
 import inspect
 import os
+import reprlib
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -72,7 +73,7 @@ def resolve_router(tide: Any) -> TideRouter:
             return _load_router(os.path.realpath(name), _folder_version(name))
         return _load_router(name, ())
     raise TideArgumentTypeError(f"tide= takes True/False, a TideRouter, a local folder or a Hub repo id; "
-                                f"got {type(tide).__name__}")
+                                f"got {reprlib.repr(tide)} ({type(tide).__name__})")
 
 
 def _eos_ids(config: Any) -> torch.Tensor | None:

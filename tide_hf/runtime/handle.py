@@ -311,7 +311,7 @@ def attach(
     model: nn.Module, router: TideRouter | str | os.PathLike, *,
     min_agreement: float | None = None, max_perplexity_increase: float | None = None, confidence: float | None = None,
     exit_threshold: float | None = None, min_layers: int | None = None,
-    mode: str = "select", kv: str = "propagate", draft_layer: int | None = None,
+    mode: str = "select", kv: str | None = None, draft_layer: int | None = None,
     ignore_fingerprint: bool = False, handle_class: type[TideHandle] = TideHandle,
 ) -> TideHandle:
     """Attach `router` (a `TideRouter`, or its folder / Hub id) to `model`; stock `generate()`, `pipeline()` and
@@ -322,12 +322,16 @@ def attach(
     `max_perplexity_increase` (e.g. 0.05 for +5 %), met with probability `confidence` by per-checkpoint
     thresholds from the router's calibrated exit paths (`tide_hf.modeling.targets`); else the router's
     default target (`config.min_agreement`); else, for routers calibrated before exit paths existed, the
-    router's global `exit_threshold`. `min_layers` defaults to the router's; `mode`, `kv` and `draft_layer`
-    are described in `TideOptions`. `handle_class` is a `TideHandle` subclass that scores checkpoints
-    differently (the bench's softmax-confidence baseline). Everything is checked before the model is
+    router's global `exit_threshold`. `min_layers` defaults to the router's; `mode`, `kv` (skip mode only;
+    None: "propagate") and `draft_layer` (speculative mode only) are described in `TideOptions`.
+    `handle_class` is a `TideHandle` subclass that scores checkpoints differently (the bench's
+    softmax-confidence baseline). Everything is checked before the model is
     touched: options in range, the router made for this model, and in speculative mode with a draft
     vocabulary the adapter's head against the model's own logits (`check_head`, one tiny forward).
     """
+    check_model(model)
+    if not (isinstance(handle_class, type) and issubclass(handle_class, TideHandle)):
+        raise TideArgumentTypeError(f"handle_class must be a TideHandle subclass, got {handle_class!r}")
     if isinstance(router, (str, os.PathLike)):
         router = TideRouter.from_pretrained(router)
     elif not isinstance(router, TideRouter):
@@ -365,7 +369,7 @@ def attach_for_call(model: nn.Module, router: TideRouter) -> TideHandle:
 def _build(model: nn.Module, router: TideRouter, *, min_agreement: float | None = None,
            max_perplexity_increase: float | None = None, confidence: float | None = None,
            exit_threshold: float | None = None, min_layers: int | None = None, mode: str = "select",
-           kv: str = "propagate", draft_layer: int | None = None, ignore_fingerprint: bool = False,
+           kv: str | None = None, draft_layer: int | None = None, ignore_fingerprint: bool = False,
            handle_class: type[TideHandle] = TideHandle, owner: int | None = None) -> TideHandle:
     """Check everything, then hook the model (the caller holds the registry lock and registers the handle)."""
     adapter = get_adapter(model)
@@ -379,8 +383,18 @@ def _build(model: nn.Module, router: TideRouter, *, min_agreement: float | None 
                         ignore_fingerprint=ignore_fingerprint)
 
 
+def check_model(model: Any) -> None:
+    """Refuse what is not a torch module (the registries hold models by weak reference: a raw TypeError)."""
+    if isinstance(model, nn.Module):
+        return
+    hint = "; for a pipeline, pass pipe.model" if isinstance(getattr(model, "model", None), nn.Module) else ""
+    raise TideArgumentTypeError(f"model must be a torch.nn.Module (a transformers model), got "
+                                f"{type(model).__name__}{hint}")
+
+
 def get_handle(model: nn.Module) -> TideHandle | None:
     """The handle of the router attached to `model`, if any."""
+    check_model(model)
     ref = _HANDLES.get(model)
     return ref() if ref is not None else None
 
@@ -394,4 +408,5 @@ def detach(model: nn.Module) -> None:
 
 def last_stats(model: nn.Module) -> ExitStats | None:
     """Exit statistics of the latest TIDE call on `model`, also after an on-the-fly `tide=` attach."""
+    check_model(model)
     return _LAST_STATS.get(model)

@@ -10,6 +10,21 @@ from ..errors import TideArgumentError
 from ..modeling.targets import check_served, select
 
 
+def check_mode_options(rest: dict[str, Any]) -> None:
+    """Refuse an option the chosen mode never reads (it was accepted and ignored): `kv` says how skip mode fills
+    the cache of the layers it skips, `draft_layer` where speculative mode drafts. `kv=None` is the default,
+    "propagate"."""
+    mode = rest.get("mode", "select")
+    if rest.get("kv") is None:
+        rest["kv"] = "propagate"
+    elif mode != "skip":
+        raise TideArgumentError(f"kv={rest['kv']!r} applies to mode='skip' only (how the cache of the layers it "
+                                f"skips is filled); mode={mode!r} runs them")
+    if rest.get("draft_layer") is not None and mode != "speculative":
+        raise TideArgumentError(f"draft_layer={rest['draft_layer']!r} applies to mode='speculative' only (the "
+                                f"checkpoint it drafts at); mode={mode!r} does not draft")
+
+
 @dataclass(frozen=True)
 class TideOptions:
     """Serving options of one attach: how eagerly tokens exit and what an exit saves.
@@ -41,6 +56,7 @@ class TideOptions:
         chosen in order of precedence: an explicit global `exit_threshold`; else the quality target (per-checkpoint
         thresholds from the router's exit paths, `tide_hf.modeling.targets`); else the router's default target;
         else, for routers calibrated before exit paths existed, the router's global `exit_threshold`."""
+        check_mode_options(rest)
         targeted = min_agreement is not None or max_perplexity_increase is not None
         if exit_threshold is not None and (targeted or confidence is not None):
             raise TideArgumentError("give either exit_threshold (one global threshold) or a quality target "

@@ -214,3 +214,59 @@ def test_bench_evaluates_several_routers_on_documents_none_of_them_read(tmp_path
     with pytest.raises(TideDataError, match="held-out text too short"):  # no more than the documents both left
         evaluation_text(tok, str(tmp_path), routers, num_prompts=len(both) + 1, prompt_len=16, num_chunks=1,
                         chunk_len=8)
+
+
+def test_a_dataframe_is_read_by_its_column_and_a_set_is_refused(records: Path) -> None:
+    """A DataFrame was read as its column names (['text', 'id'], two 'documents'); a set was read in an order that
+    changes with PYTHONHASHSEED, so the seeded samples did too."""
+    pandas = pytest.importorskip("pandas")
+    frame = pandas.DataFrame({"text": DOCS, "id": range(len(DOCS))})
+    assert load_texts(frame) == load_texts(str(records)) == DOCS
+    with pytest.raises(TideDataError, match=r"no column 'body'; columns: \['text', 'id'\]"):
+        load_texts(frame, text_field="body")
+    with pytest.raises(TideArgumentTypeError, match="dataset is a set: its order changes"):
+        load_texts(set(DOCS))
+
+
+def test_a_folder_is_read_whatever_the_extensions_case_without_hidden_files_or_byte_order_marks(tmp_path: Path
+                                                                                                ) -> None:
+    """`B.TXT` was skipped without a word (named alone, it was refused), `.ipynb_checkpoints/a-checkpoint.txt` was
+    read as a document, and a UTF-8 byte-order mark became the first character of the text."""
+    folder = tmp_path / "docs"
+    (folder / ".ipynb_checkpoints").mkdir(parents=True)
+    (folder / "a.txt").write_text(DOCS[0])
+    (folder / "B.TXT").write_bytes(b"\xef\xbb\xbf" + DOCS[1].encode())
+    (folder / ".ipynb_checkpoints" / "a-checkpoint.txt").write_text("a stale copy")
+    (folder / "__pycache__").mkdir()
+    (folder / "__pycache__" / "notes.txt").write_text("not a document")
+    assert load_texts(str(folder)) == [DOCS[1], DOCS[0]]  # files in sorted order: "B.TXT" < "a.txt"
+    assert load_texts(str(folder / "B.TXT")) == [DOCS[1]]
+
+
+def test_a_tokenizer_that_is_no_tokenizer_or_ids_outside_the_embeddings_are_named(records: Path) -> None:
+    """A model id or None as the tokenizer was a TypeError ('str' object is not callable); a pad token added
+    without resizing the embeddings (or another model's tokenizer) an IndexError deep in the forward."""
+    model = make_tiny_llama()  # 256 embeddings
+    for bad in (None, "HuggingFaceTB/SmolLM2-135M"):
+        with pytest.raises(TideArgumentTypeError, match=f"tokenizer must be a tokenizer .*got {type(bad).__name__}"):
+            tide_hf.calibrate(model, bad, str(records), num_samples=4, **FAST)
+
+    class AddedPad(ByteTokenizer):
+        pad_token_id = 256  # tokenizer.add_special_tokens({"pad_token": ...}) without model.resize_token_embeddings
+
+    class Wider(ByteTokenizer):
+        def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+            return {"input_ids": [300 + b for b in text.encode("utf-8")]}
+
+    with pytest.raises(TideArgumentError, match=r"must be in \[0, 256\) .* 3\d\.\.1\d\d, its pad id is 256 .*resize"):
+        tide_hf.calibrate(model, AddedPad(), str(records), num_samples=4, **FAST)
+    with pytest.raises(TideArgumentError, match=r"must be in \[0, 256\) .* 3\d\d\.\.4\d\d, its pad id is 0"):
+        tide_hf.calibrate(model, Wider(), str(records), num_samples=4, **FAST)
+
+    class NoPad:  # a tokenizer-like callable without the attribute: pads with 0, as one whose pad_token_id is None
+        def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+            return ByteTokenizer()(text, add_special_tokens)
+
+    with pytest.warns(UserWarning, match="TIDE calibration"):
+        router = tide_hf.calibrate(model, NoPad(), str(records), num_samples=12, **FAST)
+    assert router.config.num_samples == 12

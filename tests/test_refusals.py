@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import constant_router, hooks, left_padded, make_model, mixed_router, new_router
+from helpers import ByteTokenizer, constant_router, hooks, left_padded, make_model, mixed_router, new_router
 from transformers import (
     Gemma2Config,
     Gemma2ForCausalLM,
@@ -190,7 +190,7 @@ def test_deliberate_errors_are_tide_errors() -> None:
 def test_empty_dataset_name_is_refused_not_replaced() -> None:
     model = make_model()
     with pytest.raises(TideArgumentError, match="dataset is an empty name"):
-        tide_hf.calibrate(model, object(), "", num_samples=4, seq_len=8)
+        tide_hf.calibrate(model, ByteTokenizer(), "", num_samples=4, seq_len=8)
 
 
 def test_recompute_refuses_decoding_that_edits_the_cache() -> None:

@@ -24,19 +24,26 @@ _BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", "
 # What `save_to_disk` leaves in a folder: a Dataset's state, or a DatasetDict's list of splits.
 _SAVED_MARKERS = ("state.json", "dataset_dict.json")
 ACCEPTED = ("a local .txt / .jsonl file or folder, a Hub dataset name, None (WikiText-103), a list (or other "
-            "iterable) of strings, or a datasets Dataset / IterableDataset / DatasetDict")
+            "ordered iterable) of strings, a datasets Dataset / IterableDataset / DatasetDict, or a pandas DataFrame")
+
+
+def _hidden(path: Path, root: Path) -> bool:
+    """`path` is inside `root` under a hidden name (`.ipynb_checkpoints/`, `.git/`, `__pycache__/`, `.draft.txt`):
+    not read from a folder, as `datasets` skips such files in its own data files."""
+    return any(part.startswith((".", "__")) for part in path.relative_to(root).parts)
 
 
 def _local_files(path: Path) -> tuple[str, list[str]]:
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _BUILDERS) if path.is_dir() else [path]
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in _BUILDERS
+                   and not _hidden(p, path)) if path.is_dir() else [path]
     if not files:
         raise TideDataError(f"no text files ({', '.join(_BUILDERS)}) under {path}")
-    builders = {_BUILDERS.get(p.suffix) for p in files}
+    builders = {_BUILDERS.get(p.suffix.lower()) for p in files}
     if None in builders:  # a single file given by name, of a kind not read
         raise TideDataError(f"{path}: not a text file kind tide_hf reads ({', '.join(_BUILDERS)})")
     if len(builders) != 1:
         raise TideDataError(
-            f"{path}: mix of file kinds {sorted({p.suffix for p in files})}; give one kind (text or jsonl)"
+            f"{path}: mix of file kinds {sorted({p.suffix.lower() for p in files})}; give one kind (text or jsonl)"
         )
     return builders.pop(), [str(p) for p in files]
 
@@ -109,7 +116,7 @@ def _read_named(name: str, dataset_config: str | None, split: str) -> Any:
             bad = _undecodable(files) if builder == "json" else None
             if bad:  # pyarrow's JSON reader keeps undecodable bytes: they would fail later, naming no file
                 raise TideDataError(f"could not load calibration dataset {name!r}: {bad}")
-            extra = {"sample_by": "document"} if builder == "text" else {}
+            extra = {"sample_by": "document", "encoding": "utf-8-sig"} if builder == "text" else {}  # BOM: not text
             with quiet_hf(datasets=True):  # local text: no "Downloading data" / "Generating train split" bars
                 return load_dataset(builder, data_files=files, split="train", **extra)
         return load_dataset(name, dataset_config, split=split)
@@ -137,8 +144,8 @@ def _pick_split(data: Any, split: str, name: str) -> Any:
 
 
 def _values(data: Any, name: str, text_field: str) -> tuple[list[Any], str]:
-    """The `text_field` column of a `datasets` Dataset / IterableDataset, or the items of an iterable of texts;
-    and what they are called in messages."""
+    """The `text_field` column of a `datasets` Dataset / IterableDataset or a pandas DataFrame, or the items of an
+    iterable of texts; and what they are called in messages."""
     from datasets import Dataset, IterableDataset
 
     column = f"{text_field!r} values"
@@ -153,6 +160,13 @@ def _values(data: Any, name: str, text_field: str) -> tuple[list[Any], str]:
                 raise TideDataError(f"dataset {name!r} has no column {text_field!r}; columns: {sorted(row)}")
             values.append(row[text_field])
         return values, column
+    if callable(getattr(data, "itertuples", None)) and hasattr(data, "columns"):  # pandas: iterating gives names
+        if text_field not in data.columns:
+            raise TideDataError(f"dataset {name!r} has no column {text_field!r}; columns: {list(data.columns)}")
+        return data[text_field].tolist(), column
+    if isinstance(data, (set, frozenset)):
+        raise TideArgumentTypeError(f"dataset is a {type(data).__name__}: its order changes from one process to the "
+                                    "next, and the seeded samples with it; pass a list (e.g. sorted(texts))")
     if isinstance(data, (bytes, bytearray, Mapping)) or not isinstance(data, Iterable):
         raise TideArgumentTypeError(f"dataset must be {ACCEPTED}; got {type(data).__name__}")
     return list(data), "items"
@@ -171,7 +185,8 @@ def load_texts(
     A local .txt file is one document, a folder of them one document per file; .jsonl / .json files one
     document per record's `text_field`; a folder written by `save_to_disk`, a Hub dataset name (WikiText-103
     when `dataset` is None) or an in-memory `datasets` Dataset / IterableDataset one document per row's
-    `text_field` (a DatasetDict: its `split`); a list or other iterable of strings one document per string.
+    `text_field` (a DatasetDict: its `split`), as does a pandas DataFrame; a list or other ordered iterable of strings
+    one document per string. A folder's hidden files (a name or folder starting with "." or "__") are not read.
     In-memory data is read whole (`IterableDataset.take(n)` bounds a stream). Repeated documents are kept once
     (with a warning): a copy on both sides of the split between training and the threshold split would void the
     quality targets' certificate (`unique=False`: as routers calibrated before that read them, to find their
@@ -186,7 +201,7 @@ def load_texts(
             name = str(sotu_path())
         local = Path(name).expanduser()
         as_path = not isinstance(dataset, str) or local.is_absolute() or name.startswith((".", "~")) \
-            or local.suffix in _BUILDERS  # a Path object, or a name written as one
+            or local.suffix.lower() in _BUILDERS  # a Path object, or a name written as one
         if as_path and not local.exists():
             raise TideMissingDataError(f"calibration dataset {name!r}: no such file or folder (a name written as a "
                                        "path is not looked up on the Hub)")

@@ -147,8 +147,8 @@ def calibrate(
     """Calibrate TIDE routers for `model` on `dataset` and return them as a `TideRouter`.
 
     `dataset`: a local .txt / .jsonl file or folder, a Hub dataset name (None: WikiText-103), or documents in
-    memory (a list or other iterable of strings, a `datasets` Dataset / IterableDataset / DatasetDict with a
-    `text_field` column); see `load_texts`.
+    memory (a list or other ordered iterable of strings, a `datasets` Dataset / IterableDataset / DatasetDict or a
+    pandas DataFrame with a `text_field` column); see `load_texts`.
 
     `config_kwargs` are `TideRouterConfig` fields (label, exit_head, checkpoint_interval, convergence_threshold,
     kl_threshold, router_bottleneck_dim, learning_rate, num_epochs, max_train_tokens, seed, ...); unlike the
@@ -158,14 +158,18 @@ def calibrate(
     Under `accelerate launch`, call it in every process with the same arguments: the processes share the
     forward passes, the main one trains, and every process returns the same router.
     """
+    check_tokenizer(tokenizer)
     check_calibrate_args(num_samples=num_samples, seq_len=seq_len, batch_size=batch_size, config_kwargs=config_kwargs)
     cfg = model_config(model, seq_len, config_kwargs)
     with main_process_first():  # under a launcher, datasets builds its cache once
         texts = load_texts(dataset, dataset_config=dataset_config, split=split, text_field=text_field)
     cfg.dataset, cfg.unique_documents = dataset_label(dataset, split), True
     samples = make_samples(tokenizer, texts, num_samples, seq_len, cfg.seed)
-    return calibrate_config(model, cfg, samples, batch_size=batch_size, pad_id=pad_token_id(tokenizer),
-                            progress=progress)
+    pad_id = pad_token_id(tokenizer)
+    check_token_ids(model, samples, pad_id, "the tokenizer's ids in the samples are", "its pad id",
+                    " (a token added to the tokenizer without model.resize_token_embeddings, or the tokenizer of "
+                    "another model?)")
+    return calibrate_config(model, cfg, samples, batch_size=batch_size, pad_id=pad_id, progress=progress)
 
 
 def calibrate_tokens(model: nn.Module, samples: list[torch.Tensor], *, batch_size: int = 8, pad_id: int = 0,
@@ -177,12 +181,8 @@ def calibrate_tokens(model: nn.Module, samples: list[torch.Tensor], *, batch_siz
             isinstance(s, torch.Tensor) and s.dim() == 1 and len(s) > 0 and not s.is_floating_point()
             and s.dtype != torch.bool for s in samples):
         raise TideArgumentTypeError("samples must be a non-empty list of non-empty 1-D integer token tensors")
-    rows = model.get_input_embeddings().num_embeddings
     check_int("pad_id", pad_id, minimum=0)
-    low, high = min(int(s.min()) for s in samples), max(int(s.max()) for s in samples)
-    if low < 0 or high >= rows or pad_id >= rows:
-        raise TideArgumentError(f"token ids must be in [0, {rows}) for this model's embeddings: samples hold "
-                                f"{low}..{high}, pad_id is {pad_id}")
+    check_token_ids(model, samples, pad_id, "samples hold", "pad_id")
     if "num_samples" in config_kwargs:
         raise TideArgumentTypeError("calibrate_tokens() takes num_samples from len(samples); do not pass it")
     seq_len = max(len(s) for s in samples)
@@ -191,6 +191,25 @@ def calibrate_tokens(model: nn.Module, samples: list[torch.Tensor], *, batch_siz
     cfg = model_config(model, seq_len, config_kwargs)
     return calibrate_config(model, cfg, [s.cpu() for s in samples], batch_size=batch_size, pad_id=pad_id,
                             progress=progress)
+
+
+def check_token_ids(model: nn.Module, samples: list[torch.Tensor], pad_id: int, source: str, pad_name: str,
+                    hint: str = "") -> None:
+    """Refuse token ids (samples' or the pad id) outside the model's embeddings, before any forward (one is an
+    IndexError deep in the embedding lookup)."""
+    rows = model.get_input_embeddings().num_embeddings
+    low, high = min(int(s.min()) for s in samples), max(int(s.max()) for s in samples)
+    if low < 0 or high >= rows or not 0 <= pad_id < rows:
+        raise TideArgumentError(f"token ids must be in [0, {rows}) for this model's embeddings: {source} "
+                                f"{low}..{high}, {pad_name} is {pad_id}{hint}")
+
+
+def check_tokenizer(tokenizer: Any) -> None:
+    """Refuse a tokenizer that cannot be called on text (a model id, None), before any text is read."""
+    if not callable(tokenizer):
+        hint = ": load it with AutoTokenizer.from_pretrained(...)" if isinstance(tokenizer, str) else ""
+        raise TideArgumentTypeError(f"tokenizer must be a tokenizer (called on text, like the ones AutoTokenizer "
+                                    f"loads), got {type(tokenizer).__name__}{hint}")
 
 
 def model_config(model: nn.Module, seq_len: int, config_kwargs: dict[str, Any]) -> TideRouterConfig:

@@ -13,8 +13,10 @@ from ..config import TideRouterConfig
 
 
 def pad_token_id(tokenizer: Any) -> int:
-    """The tokenizer's pad id, or 0 without one: padded positions are masked out, so any id works."""
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    """The tokenizer's pad id, or 0 without one: padded positions are masked out, so any id of the model's
+    embeddings works."""
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return pad if pad is not None else 0
 
 
 # A long document is tokenized from a prefix of this many characters per token still wanted (doubled until it

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import TideCompatibilityError
+from ..errors import TideArgumentTypeError, TideCompatibilityError
 
 # model_type -> (decoder layers, final norm, optional projection before the LM head)
 _PATHS: dict[str, tuple[str, str, str | None]] = {}
@@ -163,8 +163,19 @@ def _probe(model: nn.Module) -> tuple[str, str]:
     )
 
 
+def check_model(model: Any) -> None:
+    """Refuse what is not a torch module by name (a model id, a pipeline: else a TypeError or AttributeError
+    deep inside; attach's registries hold models by weak reference)."""
+    if isinstance(model, nn.Module):
+        return
+    hint = "; for a pipeline, pass pipe.model" if isinstance(getattr(model, "model", None), nn.Module) else ""
+    raise TideArgumentTypeError(f"model must be a torch.nn.Module (a transformers model), got "
+                                f"{type(model).__name__}{hint}")
+
+
 def get_adapter(model: nn.Module) -> ModelAdapter:
     """Return the `ModelAdapter` of a causal LM (registered family first, probing otherwise); no forward runs."""
+    check_model(model)
     if callable(getattr(model, "get_base_model", None)) and model.get_base_model() is not model:  # peft's wrapper
         raise TideCompatibilityError(f"{type(model).__name__} wraps the causal LM: attach to model.get_base_model() "
                                      "(the adapters stay active; generate through either model)")

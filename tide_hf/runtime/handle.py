@@ -27,7 +27,7 @@ from ..compat import cache_in
 from ..config import CLOSED
 from ..errors import TideArgumentError, TideArgumentTypeError, TideConcurrencyError, TideUnsupportedError
 from ..kernels import NormSpec, norm_router_scores, norm_spec
-from ..modeling import ModelAdapter, TideRouter, get_adapter, layer_output
+from ..modeling import ModelAdapter, TideRouter, check_model, get_adapter, layer_output
 from ..modeling.devices import execution_device, onloaded
 from .compiled import install_compiled_call
 from .kv import KVRecompute
@@ -52,10 +52,8 @@ _REGISTRY_LOCK = threading.RLock()
 
 
 class TideHandle:
-    """An attached router: options, hooks, and the stats of the last call (`last_stats`).
-
-    Also a context manager: `with tide_hf.attach(model, router): ...` detaches when the block ends.
-    """
+    """An attached router: options, hooks, and the stats of the last call (`last_stats`); also a context manager,
+    `with tide_hf.attach(model, router): ...` detaches when the block ends."""
 
     def __init__(self, model: nn.Module, router: TideRouter, options: TideOptions, adapter: ModelAdapter,
                  *, owner: int | None = None, skip_plan: SkipPlan | None = None, ignore_fingerprint: bool = False
@@ -110,10 +108,8 @@ class TideHandle:
         return getattr(self._local, "step", None)
 
     def recompute_state(self, cache: Any) -> KVRecompute | None:
-        """Tokens of `cache` still awaiting their deep layers (skip mode with kv="recompute" only).
-
-        Kept per cache object: the pending tokens belong to that cache, whatever call uses it next.
-        """
+        """Tokens of `cache` still awaiting their deep layers (skip mode with kv="recompute" only), kept per cache
+        object: the pending tokens belong to that cache, whatever call uses it next."""
         if self.options.kv != "recompute" or cache is None:
             return None
         return self._pending.get(cache) or self._pending.setdefault(cache, KVRecompute(self.num_layers))
@@ -317,17 +313,16 @@ def attach(
     """Attach `router` (a `TideRouter`, or its folder / Hub id) to `model`; stock `generate()`, `pipeline()` and
     plain forwards then use TIDE.
 
-    How eagerly tokens exit, in order of precedence: an explicit global `exit_threshold`; else a quality
-    target, `min_agreement` (top-1 agreement with the full model, e.g. 0.97) and/or
-    `max_perplexity_increase` (e.g. 0.05 for +5 %), met with probability `confidence` by per-checkpoint
-    thresholds from the router's calibrated exit paths (`tide_hf.modeling.targets`); else the router's
-    default target (`config.min_agreement`); else, for routers calibrated before exit paths existed, the
-    router's global `exit_threshold`. `min_layers` defaults to the router's; `mode`, `kv` (skip mode only;
-    None: "propagate") and `draft_layer` (speculative mode only) are described in `TideOptions`.
-    `handle_class` is a `TideHandle` subclass that scores checkpoints differently (the bench's
-    softmax-confidence baseline). Everything is checked before the model is
-    touched: options in range, the router made for this model, and in speculative mode with a draft
-    vocabulary the adapter's head against the model's own logits (`check_head`, one tiny forward).
+    How eagerly tokens exit, in order of precedence: an explicit global `exit_threshold`; else a quality target,
+    `min_agreement` (top-1 agreement with the full model, e.g. 0.97) and/or `max_perplexity_increase` (e.g. 0.05
+    for +5 %), met with probability `confidence` by per-checkpoint thresholds from the router's calibrated exit
+    paths (`tide_hf.modeling.targets`); else the router's default target (`config.min_agreement`); else, for
+    routers calibrated before exit paths existed, the router's global `exit_threshold`. `min_layers` defaults to
+    the router's; `mode`, `kv` (skip mode only; None: "propagate") and `draft_layer` (speculative mode only):
+    see `TideOptions`. `handle_class`: a `TideHandle` subclass scoring checkpoints differently (the bench's
+    softmax-confidence baseline). Everything is checked before the model is touched: options in range, the
+    router made for this model, and in speculative mode with a draft vocabulary the adapter's head against the
+    model's own logits (`check_head`, one tiny forward).
     """
     check_model(model)
     if not (isinstance(handle_class, type) and issubclass(handle_class, TideHandle)):
@@ -381,15 +376,6 @@ def _build(model: nn.Module, router: TideRouter, *, min_agreement: float | None 
     plan = check_mode(model, adapter, options, router)
     return handle_class(model, router, options, adapter, owner=owner, skip_plan=plan,
                         ignore_fingerprint=ignore_fingerprint)
-
-
-def check_model(model: Any) -> None:
-    """Refuse what is not a torch module (the registries hold models by weak reference: a raw TypeError)."""
-    if isinstance(model, nn.Module):
-        return
-    hint = "; for a pipeline, pass pipe.model" if isinstance(getattr(model, "model", None), nn.Module) else ""
-    raise TideArgumentTypeError(f"model must be a torch.nn.Module (a transformers model), got "
-                                f"{type(model).__name__}{hint}")
 
 
 def get_handle(model: nn.Module) -> TideHandle | None:

@@ -146,6 +146,19 @@ def test_calibrate_refuses_unwritable_outputs_before_loading_anything(tmp_path, 
         assert info.value.code == 1 and message in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs a /proc file system")
+def test_an_output_on_a_file_system_that_refuses_folders_is_refused_before_loading_anything(capsys) -> None:
+    """Permissions let root write to /proc, so the check passed and the whole calibration ran before the save
+    failed with a raw ENOENT."""
+    from tide_hf.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["calibrate", "--model", "/no/such/model", "--output", "/proc/tide-router"])
+    err = capsys.readouterr().err
+    assert info.value.code == 1 and "--output /proc/tide-router cannot be written: /proc refuses new folders" in err
+    assert len(err.strip().splitlines()) == 1 and not Path("/proc/tide-router").exists()
+
+
 def test_a_calibration_warning_prints_once_as_one_line(monkeypatch, capsys) -> None:
     """Calibration warnings went to a logger and to `warnings`: the CLI printed each twice, once with a source
     excerpt. Now one line, in the form of the CLI's errors."""

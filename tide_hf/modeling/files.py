@@ -206,6 +206,11 @@ def check_writable(path: Path, what: str, *, folder: bool) -> None:
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise TideArgumentError(f"{what} {path} cannot be written: {parent} is not a writable folder")
+    try:  # permissions say yes for root, but a file system may still refuse (read-only, /proc, a full disk)
+        tempfile.TemporaryDirectory(prefix=".tide-write-check-", dir=parent).cleanup()
+    except OSError as err:
+        raise TideArgumentError(f"{what} {path} cannot be written: {parent} refuses new folders ({err.strerror})"
+                                ) from None
 
 
 def check_results_folder(path: Path, what: str) -> None:

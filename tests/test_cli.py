@@ -245,3 +245,28 @@ def test_one_router_folder_spelled_two_ways_is_given_twice(tmp_path, monkeypatch
     for second in ("./r", str(tmp_path / "r"), "r/"):
         with pytest.raises(SystemExit, match="a --router is given twice"):
             main(["bench", "--router", "r", second])
+
+
+@pytest.mark.parametrize("argv", [["analyze", "--router", "r", "--targets", "0"],
+                                  ["bench", "--router", "r", "--baselines", "--targets", "0"]])
+def test_a_zero_quality_target_is_refused_by_the_parser(argv, capsys) -> None:
+    """--targets 0 passed the parser ([0, 1]) and was refused by attach after the forward passes (analyze left
+    its plots behind)."""
+    from tide_hf.cli import main
+
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert "must be a number in (0, 1], got 0" in capsys.readouterr().err
+
+
+def test_a_router_made_by_hand_has_read_none_of_the_text() -> None:
+    """A router built from a config (num_samples / seq_len None) crashed held_out_texts, so bench and analyze,
+    with a raw TypeError; it read no document, so all are held out."""
+    from helpers import ByteTokenizer, make_documents, make_model, new_router
+
+    from tide_hf.calibration import held_out_texts
+
+    texts = make_documents(5, 20)
+    router = new_router(make_model())
+    assert router.config.num_samples is None
+    assert held_out_texts(ByteTokenizer(), texts, router.config) == texts

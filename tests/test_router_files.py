@@ -283,3 +283,75 @@ def test_a_target_moved_away_during_the_check_counts_as_missing(tmp_path: Path, 
     monkeypatch.setattr(Path, "iterdir" if vanishes_at == "listing" else "read_text", vanish_then)
     files.check_save_target(target, overwrite=False)  # allowed, as for a missing folder
     assert not target.exists() and (tmp_path / "aside" / "config.json").exists()
+
+
+def test_a_path_to_a_file_is_refused_and_never_loaded(tmp_path: Path) -> None:
+    """A file's path went to transformers, which torch.load-ed it (an unpickle: a torch.save-d state dict loaded;
+    config.json was a raw UnpicklingError)."""
+    router = new_router(make_model())
+    router.save_pretrained(tmp_path / "r")
+    torch.save(router.state_dict(), tmp_path / "weights.bin")
+    for path, config in ((tmp_path / "r" / "config.json", None), (tmp_path / "weights.bin", router.config),
+                         (str(tmp_path / "r" / "model.safetensors"), router.config)):
+        with pytest.raises(TideRouterFileError, match="is a file, not a TIDE router folder"):
+            TideRouter.from_pretrained(path, config=config)
+
+
+def test_a_save_refuses_what_it_could_not_load_back(tmp_path: Path) -> None:
+    """A config edited after loading (or a partial state_dict=) was saved, then refused by from_pretrained;
+    variant= wrote model.fp16.safetensors, which no load read; overwrite="no" (truthy) replaced a router."""
+    router = new_router(make_model())
+    router.save_pretrained(tmp_path / "r")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    edited = TideRouter.from_pretrained(tmp_path / "r")
+    edited.config.hidden_size = 7
+    partial = {k: v for k, v in router.state_dict().items() if not k.startswith("routers.8")}
+    cases = [(lambda: edited.save_pretrained(tmp_path / "a"), TideRouterFileError,
+              r"do not agree .*another shape \['routers.4.fc1.weight'"),
+             (lambda: router.save_pretrained(tmp_path / "b", state_dict=partial), TideRouterFileError,
+              r"missing tensors \['routers.8.fc1.bias'"),
+             (lambda: router.save_pretrained(tmp_path / "c", variant="fp16"), TideRouterFileError, "variant="),
+             (lambda: router.save_pretrained(tmp_path / "r", overwrite="no"), TypeError, "overwrite must be True"),
+             (lambda: router.save_pretrained(tmp_path / "d", push_to_hub="no"), TypeError, "push_to_hub must be")]
+    for save, error, message in cases:
+        with pytest.raises(error, match=message):
+            save()
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    with pytest.raises(TideRouterFileError, match="variant="):
+        TideRouter.from_pretrained(tmp_path / "r", variant="fp16")
+
+
+def test_attach_names_a_config_edited_after_loading(tmp_path: Path) -> None:
+    """checkpoint_layers edited after loading was a raw KeyError mid-attach, exit_paths set to nonsense a raw
+    TypeError; a module without a config (no transformers model) an AttributeError in check_compatible."""
+    import tide_hf
+    from tide_hf.errors import TideArgumentError, TideArgumentTypeError, TideCompatibilityError
+
+    model = make_model()
+    for field, value, error, message in (
+            ("checkpoint_layers", [4, 8, 20], TideArgumentError, r"checkpoint_layers \[20\] out of range"),
+            ("checkpoint_layers", [4], TideRouterFileError, r"extra tensors \['routers.8.fc1.bias'"),
+            ("exit_paths", {"agreement": 3}, TideArgumentTypeError, r"exit_paths\['agreement'\] must be a dict")):
+        router = new_router(model)
+        setattr(router.config, field, value)
+        with pytest.raises(error, match=message):
+            tide_hf.attach(model, router)
+        assert tide_hf.get_handle(model) is None
+    with pytest.raises(TideCompatibilityError, match="Linear has no config"):
+        new_router(model).check_compatible(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("loader", ["AutoConfig", "TideRouterConfig"])
+def test_config_loaders_check_their_keywords_like_the_files_keys(tmp_path: Path, loader: str) -> None:
+    """Keywords were set after the config's checks (exit_threshold=5 kept) or dropped when no attribute
+    (exit_treshold=0.3 left the field at its default), unlike TideRouter.from_pretrained's."""
+    from tide_hf.errors import TideArgumentError
+
+    new_router(make_model()).save_pretrained(tmp_path / "r")
+    load = AutoConfig.from_pretrained if loader == "AutoConfig" else TideRouterConfig.from_pretrained
+    for kwargs, error, message in ((dict(exit_threshold=5), TideArgumentError, "exit_threshold must be"),
+                                   (dict(min_agreement=-3), TideArgumentError, "min_agreement must be"),
+                                   (dict(exit_treshold=0.3), TideRouterFileError, "did you mean 'exit_threshold'")):
+        with pytest.raises(error, match=message):
+            load(tmp_path / "r", **kwargs)
+    assert load(tmp_path / "r", exit_threshold=0.3).exit_threshold == 0.3

@@ -256,6 +256,18 @@ class TideRouterConfig(PretrainedConfig):
                                           f"{close[0]!r}?")
 
     @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
+        """transformers' `from_dict`, with its keywords checked like the file's keys: it sets them after `__init__`
+        has validated (an out-of-range value was kept) and drops one that is no attribute (a misspelling)."""
+        for key in sorted(set(kwargs) - cls.field_names() - set(dir(PretrainedConfig))):
+            if close := difflib.get_close_matches(key, sorted(cls.field_names()), n=1, cutoff=FIELD_NAME_CUTOFF):
+                raise TideRouterFileError(f"TideRouterConfig: {key!r} is not a TIDE router field; did you mean "
+                                          f"{close[0]!r}?")
+        result = super().from_dict(config_dict, **kwargs)
+        (result[0] if isinstance(result, tuple) else result).validate()
+        return result
+
+    @classmethod
     def field_names(cls) -> frozenset[str]:
         """The fields `__init__` names explicitly (`calibrate(**config_kwargs)` may set these, less the fields it
         derives from the model)."""

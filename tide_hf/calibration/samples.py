@@ -73,7 +73,10 @@ def make_samples(tokenizer: Any, texts: list[str], num_samples: int, seq_len: in
 
 
 def held_out_texts(tokenizer: Any, texts: list[str], cfg: TideRouterConfig) -> list[str]:
-    """The documents a calibration with `cfg` never read (for honest evaluation on the same corpus)."""
+    """The documents a calibration with `cfg` never read (for honest evaluation on the same corpus); all of them
+    for a router that records no reading (`num_samples` / `seq_len` None: made by hand, not by calibrate)."""
+    if cfg.num_samples is None or cfg.seq_len is None:
+        return list(texts)
     seen, used = 0, set()
     for i in document_order(len(texts), cfg.seed):
         if seen >= cfg.num_samples:

@@ -47,6 +47,14 @@ def share(text: str) -> float:
     return value
 
 
+def target_share(text: str) -> float:
+    """argparse type: a quality target, a share in (0, 1] (as `attach(min_agreement=...)` takes it)."""
+    value = float(text)
+    if not 0.0 < value <= 1.0:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text}")
+    return value
+
+
 def cosine(text: str) -> float:
     """argparse type: a cosine similarity, a number in [-1, 1]."""
     value = float(text)
@@ -276,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "softmax-confidence exit: quality, layers and speed, with a Pareto plot")
     p.add_argument("--confidence-thresholds", nargs="+", type=share, default=[0.9, 0.8, 0.6, 0.4],
                    help="--baselines: exit when the exit logits' top probability reaches this")
-    p.add_argument("--targets", nargs="+", type=share, default=[0.99, 0.97, 0.95, 0.9],
+    p.add_argument("--targets", nargs="+", type=target_share, default=[0.99, 0.97, 0.95, 0.9],
                    help="--baselines: TIDE at these min_agreement targets (routers with exit paths)")
     p.add_argument("--ppl-targets", nargs="+", type=nonnegative_float, default=[0.05, 0.10, 0.25],
                    help="--baselines: TIDE at these max_perplexity_increase targets (routers with exit paths)")
@@ -322,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--agreements", nargs="+", type=share, default=[1.0, 0.95, 0.9, 0.8, 0.7],
                    help="top-1 agreements the oracle is computed at")
     p.add_argument("--bins", type=positive_int, default=40, help="cosine bins of the heatmap")
-    p.add_argument("--targets", nargs="+", type=share, default=[0.99, 0.97, 0.95, 0.9],
+    p.add_argument("--targets", nargs="+", type=target_share, default=[0.99, 0.97, 0.95, 0.9],
                    help="--router: min_agreement quality targets whose per-checkpoint thresholds are evaluated")
     p.add_argument("--thresholds", nargs="+", type=share, default=[0.95, 0.9, 0.85, 0.7, 0.5, 0.3],
                    help="--router: global exit thresholds its efficiency is measured at")

@@ -246,6 +246,11 @@ def run(args: Any) -> dict:
                       f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens}")
     result: dict[str, Any] = {"model": args.model, "dataset": args.dataset, "settings": {
         k: v for k, v in vars(args).items() if k != "func"}}
+    if router is not None:  # refused before the forward passes and the plots, not after
+        ids = [torch.tensor(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+        prompts = [d[: args.prompt_len] for d in ids if len(d) > args.prompt_len][: args.num_prompts]
+        if not prompts:
+            raise TideDataError(f"no held-out document is longer than --prompt-len {args.prompt_len} tokens")
     result["convergence"] = convergence(
         model, tokenizer, texts, num_samples=args.num_samples, seq_len=args.seq_len, batch_size=args.batch_size,
         checkpoint_interval=args.checkpoint_interval, convergence_threshold=args.convergence_threshold,
@@ -254,10 +259,6 @@ def run(args: Any) -> dict:
     files = [plot_convergence(result["convergence"], out / "convergence.png"),
              plot_heatmap(result["convergence"], out / "heatmap.png")]
     if router is not None:
-        ids = [torch.tensor(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
-        prompts = [d[: args.prompt_len] for d in ids if len(d) > args.prompt_len][: args.num_prompts]
-        if not prompts:
-            raise TideDataError(f"no held-out document is longer than --prompt-len {args.prompt_len} tokens")
         heldout = make_samples(tokenizer, texts, args.num_samples, args.seq_len, args.seed)
         targets = args.targets if router.config.exit_paths else []
         result["efficiency"] = router_efficiency(model, router, prompts, new_tokens=args.new_tokens,

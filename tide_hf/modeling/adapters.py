@@ -176,6 +176,9 @@ def check_model(model: Any) -> None:
 def get_adapter(model: nn.Module) -> ModelAdapter:
     """Return the `ModelAdapter` of a causal LM (registered family first, probing otherwise); no forward runs."""
     check_model(model)
+    if getattr(model, "config", None) is None:
+        raise TideCompatibilityError(f"{type(model).__name__} has no config: tide_hf serves transformers causal LMs "
+                                     "(a PreTrainedModel)")
     if callable(getattr(model, "get_base_model", None)) and model.get_base_model() is not model:  # peft's wrapper
         raise TideCompatibilityError(f"{type(model).__name__} wraps the causal LM: attach to model.get_base_model() "
                                      "(the adapters stay active; generate through either model)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 from typing import Any
@@ -151,6 +152,11 @@ class TideRouter(PreTrainedModel):
             raise TideRouterFileError("TideRouter loads safetensors only; use_safetensors=False is not supported")
         if isinstance(pretrained_model_name_or_path, (str, os.PathLike)):  # "~/r": transformers reads a Hub id
             pretrained_model_name_or_path = os.path.expanduser(pretrained_model_name_or_path)
+            if os.path.isfile(pretrained_model_name_or_path):  # transformers would torch.load it (an unpickle)
+                raise TideRouterFileError(f"{pretrained_model_name_or_path} is a file, not a TIDE router folder: give "
+                                          "the folder holding its config.json and model.safetensors")
+        if kwargs.get("variant") is not None:
+            raise TideRouterFileError("TideRouter folders hold one model.safetensors; variant= is not supported")
         kwargs["use_safetensors"] = True
         if kwargs.get("config") is None and not args:
             check_config_source(pretrained_model_name_or_path, cls.config_class, kwargs)
@@ -190,6 +196,12 @@ class TideRouter(PreTrainedModel):
         """
         if kwargs.get("safe_serialization") is False:
             raise TideRouterFileError("TideRouter saves safetensors only; safe_serialization=False is not supported")
+        if kwargs.get("variant") is not None:
+            raise TideRouterFileError("TideRouter folders hold one model.safetensors; variant= is not supported")
+        for name, value in (("overwrite", overwrite), ("push_to_hub", push_to_hub)):
+            if not isinstance(value, bool):  # "no" is truthy: it replaced a router
+                raise TideArgumentTypeError(f"{name} must be True or False, got {value!r}")
+        self.check_consistent(kwargs.get("state_dict"))
         if not kwargs.get("is_main_process", True):
             return  # other processes of a distributed run write nothing
         push = {k: kwargs.pop(k) for k in PUSH_KEYWORDS if k in kwargs} if push_to_hub else {}
@@ -286,6 +298,23 @@ class TideRouter(PreTrainedModel):
                      "predicted most often in calibration; held-out coverage of its top-1 by size: "
                      + ", ".join(f"{n}: {share:.1%}" for n, share in cfg.draft_vocab_coverage.items()) + ".\n")
         return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")
+
+    def check_consistent(self, state: dict[str, torch.Tensor] | None = None) -> None:
+        """Raise where the config (edited after loading?) and the weights (`state`, default the router's own)
+        disagree: the save would write a router `from_pretrained` refuses, and attach would serve missing routers.
+        Run by `save_pretrained` and `attach` (~40 ms: not by each `generate(tide=router)` call)."""
+        self.config.validate()
+        with torch.device("meta"):
+            expected = {k: v.shape for k, v in type(self)(copy.deepcopy(self.config)).state_dict().items()}
+        held = {k: v.shape for k, v in (self.state_dict() if state is None else state).items()}
+        problems = [f"{what} {names}" for what, names in (
+            ("missing tensors", sorted(expected.keys() - held.keys())),
+            ("extra tensors", sorted(held.keys() - expected.keys())),
+            ("tensors of another shape", sorted(k for k in expected.keys() & held.keys() if expected[k] != held[k])))
+            if names]
+        if problems:
+            raise TideRouterFileError("the router's config and its weights do not agree (a config field changed "
+                                      "after the weights were made?): " + "; ".join(problems))
 
     def check_compatible(self, model: nn.Module, *, ignore_fingerprint: bool = False,
                          adapter: ModelAdapter | None = None) -> None:

@@ -332,6 +332,7 @@ def attach(
     elif not isinstance(router, TideRouter):
         raise TideArgumentTypeError(f"router must be a TideRouter, a router folder or a Hub repo id; got "
                                     f"{type(router).__name__}")
+    router.check_consistent()  # its config edited since its weights were made: named, not a KeyError mid-attach
     with _REGISTRY_LOCK:
         if get_handle(model) is not None:
             raise TideArgumentError("this model already has a TIDE router attached; call handle.detach() first")

@@ -229,3 +229,33 @@ def test_analyze_refuses_a_router_that_read_every_document_and_results_into_a_ro
         with pytest.raises(tide_hf.TideArgumentError, match="holds a model or a TIDE router"):
             run(args)
     assert sorted(p.name for p in (tmp_path / "router").iterdir()) == ["README.md", "config.json", "model.safetensors"]
+
+
+def test_analyze_keeps_files_it_did_not_write_and_refuses_before_its_forward_passes(tmp_path, monkeypatch):
+    """Without --router, analyze deleted any efficiency.png in --output (a user's own plot too); a --prompt-len
+    no held-out document reaches was refused after the forward passes, leaving their plots behind."""
+    from tide_hf.cli import build_parser
+    from tide_hf.eval import analyze
+
+    model, tok = make_tiny_llama(), ByteTokenizer()
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i, text in enumerate(make_documents(24, 20, seed=3)):  # ~120 bytes (tokens) each
+        (docs / f"{i}.txt").write_text(text)
+    monkeypatch.setattr(analyze, "load_model", lambda *_: (model, tok))
+    small = ["--dataset", str(docs), "--num-samples", "4", "--seq-len", "32", "--batch-size", "4"]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "efficiency.png").write_bytes(b"the user's own plot")
+    analyze.run(build_parser().parse_args(["analyze", "--output", str(mine), *small]))
+    assert (mine / "efficiency.png").read_bytes() == b"the user's own plot" and (mine / "analyze.json").is_file()
+    analyze.run(build_parser().parse_args(["analyze", "--output", str(mine), *small]))  # an earlier run's folder
+    assert not (mine / "efficiency.png").exists()
+
+    router = tide_hf.calibrate(model, tok, str(docs), num_samples=8, seq_len=32, num_epochs=1, progress=False)
+    router.save_pretrained(tmp_path / "router")
+    args = build_parser().parse_args(["analyze", "--router", str(tmp_path / "router"), "--output",
+                                      str(tmp_path / "out"), "--prompt-len", "200", "--new-tokens", "8", *small])
+    with pytest.raises(tide_hf.TideDataError, match="no held-out document is longer than --prompt-len 200"):
+        analyze.run(args)
+    assert not (tmp_path / "out").exists()

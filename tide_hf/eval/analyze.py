@@ -226,7 +226,7 @@ def router_efficiency(model: Any, router: TideRouter, prompts: list[torch.Tensor
 
 def run(args: Any) -> dict:
     """The `tide-hf analyze` command: analyze.json, analyze.md and PNG plots in `args.output` (replacing its own
-    files of an earlier run there, the efficiency plot included when this run has no router)."""
+    files of an earlier analyze run there, the efficiency plot included when this run has no router)."""
     import json
 
     out = Path(args.output)
@@ -265,8 +265,8 @@ def run(args: Any) -> dict:
                                                  thresholds=args.thresholds, pad_id=pad_id, targets=targets,
                                                  heldout=heldout)
         files.append(plot_efficiency(result["efficiency"], out / "efficiency.png"))
-    else:  # an earlier run's plot would describe a router this analyze.json does not name
-        (out / "efficiency.png").unlink(missing_ok=True)
+    elif (out / "analyze.json").is_file():  # an earlier run's plot would describe a router this run does not name
+        (out / "efficiency.png").unlink(missing_ok=True)  # (a folder no analyze wrote keeps a file of that name)
     (out / "analyze.json").write_text(json.dumps(result, indent=2))
     table = format_analysis(result)
     (out / "analyze.md").write_text(table + "\n")

@@ -270,3 +270,19 @@ def test_a_router_made_by_hand_has_read_none_of_the_text() -> None:
     router = new_router(make_model())
     assert router.config.num_samples is None
     assert held_out_texts(ByteTokenizer(), texts, router.config) == texts
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["bench", "--router", "r", "--depths", "3"], "--depths goes with --modes"),
+    (["bench", "--router", "r", "--targets", "0.9"], "--targets goes with --baselines"),
+    (["bench", "--router", "r", "--drop-counts", "99"], "--drop-counts goes with --baselines"),
+    (["bench", "--kernels", "--device", "cpu"], "--device goes with --synthetic"),
+    (["analyze", "--targets", "0.9"], "--targets goes with --router"),
+    (["analyze", "--prompt-len", "8"], "--prompt-len goes with --router"),
+])
+def test_a_flag_of_a_section_the_command_does_not_run_is_refused(argv, message) -> None:
+    """They were accepted and ignored (an invalid --depths 3 or --drop-counts 99 too), rc 0."""
+    from tide_hf.cli import main
+
+    with pytest.raises(SystemExit, match=message):
+        main(argv)

@@ -172,6 +172,29 @@ def check_router_paths(args: argparse.Namespace) -> None:
                              "and it is not a Hub repo id (those read 'owner/name')")
 
 
+# Flags read by one section of a command only (their help starts "--SECTION:"): given away from their default
+# without it, they were accepted and ignored.
+SECTION_FLAGS = {
+    "bench": {"depths": "modes", "confidence_thresholds": "baselines", "targets": "baselines",
+              "ppl_targets": "baselines", "drop_counts": "baselines", "baseline_calib_samples": "baselines",
+              "baseline_calib_len": "baselines", "synthetic_depth": "synthetic", "compile": "synthetic",
+              "configs": "synthetic", "device": "synthetic"},
+    "analyze": {"targets": "router", "thresholds": "router", "num_prompts": "router", "prompt_len": "router",
+                "new_tokens": "router"},
+}
+
+
+def check_section_flags(args: argparse.Namespace) -> None:
+    """Refuse a flag of a section the command does not run (`SECTION_FLAGS`), set away from its default."""
+    sections = SECTION_FLAGS.get(args.command)
+    if not sections:
+        return
+    defaults = vars(build_parser().parse_args([args.command]))
+    for name, section in sections.items():
+        if getattr(args, name) != defaults[name] and not getattr(args, section):
+            raise SystemExit(f"tide-hf {args.command}: --{name.replace('_', '-')} goes with --{section}")
+
+
 def check_bench_flags(args: argparse.Namespace) -> None:
     """bench's flags go together (before its --router is looked at: "leave out --router" is the better answer)."""
     sections = [f"--{name}" for name in ("synthetic", "kernels", "baselines", "modes") if getattr(args, name)]
@@ -334,9 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--router: min_agreement quality targets whose per-checkpoint thresholds are evaluated")
     p.add_argument("--thresholds", nargs="+", type=share, default=[0.95, 0.9, 0.85, 0.7, 0.5, 0.3],
                    help="--router: global exit thresholds its efficiency is measured at")
-    p.add_argument("--num-prompts", type=positive_int, default=16, help="held-out prompts the model continues greedily")
-    p.add_argument("--prompt-len", type=positive_int, default=64, help="tokens per prompt")
-    p.add_argument("--new-tokens", type=positive_int, default=64, help="tokens generated per prompt")
+    p.add_argument("--num-prompts", type=positive_int, default=16,
+                   help="--router: held-out prompts the model continues greedily")
+    p.add_argument("--prompt-len", type=positive_int, default=64, help="--router: tokens per prompt")
+    p.add_argument("--new-tokens", type=positive_int, default=64, help="--router: tokens generated per prompt")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the sampling")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="dtype the model is loaded in")

@@ -9,7 +9,7 @@ import shlex
 import sys
 import warnings
 
-from .arguments import DEMO_EXIT_HEAD_RANK, build_parser, check_bench_flags, check_router_paths
+from .arguments import DEMO_EXIT_HEAD_RANK, build_parser, check_bench_flags, check_router_paths, check_section_flags
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args = build_parser().parse_args(argv)
     name, args.func = args.command, COMMANDS[args.command]
+    check_section_flags(args)
     if name == "bench":
         check_bench_flags(args)
     check_router_paths(args)

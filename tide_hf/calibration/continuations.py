@@ -47,7 +47,8 @@ def plain_decoding(model: nn.Module) -> dict[str, Any]:
     if own is None:
         return {}
     default = default_generation_settings()
-    return {k: default[k] for k in own.to_diff_dict() if k not in KEPT_SETTINGS and k in default}
+    return {k: default[k] for k in own.to_diff_dict()
+            if k not in KEPT_SETTINGS and k in default and not k.startswith("_")}  # "_": transformers' bookkeeping
 
 
 def cut_at_end(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ import inspect
 import math
 import numbers
 import os
+from collections.abc import Iterable
 from typing import Any
 
 from transformers import PretrainedConfig
@@ -250,19 +251,13 @@ class TideRouterConfig(PretrainedConfig):
                 raise TideArgumentTypeError(f"{name} must be a string or None, got {value!r} ({type(value).__name__})")
         for name in self.field_names():  # a numpy number passes the checks above but cannot go into config.json
             setattr(self, name, plain(getattr(self, name)))
-        for key in sorted(set(vars(self)) - self.field_names() - set(dir(PretrainedConfig))):  # transformers keeps
-            if close := difflib.get_close_matches(key, sorted(self.field_names()), n=1, cutoff=FIELD_NAME_CUTOFF):
-                raise TideRouterFileError(f"TideRouterConfig: {key!r} is not a TIDE router field; did you mean "
-                                          f"{close[0]!r}?")
+        check_field_names(vars(self), self.field_names(), "TideRouterConfig")  # transformers keeps unknown keys
 
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
         """transformers' `from_dict`, with its keywords checked like the file's keys: it sets them after `__init__`
         has validated (an out-of-range value was kept) and drops one that is no attribute (a misspelling)."""
-        for key in sorted(set(kwargs) - cls.field_names() - set(dir(PretrainedConfig))):
-            if close := difflib.get_close_matches(key, sorted(cls.field_names()), n=1, cutoff=FIELD_NAME_CUTOFF):
-                raise TideRouterFileError(f"TideRouterConfig: {key!r} is not a TIDE router field; did you mean "
-                                          f"{close[0]!r}?")
+        check_field_names(kwargs, cls.field_names(), "TideRouterConfig")
         result = super().from_dict(config_dict, **kwargs)
         (result[0] if isinstance(result, tuple) else result).validate()
         return result
@@ -273,6 +268,14 @@ class TideRouterConfig(PretrainedConfig):
         derives from the model)."""
         params = inspect.signature(cls.__init__).parameters
         return frozenset(n for n, p in params.items() if n != "self" and p.kind is p.POSITIONAL_OR_KEYWORD)
+
+
+def check_field_names(keys: Iterable[str], fields: frozenset[str], where: str) -> None:
+    """No key is a misspelling of a router field (transformers keeps unknown keys, so the field would silently
+    keep its default); keys unlike every field are left alone (transformers' own, or the user's)."""
+    for key in sorted(set(keys) - fields - set(dir(PretrainedConfig))):
+        if close := difflib.get_close_matches(key, sorted(fields), n=1, cutoff=FIELD_NAME_CUTOFF):
+            raise TideRouterFileError(f"{where}: {key!r} is not a TIDE router field; did you mean {close[0]!r}?")
 
 
 def check_int(name: str, value: Any, *, minimum: int | None = None) -> None:

@@ -29,7 +29,7 @@ ACCEPTED = ("a local .txt / .jsonl file or folder, a Hub dataset name, None (Wik
 
 def _hidden(path: Path, root: Path) -> bool:
     """`path` is inside `root` under a hidden name (`.ipynb_checkpoints/`, `.git/`, `__pycache__/`, `.draft.txt`):
-    not read from a folder, as `datasets` skips such files in its own data files."""
+    not read from a folder (`datasets` too leaves hidden files and folders out of its data-file patterns)."""
     return any(part.startswith((".", "__")) for part in path.relative_to(root).parts)
 
 

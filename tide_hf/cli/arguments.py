@@ -184,12 +184,13 @@ SECTION_FLAGS = {
 }
 
 
-def check_section_flags(args: argparse.Namespace) -> None:
-    """Refuse a flag of a section the command does not run (`SECTION_FLAGS`), set away from its default."""
+def check_section_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a flag of a section the command does not run (`SECTION_FLAGS`), set away from its default (what
+    `parser` gives the command without flags)."""
     sections = SECTION_FLAGS.get(args.command)
     if not sections:
         return
-    defaults = vars(build_parser().parse_args([args.command]))
+    defaults = vars(parser.parse_args([args.command]))
     for name, section in sections.items():
         if getattr(args, name) != defaults[name] and not getattr(args, section):
             raise SystemExit(f"tide-hf {args.command}: --{name.replace('_', '-')} goes with --{section}")

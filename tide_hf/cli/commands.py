@@ -49,9 +49,10 @@ def main(argv: list[str] | None = None) -> None:
     instead. An interrupted save leaves the folder as it was (`atomic_save`)."""
     from ..errors import TideError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     name, args.func = args.command, COMMANDS[args.command]
-    check_section_flags(args)
+    check_section_flags(parser, args)
     if name == "bench":
         check_bench_flags(args)
     check_router_paths(args)

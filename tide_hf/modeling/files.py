@@ -4,10 +4,8 @@ makes so that a router never comes back partly random or without its config."""
 from __future__ import annotations
 
 import ctypes
-import difflib
 import errno
 import glob
-import inspect
 import json
 import os
 import re
@@ -20,9 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import PretrainedConfig
 
-from ..config import FIELD_NAME_CUTOFF
+from ..config import check_field_names
 from ..errors import TideArgumentError, TideMissingRouterError, TideRouterFileError
 
 ROUTER_MODEL_TYPE = "tide_router"
@@ -259,12 +256,18 @@ def check_config_source(name: str | os.PathLike, config_cls: Any, kwargs: dict[s
     if config.get("model_type") != ROUTER_MODEL_TYPE:
         raise TideRouterFileError(f"{where} is not a TIDE router: its config.json has model_type "
                                   f"{config.get('model_type')!r}, not {ROUTER_MODEL_TYPE!r}")
-    check_field_names(config, config_cls, f"TIDE router {where}: config.json")
+    check_field_names(config, config_cls.field_names(), f"TIDE router {where}: config.json")
     for key in ("dtype", "torch_dtype"):
         if isinstance(config.get(key), str) and not isinstance(getattr(torch, config[key], None), torch.dtype):
             raise TideRouterFileError(f"TIDE router {where}: config.json's {key} {config[key]!r} is not a torch "
                                       "dtype (e.g. 'float32')")
-    check_field_names(kwargs, config_cls, "TideRouter.from_pretrained")
+    check_field_names(kwargs, config_cls.field_names(), "TideRouter.from_pretrained")
+
+
+def refuse_variant(kwargs: dict[str, Any]) -> None:
+    """A router folder holds one model.safetensors: `variant=` would save a file no load reads, or read none."""
+    if kwargs.get("variant") is not None:
+        raise TideRouterFileError("TideRouter folders hold one model.safetensors; variant= is not supported")
 
 
 def check_local_weights(folder: str, where: object) -> None:
@@ -284,22 +287,6 @@ def check_local_weights(folder: str, where: object) -> None:
             "TideRouter.save_pretrained, which writes model.safetensors")
     if CONFIG_FILE in names:
         raise TideMissingRouterError(f"TIDE router {where} has a config.json but no weights (model.safetensors)")
-
-
-def config_fields(config_cls: Any) -> set[str]:
-    """The fields a router config takes (its constructor's parameters)."""
-    return set(inspect.signature(config_cls.__init__).parameters) - {"self", "kwargs"}
-
-
-def check_field_names(values: dict[str, Any], config_cls: Any, where: str) -> None:
-    """No key is a misspelling of a router field (transformers keeps unknown keys, so the field would silently
-    keep its default); keys unlike every field are left alone (transformers' own, or the user's)."""
-    fields = config_fields(config_cls)
-    for key in values:
-        if key not in fields and not hasattr(PretrainedConfig, key):
-            close = difflib.get_close_matches(key, sorted(fields), n=1, cutoff=FIELD_NAME_CUTOFF)
-            if close:
-                raise TideRouterFileError(f"{where}: {key!r} is not a TIDE router field; did you mean {close[0]!r}?")
 
 
 def check_loading_info(name: str | os.PathLike, info: dict[str, Any]) -> None:

@@ -14,17 +14,16 @@ from safetensors import SafetensorError
 from torch import nn
 from transformers import AutoConfig, AutoModel, PreTrainedModel
 
-from ..config import TideRouterConfig, check_coverage, plain
+from ..config import TideRouterConfig, check_coverage, check_field_names, plain
 from ..errors import TideArgumentError, TideArgumentTypeError, TideCompatibilityError, TideRouterFileError
 from .adapters import ModelAdapter, get_adapter, text_config
 from .files import (
     atomic_save,
     check_config_source,
-    check_field_names,
     check_finite,
     check_loading_info,
     check_local_weights,
-    config_fields,
+    refuse_variant,
 )
 from .fingerprint import fingerprint_version, model_fingerprint
 from .hub import check_repo_id, push_folder
@@ -75,7 +74,7 @@ class TideRouter(PreTrainedModel):
     main_input_name = "hidden_states"
 
     def __init__(self, config: TideRouterConfig) -> None:
-        check_field_names(config.to_dict(), type(config), "TideRouterConfig")  # else saved, then refused at load
+        check_field_names(config.to_dict(), config.field_names(), "TideRouterConfig")  # else saved, refused at load
         super().__init__(config)
         self.routers = nn.ModuleDict(
             {str(k): RouterMLP(config.hidden_size, config.router_bottleneck_dim) for k in config.checkpoint_layers}
@@ -155,15 +154,14 @@ class TideRouter(PreTrainedModel):
             if os.path.isfile(pretrained_model_name_or_path):  # transformers would torch.load it (an unpickle)
                 raise TideRouterFileError(f"{pretrained_model_name_or_path} is a file, not a TIDE router folder: give "
                                           "the folder holding its config.json and model.safetensors")
-        if kwargs.get("variant") is not None:
-            raise TideRouterFileError("TideRouter folders hold one model.safetensors; variant= is not supported")
+        refuse_variant(kwargs)
         kwargs["use_safetensors"] = True
         if kwargs.get("config") is None and not args:
             check_config_source(pretrained_model_name_or_path, cls.config_class, kwargs)
         elif isinstance(pretrained_model_name_or_path, (str, os.PathLike)):  # a config given: weights checked still
             folder = os.path.join(pretrained_model_name_or_path, kwargs.get("subfolder") or "")
             check_local_weights(folder, pretrained_model_name_or_path)
-        fields = config_fields(cls.config_class)  # set on the config as given: numpy numbers and paths made plain
+        fields = cls.config_class.field_names()  # set on the config as given: numpy numbers and paths made plain
         kwargs = {k: (os.fspath(v) if isinstance(v, os.PathLike) else plain(v)) if k in fields else v
                   for k, v in kwargs.items()}
         want_info = kwargs.pop("output_loading_info", False)
@@ -196,8 +194,7 @@ class TideRouter(PreTrainedModel):
         """
         if kwargs.get("safe_serialization") is False:
             raise TideRouterFileError("TideRouter saves safetensors only; safe_serialization=False is not supported")
-        if kwargs.get("variant") is not None:
-            raise TideRouterFileError("TideRouter folders hold one model.safetensors; variant= is not supported")
+        refuse_variant(kwargs)
         for name, value in (("overwrite", overwrite), ("push_to_hub", push_to_hub)):
             if not isinstance(value, bool):  # "no" is truthy: it replaced a router
                 raise TideArgumentTypeError(f"{name} must be True or False, got {value!r}")
@@ -302,7 +299,8 @@ class TideRouter(PreTrainedModel):
     def check_consistent(self, state: dict[str, torch.Tensor] | None = None) -> None:
         """Raise where the config (edited after loading?) and the weights (`state`, default the router's own)
         disagree: the save would write a router `from_pretrained` refuses, and attach would serve missing routers.
-        Run by `save_pretrained` and `attach` (~40 ms: not by each `generate(tide=router)` call)."""
+        Run by `save_pretrained` and by `attach` given a router object (~40 ms: not by each `generate(tide=router)`
+        call; `from_pretrained` checks a loaded router against its file)."""
         self.config.validate()
         with torch.device("meta"):
             expected = {k: v.shape for k, v in type(self)(copy.deepcopy(self.config)).state_dict().items()}

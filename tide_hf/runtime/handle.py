@@ -328,11 +328,12 @@ def attach(
     if not (isinstance(handle_class, type) and issubclass(handle_class, TideHandle)):
         raise TideArgumentTypeError(f"handle_class must be a TideHandle subclass, got {handle_class!r}")
     if isinstance(router, (str, os.PathLike)):
-        router = TideRouter.from_pretrained(router)
-    elif not isinstance(router, TideRouter):
+        router = TideRouter.from_pretrained(router)  # checked as it loads
+    elif isinstance(router, TideRouter):
+        router.check_consistent()  # its config edited since its weights were made: named, not a KeyError mid-attach
+    else:
         raise TideArgumentTypeError(f"router must be a TideRouter, a router folder or a Hub repo id; got "
                                     f"{type(router).__name__}")
-    router.check_consistent()  # its config edited since its weights were made: named, not a KeyError mid-attach
     with _REGISTRY_LOCK:
         if get_handle(model) is not None:
             raise TideArgumentError("this model already has a TIDE router attached; call handle.detach() first")
@@ -340,9 +341,8 @@ def attach(
             raise TideConcurrencyError(
                 "a generate(tide=<router>) call is running on this model (in another thread); attach after it ends")
         handle = _build(model, router, min_agreement=min_agreement, max_perplexity_increase=max_perplexity_increase,
-                        confidence=confidence, exit_threshold=exit_threshold, min_layers=min_layers, mode=mode,
-                        kv=kv, draft_layer=draft_layer, ignore_fingerprint=ignore_fingerprint,
-                        handle_class=handle_class)
+                        confidence=confidence, exit_threshold=exit_threshold, min_layers=min_layers, mode=mode, kv=kv,
+                        draft_layer=draft_layer, ignore_fingerprint=ignore_fingerprint, handle_class=handle_class)
         _HANDLES[model] = weakref.ref(handle)
     return handle
 

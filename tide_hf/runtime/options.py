@@ -10,19 +10,17 @@ from ..errors import TideArgumentError
 from ..modeling.targets import check_served, select
 
 
-def check_mode_options(rest: dict[str, Any]) -> None:
-    """Refuse an option the chosen mode never reads (it was accepted and ignored): `kv` says how skip mode fills
-    the cache of the layers it skips, `draft_layer` where speculative mode drafts. `kv=None` is the default,
-    "propagate"."""
-    mode = rest.get("mode", "select")
-    if rest.get("kv") is None:
-        rest["kv"] = "propagate"
-    elif mode != "skip":
-        raise TideArgumentError(f"kv={rest['kv']!r} applies to mode='skip' only (how the cache of the layers it "
-                                f"skips is filled); mode={mode!r} runs them")
-    if rest.get("draft_layer") is not None and mode != "speculative":
-        raise TideArgumentError(f"draft_layer={rest['draft_layer']!r} applies to mode='speculative' only (the "
-                                f"checkpoint it drafts at); mode={mode!r} does not draft")
+def mode_kv(mode: Any, kv: str | None, draft_layer: int | None) -> str:
+    """The cache policy of an attach (`kv=None`: "propagate"), refusing an option the mode never reads (it was
+    accepted and ignored): `kv` says how skip mode fills the cache of the layers it skips, `draft_layer` where
+    speculative mode drafts."""
+    if kv is not None and mode != "skip":
+        raise TideArgumentError(f"kv={kv!r} applies to mode='skip' only (how the cache of the layers it skips is "
+                                f"filled); mode={mode!r} runs them")
+    if draft_layer is not None and mode != "speculative":
+        raise TideArgumentError(f"draft_layer={draft_layer!r} applies to mode='speculative' only (the checkpoint it "
+                                f"drafts at); mode={mode!r} does not draft")
+    return "propagate" if kv is None else kv
 
 
 @dataclass(frozen=True)
@@ -56,7 +54,7 @@ class TideOptions:
         chosen in order of precedence: an explicit global `exit_threshold`; else the quality target (per-checkpoint
         thresholds from the router's exit paths, `tide_hf.modeling.targets`); else the router's default target;
         else, for routers calibrated before exit paths existed, the router's global `exit_threshold`."""
-        check_mode_options(rest)
+        rest = {**rest, "kv": mode_kv(rest.get("mode", "select"), rest.get("kv"), rest.get("draft_layer"))}
         targeted = min_agreement is not None or max_perplexity_increase is not None
         if exit_threshold is not None and (targeted or confidence is not None):
             raise TideArgumentError("give either exit_threshold (one global threshold) or a quality target "

@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
-from helpers import constant_router, left_padded, make_model, mixed_router
+from helpers import constant_router, left_padded, make_model, mixed_router, new_router
 
 import tide_hf
 from tide_hf.eval.easy import make_near_identity
@@ -47,6 +47,31 @@ def test_propagate_follows_weights_changed_while_attached(change):
     for got, want in zip(out.past_key_values.layers, expected.past_key_values.layers):
         torch.testing.assert_close(got.keys, want.keys, rtol=1e-6, atol=1e-6)
 
+
+def test_router_scores_follow_a_cast_of_the_final_norm_while_attached():
+    """OLMo-2's RMSNorm scales in fp32 before it rounds: in fp32 that formula ties with Llama's, so an attach in
+    fp32 probes Llama's; after a cast to bf16 while attached, scores must be a fresh bf16 attach's (they kept the
+    fp32 attach's formula: off by up to 7e-4, flipping exit decisions)."""
+    from transformers import AutoModelForCausalLM, Olmo2Config
+
+    torch.manual_seed(0)
+    config = Olmo2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=9,
+                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        model.model.norm.weight.copy_(torch.randn(64) * 0.3 + 1.0)
+    router = new_router(model)
+    states = (torch.randn(4096, 64, generator=torch.Generator().manual_seed(1)) * 4).to(torch.bfloat16)
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad(), tide_hf.attach(model, router, exit_threshold=0.5) as handle:
+        model.to(torch.bfloat16)
+        model(ids)  # the first call after the cast
+        served = handle.score(4, states)
+    with torch.no_grad(), tide_hf.attach(model, router, exit_threshold=0.5) as fresh:
+        expected = fresh.score(4, states)
+        by_hand = torch.sigmoid(router.logit(4, model.model.norm(states).float()))
+    torch.testing.assert_close(expected, by_hand, rtol=0, atol=1e-6)  # the fresh attach reproduces the norm
+    assert torch.equal(served, expected)
 
 def test_recompute_cache_caught_up_with_padding_in_a_stock_call():
     """A kv="recompute" cache handed back to `generate(..., tide=False)` while attached catches its waiting tokens

@@ -341,6 +341,17 @@ def test_env_var_forces_pytorch() -> None:
     assert out == {"backend": "pytorch", "avail": False, "tried": None, "same": True}
 
 
+
+def test_env_var_values_mean_what_they_say(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`TIDE_HF_NO_KERNELS=false` (or `no`) turned the kernels off: any value but "" or "0" did."""
+    for value, disabled in (("1", True), ("TRUE", True), ("yes", True), ("0", False), ("false", False),
+                            ("No", False), ("", False)):
+        monkeypatch.setenv(kernel_build.ENV_NO_KERNELS, value)
+        assert kernel_build.kernels_disabled() is disabled, value
+    monkeypatch.setenv(kernel_build.ENV_NO_KERNELS, "maybe")
+    with pytest.raises(ValueError, match="TIDE_HF_NO_KERNELS='maybe': use 1 .* or 0"):
+        kernel_build.extension("cpu")
+
 @pytest.fixture
 def fresh_state(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kernel_build, "_extensions", {})

@@ -644,6 +644,25 @@ def test_what_is_not_a_model_is_named() -> None:
     assert tide_hf.get_handle(model) is None and hooks(model) == hooks(make_model())
 
 
+def test_a_model_without_weights_is_named_before_any_forward() -> None:
+    """A model built under accelerate's `init_empty_weights` and never loaded: with ignore_fingerprint=True, select
+    attach accepted it (generate then failed inside the model) and skip attach and calibration failed with a raw
+    'Tensor.item() cannot be called on meta tensors'."""
+    from accelerate import init_empty_weights
+
+    model = make_model()
+    router = new_router(model)
+    with init_empty_weights():
+        empty = type(model)(model.config).eval()
+    message = r"parameter model\.embed_tokens\.weight is on the meta device and no accelerate offload hook"
+    for mode in ("select", "skip", "speculative"):
+        for ignore in (False, True):
+            with pytest.raises(TideCompatibilityError, match=message):
+                tide_hf.attach(empty, router, mode=mode, ignore_fingerprint=ignore)
+            assert tide_hf.get_handle(empty) is None
+    with pytest.raises(TideCompatibilityError, match=message):
+        tide_hf.calibrate_tokens(empty, [torch.arange(3, 20)] * 4, progress=False, num_epochs=1)
+
 @pytest.mark.parametrize(("options", "message"), [
     (dict(mode="select", kv="recompute"), r"kv='recompute' applies to mode='skip' only"),
     (dict(mode="speculative", kv="propagate"), r"kv='propagate' applies to mode='skip' only"),

@@ -414,6 +414,15 @@ def test_draft_layer_must_be_a_router_checkpoint():
         speculative(model, make_router(model, "always"), prompts(0)[0][:1], draft_layer=3, max_new_tokens=2)
 
 
+def test_a_draft_layer_below_min_layers_is_refused():
+    """min_layers says no token leaves before it: a draft at an earlier checkpoint would be accepted and ignored."""
+    model = make_model()
+    router = make_router(model, "always")
+    with pytest.raises(tide_hf.TideArgumentError, match="draft_layer=4 is below min_layers=8"):
+        tide_hf.attach(model, router, mode="speculative", draft_layer=4, min_layers=8)
+    assert tide_hf.get_handle(model) is None
+
+
 def test_default_draft_layer_from_metrics():
     model = make_model()
     router = make_router(model, "always", prior=False)
@@ -523,6 +532,25 @@ def test_fallbacks_count_their_tokens_and_an_eos_tensor_pads_batches():
     out, _ = speculative(model, router, ids, attention_mask=mask, **call)
     assert torch.equal(out, stock)
 
+
+
+def test_eos_ids_as_a_tensor_the_size_of_the_batch_end_every_row_like_stock():
+    """Generation settings hold for every row, whatever their shape: three EOS ids in a tensor of a 3-row batch
+    are not one EOS id per row (slicing them per row let row 0 run past its stock end)."""
+    model = make_model("shallow")
+    router = make_router(model, "always")
+    ids, mask = prompts(0)
+    with torch.no_grad():
+        free = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
+    row0 = free[0, ids.shape[1]:].tolist()
+    early, late = row0[2], next(t for t in range(3, 256) if t not in row0)
+    call = {"max_new_tokens": NEW, "do_sample": False, "eos_token_id": torch.tensor([late, early, 255]),
+            "pad_token_id": 0}
+    with torch.no_grad():
+        stock = model.generate(ids, attention_mask=mask, **call)
+    assert early in stock[0, ids.shape[1]:].tolist()  # precondition: row 0 ends on the row-1-positioned id
+    out, stats = speculative(model, router, ids, attention_mask=mask, **call)
+    assert stats.speculative["fallback"] is None and torch.equal(out, stock)
 
 # -- arguments per batch row, time budgets, statistics --------------------------------------------------
 class PerRowBan(LogitsProcessor):

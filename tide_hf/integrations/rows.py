@@ -8,10 +8,12 @@ instead (`fallback_reason` says why). `count_tokens` counts a call's tokens the 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import nn
+from transformers import GenerationConfig
 
 from ..compat import CACHE_KWARGS
 from ..errors import TideArgumentError
@@ -63,11 +65,19 @@ def first_id(value: Any) -> int | None:
     return None if ids is None or ids.numel() == 0 else int(ids[0])
 
 
+@functools.cache
+def generation_settings() -> frozenset[str]:
+    """The names of `GenerationConfig` settings: never per-row, whatever their shape (EOS ids as a tensor)."""
+    return frozenset(vars(GenerationConfig()))
+
+
 def row_kwargs(kwargs: dict, i: int, batch: int) -> dict:
-    """Row `i` of every per-row tensor argument (left padding and mask kept, as the batch had them), and a
+    """Row `i` of every per-row tensor model input (left padding and mask kept, as the batch had them; a
+    generation setting such as `eos_token_id=torch.tensor([...])` holds for every row, so it stays whole), and a
     `prefix_allowed_tokens_fn` asked with batch index `i` (generate asks it with its own row index, 0)."""
-    row = {k: v[i: i + 1] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch else v
-           for k, v in kwargs.items()}
+    settings = generation_settings()
+    row = {k: v[i: i + 1] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch
+           and k not in settings else v for k, v in kwargs.items()}
     allowed = kwargs.get("prefix_allowed_tokens_fn")
     if allowed is not None:
         row["prefix_allowed_tokens_fn"] = lambda _row, ids: allowed(i, ids)

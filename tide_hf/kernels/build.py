@@ -19,6 +19,8 @@ from types import ModuleType
 
 import torch
 
+from ..errors import TideArgumentError
+
 logger = logging.getLogger(__name__)
 
 
@@ -30,6 +32,7 @@ def _find_kernel_dir() -> Path:
 
 
 ENV_NO_KERNELS = "TIDE_HF_NO_KERNELS"  # "1" forces the PyTorch path
+ENV_TRUE, ENV_FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")  # its values (any case)
 KERNEL_DIR = _find_kernel_dir()
 EXTENSIONS = {  # flavour -> (torch extension name, sources in KERNEL_DIR)
     "cpu": ("tide_hf_cpu", ("tide_cpu.cpp",)),
@@ -144,9 +147,19 @@ def _build(flavour: str) -> ModuleType:
     return module
 
 
+def kernels_disabled() -> bool:
+    """Whether `TIDE_HF_NO_KERNELS` asks for the PyTorch path; a value that is neither yes nor no is refused
+    (`TIDE_HF_NO_KERNELS=false` turned the kernels off)."""
+    value = os.environ.get(ENV_NO_KERNELS, "").strip().lower()
+    if value not in ENV_TRUE + ENV_FALSE:
+        raise TideArgumentError(f"{ENV_NO_KERNELS}={os.environ[ENV_NO_KERNELS]!r}: use 1 (PyTorch path) or 0 "
+                                f"(kernels); it takes {', '.join(v for v in ENV_TRUE + ENV_FALSE if v)}")
+    return value in ENV_TRUE
+
+
 def extension(flavour: str | None) -> ModuleType | None:
     """The compiled extension for `flavour`, building it once per process (thread-safe); None -> PyTorch."""
-    if flavour is None or os.environ.get(ENV_NO_KERNELS, "0") not in ("", "0"):
+    if flavour is None or kernels_disabled():
         return None
     if flavour in _extensions:
         return _extensions[flavour]

@@ -39,16 +39,33 @@ def execution_device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _offloaded_value(modules: dict[str, nn.Module], name: str) -> torch.Tensor | None:
-    """Value of the tensor at dotted path `name` from the weights map of the offload hook that loads it."""
+def _offload_source(modules: dict[str, nn.Module], name: str) -> tuple[AlignDevicesHook, str] | None:
+    """The offload hook that loads the tensor at dotted path `name`, and its key in the hook's weights map."""
     parts = name.split(".")
     for depth in range(len(parts) - 1, -1, -1):
         owner = modules.get(".".join(parts[:depth]))
         for hook in _align_hooks(owner) if owner is not None else []:
             direct = depth == len(parts) - 1
             if hook.offload and hook.weights_map is not None and (direct or hook.place_submodules):
-                return hook.weights_map[".".join(parts[depth:])]
+                return hook, ".".join(parts[depth:])
     return None
+
+
+def _offloaded_value(modules: dict[str, nn.Module], name: str) -> torch.Tensor | None:
+    """Value of the tensor at dotted path `name` from the weights map of the offload hook that loads it."""
+    source = _offload_source(modules, name)
+    return None if source is None else source[0].weights_map[source[1]]
+
+
+def check_materialized(model: nn.Module) -> None:
+    """Refuse a model with weights on the meta device that no accelerate offload hook loads (built under
+    `init_empty_weights` and never loaded): every forward of it fails deep inside (no weights are read here)."""
+    modules = dict(model.named_modules())
+    for name, param in model.named_parameters():
+        if param.device.type == "meta" and _offload_source(modules, name) is None:
+            raise TideCompatibilityError(f"parameter {name} is on the meta device and no accelerate offload hook "
+                                         "holds its value: load the model's weights (from_pretrained, "
+                                         "load_checkpoint_and_dispatch) before TIDE uses it")
 
 
 def named_weights(model: nn.Module, module: nn.Module, modules: dict[str, nn.Module] | None = None

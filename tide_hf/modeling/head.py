@@ -14,7 +14,7 @@ from torch import nn
 
 from ..errors import TideCompatibilityError
 from .adapters import ModelAdapter, get_adapter, layer_output, text_config
-from .devices import execution_device
+from .devices import check_materialized, execution_device
 
 HEAD_CHECK_TOKENS = 4  # positions of the check's forward: a few, it runs at every calibration / analyze and at
 # speculative attaches with a draft vocabulary
@@ -38,6 +38,7 @@ def check_head(model: nn.Module, adapter: ModelAdapter | None = None) -> None:
     One forward of `HEAD_CHECK_TOKENS` tokens without a cache, in eval mode, a hook on the last decoder layer;
     the hook is removed and every module's training flag restored, so the model is left exactly as found.
     """
+    check_materialized(model)
     adapter = adapter or get_adapter(model)
     ids = check_ids(adapter, model)
     captured: list[torch.Tensor] = []

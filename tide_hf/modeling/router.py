@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModel, PreTrainedModel
 from ..config import TideRouterConfig, check_coverage, check_field_names, plain
 from ..errors import TideArgumentError, TideArgumentTypeError, TideCompatibilityError, TideRouterFileError
 from .adapters import ModelAdapter, get_adapter, text_config
+from .devices import check_materialized
 from .files import (
     atomic_save,
     check_config_source,
@@ -324,6 +325,7 @@ class TideRouter(PreTrainedModel):
         """
         if not isinstance(ignore_fingerprint, bool):
             raise TideArgumentTypeError(f"ignore_fingerprint must be True or False, got {ignore_fingerprint!r}")
+        check_materialized(model)  # whatever ignore_fingerprint says: such a model cannot run
         cfg = self.config
         adapter = adapter or get_adapter(model)
         text_cfg = text_config(model)

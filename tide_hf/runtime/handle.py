@@ -26,14 +26,13 @@ from torch import nn
 from ..compat import cache_in
 from ..config import CLOSED
 from ..errors import TideArgumentError, TideArgumentTypeError, TideConcurrencyError, TideUnsupportedError
-from ..kernels import NormSpec, norm_router_scores, norm_spec
+from ..kernels import norm_router_scores
 from ..modeling import ModelAdapter, TideRouter, check_model, get_adapter, layer_output
-from ..modeling.devices import execution_device, onloaded
 from .compiled import install_compiled_call
 from .kv import KVRecompute
 from .modes import check_mode
 from .options import TideOptions
-from .pairing import WeightsWatch, refuse_pickling
+from .pairing import WeightsWatch, place_routers, refuse_pickling
 from .patching import Patches
 from .segments import SegmentedDecoding
 from .session import Session, Step, new_step
@@ -69,17 +68,7 @@ class TideHandle:
         self._local = threading.local()
         self._local.owner = owner is not None  # set in the owner's thread only (`_bypassed`)
         self._pending: weakref.WeakKeyDictionary[Any, KVRecompute] = weakref.WeakKeyDictionary()
-        # Routers, and the final norm they read, sit on the execution device of their layer (accelerate's for a
-        # dispatched model); an offloaded final norm is loaded once here for the fused kernel.
-        self._norm_specs: dict[int, NormSpec | None] = {}
-        with onloaded(adapter.final_norm):
-            spec = norm_spec(adapter.final_norm)
-            for k in router.checkpoint_layers:
-                device = execution_device(adapter.layers[k - 1])
-                for modules in (router.routers, router.exit_heads):
-                    if str(k) in modules:  # (a router without exit heads has an empty dict of them)
-                        modules[str(k)].to(device)
-                self._norm_specs[k] = None if spec is None else spec.to(device)
+        self._norm_specs = place_routers(router, adapter)
         self._patches = Patches()
         self._patches.set_attr(model, "__reduce_ex__", refuse_pickling)  # pickle and copy look it up on the instance
         self._patches.hook(model.register_forward_pre_hook(self._begin, with_kwargs=True))
@@ -125,7 +114,8 @@ class TideHandle:
 
     def _new_session(self, generating: bool, eos: torch.Tensor | None = None) -> Session:
         if not torch.compiler.is_compiling():  # the model may have been cast, moved or loaded since the last call
-            self._watch.check()
+            if self._watch.check():  # a cast or a move: the norm's formula and the routers' devices follow it
+                self._norm_specs = place_routers(self.router, self.adapter)
             if self._skipper is not None and self._skipper.fused is not None:
                 self._skipper.fused.refresh()
         return Session(ExitStats(self.num_layers, list(self.router.checkpoint_layers)), generating, eos)

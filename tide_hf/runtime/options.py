@@ -100,6 +100,10 @@ class TideOptions:
             if self.draft_layer is not None and self.draft_layer not in checkpoints:
                 raise TideArgumentError(f"draft_layer={self.draft_layer} has no router: speculative mode drafts at "
                                         f"a router checkpoint, one of {checkpoints}")
+            if self.draft_layer is not None and self.draft_layer < self.min_layers:
+                raise TideArgumentError(f"draft_layer={self.draft_layer} is below min_layers={self.min_layers}: no "
+                                        "token may leave before min_layers, drafts included; lower min_layers or "
+                                        "draft at a later checkpoint")
             if not any(k >= self.min_layers for k in checkpoints):
                 raise TideArgumentError(f"no router checkpoint at or after min_layers={self.min_layers} to draft at "
                                         f"(checkpoints {checkpoints})")

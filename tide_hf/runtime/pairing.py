@@ -1,7 +1,7 @@
 """What keeps an attached router paired with its model after attach: a watch on the weights (a model loaded
 with other weights while attached is served as an attach after the change would serve it: refused, or with
-`ignore_fingerprint=True` served with a warning) and the refusal to pickle or copy an attached model (its
-hooks belong to the attach)."""
+`ignore_fingerprint=True` served with a warning), routers placed beside their layers (again after a cast or a
+move), and the refusal to pickle or copy an attached model (its hooks belong to the attach)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from typing import Any, NoReturn
 from torch import nn
 
 from ..errors import TideArgumentError, TideCompatibilityError
-from ..modeling import ModelAdapter
+from ..kernels import NormSpec, norm_spec
+from ..modeling import ModelAdapter, TideRouter
+from ..modeling.devices import execution_device, onloaded
 from ..modeling.fingerprint import same_weights
 
 
@@ -22,6 +24,23 @@ def refuse_pickling(*_: Any) -> NoReturn:
                             "torch.save(model), pickle): its hooks belong to this attach; copy it before attach or "
                             "after detach, or save its weights (state_dict(), save_pretrained()), which attach leaves "
                             "as they are")
+
+
+def place_routers(router: TideRouter, adapter: ModelAdapter) -> dict[int, NormSpec | None]:
+    """Per checkpoint, the final norm its router reads (None: a norm the fused kernel does not reproduce), with
+    the router, its exit head and that norm's weights on the execution device of the checkpoint's layer
+    (accelerate's for a dispatched model; an offloaded final norm is loaded once here). The norm's formula is
+    probed in the model's current dtype: fp32 cannot tell OLMo-2's fp32-scaled RMSNorm from Llama's."""
+    specs: dict[int, NormSpec | None] = {}
+    with onloaded(adapter.final_norm):
+        spec = norm_spec(adapter.final_norm)
+        for k in router.checkpoint_layers:
+            device = execution_device(adapter.layers[k - 1])
+            for modules in (router.routers, router.exit_heads):
+                if str(k) in modules:  # (a router without exit heads has an empty dict of them)
+                    modules[str(k)].to(device)
+            specs[k] = None if spec is None else spec.to(device)
+    return specs
 
 
 def warn_uncertified(target: Any, situation: str) -> None:
@@ -52,16 +71,17 @@ class WeightsWatch:
         return tuple((name, "meta") if p.device.type == "meta" else (name, p.data_ptr(), p._version)
                      for name, p in self.model.named_parameters())
 
-    def check(self) -> None:
-        """Raise `TideCompatibilityError` if the weights changed to ones the router was not calibrated for
-        (as a fresh attach would); with `ignore_fingerprint=True`, warn when a quality target loses its
-        certificate (as a fresh attach would)."""
+    def check(self) -> bool:
+        """Whether the weights changed since the last check (a cast, a move, new values). Raise
+        `TideCompatibilityError` if they changed to ones the router was not calibrated for (as a fresh attach
+        would); with `ignore_fingerprint=True`, warn when a quality target loses its certificate (as a fresh
+        attach would)."""
         now = self.versions()
         if now == self.seen:
-            return
+            return False
         if not self.fingerprint or same_weights(self.model, self.fingerprint, self.adapter):
             self.seen = now
-            return
+            return True
         if not self.ignore:
             raise TideCompatibilityError(
                 "the model's weights changed while the router was attached (load_state_dict, a merge, a training "
@@ -70,3 +90,4 @@ class WeightsWatch:
         if self.target is not None:
             warn_uncertified(self.target, "the model's weights changed while attached")
         self.seen = now
+        return True

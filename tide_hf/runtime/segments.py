@@ -18,7 +18,6 @@ also gets one catch-up graph whose query length is dynamic (pending tokens of ea
 from __future__ import annotations
 
 import threading
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +29,7 @@ from ..compat import cache_in, traceable_output_capture
 from .kv import KVRecompute, initialize_cache_layers, propagate_kv, sliding_window
 from .patching import Patches, forward_attribute
 from .session import Step
-from .skip import LayerSkipper
+from .skip import LayerSkipper, own_code
 
 SEQUENCE_DIM = 1  # hidden states and rotary embeddings are (B, T, ...)
 MASK_QUERY_DIM = 2  # the catch-up attention mask is (B, 1, T, keys)
@@ -43,13 +42,6 @@ class Segment:
     first: int
     last: int
     threshold: float | None  # the checkpoint's exit threshold; None for the final segment
-
-
-def own_code(fn: Callable, name: str) -> Callable:
-    """`fn` with a code object of its own: dynamo caches graphs (and counts recompiles) per code object, so
-    segments sharing one would count as recompiles of each other and hit dynamo's recompile limit."""
-    code = fn.__code__.replace(co_name=name)
-    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
 def with_hidden(out: Any, hidden: torch.Tensor) -> Any:

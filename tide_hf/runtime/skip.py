@@ -9,6 +9,7 @@ the handle's `Patches`, whose `restore()` leaves the layers exactly as they were
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,4 +92,12 @@ class LayerSkipper:
                 propagate_kv(layer, hidden, kwargs)
             step.skipped += 1
             return (hidden,) if self._returns_tuple.get(number) else hidden
-        return forward
+        return own_code(forward, f"tide_skip_layer_{number}")  # compiled per layer, not as recompiles of one
+
+
+def own_code(fn: Callable, name: str) -> Callable:
+    """`fn` with a code object of its own: dynamo caches graphs (and counts recompiles) per code object, so
+    functions sharing one (the skipped layers' forwards, compiled segments) would count as recompiles of each
+    other and hit dynamo's recompile limit."""
+    code = fn.__code__.replace(co_name=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)

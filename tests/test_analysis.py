@@ -232,8 +232,10 @@ def test_analyze_refuses_a_router_that_read_every_document_and_results_into_a_ro
 
 
 def test_analyze_keeps_files_it_did_not_write_and_refuses_before_its_forward_passes(tmp_path, monkeypatch):
-    """Without --router, analyze deleted any efficiency.png in --output (a user's own plot too); a --prompt-len
-    no held-out document reaches was refused after the forward passes, leaving their plots behind."""
+    """Without --router, analyze deleted any efficiency.png in --output (a user's own plot too, also beside an
+    analyze.json it did not write); a --prompt-len no held-out document reaches was refused after the forward
+    passes, leaving their plots behind; an --output inside the --dataset folder was accepted; an interrupted run
+    left its new plots beside the earlier run's tables."""
     from tide_hf.cli import build_parser
     from tide_hf.eval import analyze
 
@@ -259,3 +261,29 @@ def test_analyze_keeps_files_it_did_not_write_and_refuses_before_its_forward_pas
     with pytest.raises(tide_hf.TideDataError, match="no held-out document is longer than --prompt-len 200"):
         analyze.run(args)
     assert not (tmp_path / "out").exists()
+
+    # an analyze.json something else wrote does not make the folder analyze's (its efficiency.png was deleted)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "analyze.json").write_text('{"mine": 1}')
+    (theirs / "efficiency.png").write_bytes(b"the user's own plot")
+    analyze.run(build_parser().parse_args(["analyze", "--output", str(theirs), *small]))
+    assert (theirs / "efficiency.png").read_bytes() == b"the user's own plot"
+    # results inside the text folder would be read back as text (its next read failed on a mix of file kinds)
+    with pytest.raises(tide_hf.TideArgumentError, match="is inside the text folder"):
+        analyze.run(build_parser().parse_args(["analyze", "--output", str(docs / "out"), *small]))
+    assert not (docs / "out").exists()
+    # an interrupted run leaves the earlier run's files whole (it wrote its plots first: new plots, old tables)
+    full = ["analyze", "--router", str(tmp_path / "router"), "--output", str(tmp_path / "full"), "--prompt-len", "8",
+            "--new-tokens", "4", "--num-prompts", "2", *small]
+    analyze.run(build_parser().parse_args(full))
+    before = {f.name: f.read_bytes() for f in (tmp_path / "full").iterdir()}
+    assert {"analyze.json", "convergence.png", "efficiency.png"} <= set(before)
+
+    def interrupted(*_, **__):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(analyze, "router_efficiency", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        analyze.run(build_parser().parse_args([*full, "--bins", "3"]))
+    assert {f.name: f.read_bytes() for f in (tmp_path / "full").iterdir()} == before

@@ -356,3 +356,11 @@ def test_summary_and_plot(tmp_path):
     path = stats.plot(tmp_path / "exits.png")
     data = path.read_bytes()
     assert data.startswith(PNG_SIGNATURE) and len(data) > 1000
+    # the path returned is the file written: a bare name ("exits" wrote exits.png and returned "exits"), a folder
+    # (wrote folder.png beside it), another suffix (wrote a JPEG) or a missing folder are refused, nothing written
+    for bad, message in (("exits", "ending in .png"), ("x.jpg", "ending in .png"), ("", "ending in .png"),
+                         ("dir.png", "is a folder"), ("missing/x.png", "not an existing folder")):
+        (tmp_path / "dir.png").mkdir(exist_ok=True)
+        with pytest.raises(tide_hf.TideArgumentError, match=message):
+            stats.plot(tmp_path / bad if bad else bad)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.png", "exits.png"]

@@ -17,6 +17,7 @@ from tide_hf import (
     TideRouter,
     TideRouterConfig,
     calibrate,
+    calibrate_tokens,
     get_adapter,
     model_fingerprint,
 )
@@ -80,6 +81,34 @@ def test_calibrate_is_reproducible(tiny_llama, byte_tokenizer, text_folder) -> N
     assert all(torch.equal(a[name], b[name]) for name in a)
     assert first.config.metrics == second.config.metrics
     assert any(not torch.equal(a[name], c[name]) for name in a)
+
+
+def test_calibrate_leaves_the_callers_random_state_and_each_modules_training_flag(byte_tokenizer, text_folder):
+    """Calibration re-seeded torch's global RNG (a caller seeding 1 or 2 drew the same numbers after it) and put
+    every submodule's training flag to the model's (a block in train mode inside an eval model came back in eval)."""
+    model = make_tiny_llama()
+    model.model.layers[2].train()
+    flags = [m.training for m in model.modules()]
+    draws = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        expected = torch.rand(3, generator=torch.Generator().set_state(torch.get_rng_state()))
+        calibrate(model, byte_tokenizer, str(text_folder), num_samples=8, **FAST)
+        draws.append(torch.rand(3))
+        assert torch.equal(draws[-1], expected)
+    assert not torch.equal(*draws)
+    assert [m.training for m in model.modules()] == flags
+
+
+def test_output_fields_and_a_singular_exit_head_fit_are_refused(tiny_llama) -> None:
+    """`metrics=` / `exit_paths=` were accepted as calibrate keywords (the card showed a row for a layer that is no
+    checkpoint); a fit on one training token was a raw torch LinAlgError."""
+    samples = [torch.tensor([5]), torch.arange(3, 19), torch.arange(20, 36)]  # only the 1-token sample trains
+    for key in ("metrics", "exit_paths", "calibration_seconds"):
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{key}'"):
+            calibrate_tokens(tiny_llama, samples, progress=False, **{key: {}})
+    with pytest.raises(ValueError, match=r"exit heads' least-squares fit is singular \(exit_head_ridge=0.01"):
+        calibrate_tokens(tiny_llama, samples, num_epochs=1, progress=False)
 
 
 def test_calibrate_tokens_equals_calibrate_on_the_same_samples(tiny_llama, byte_tokenizer, text_folder) -> None:
@@ -371,6 +400,24 @@ def test_silent_label_warns_and_suggests_another(tiny_llama, byte_tokenizer, tex
     top1 = max(r["top1"] for r in rates.values())
     assert top1 > 0 and f"label='top1' fires for up to {top1:.1%}" in message
     assert "label='kl'" in message and "recalibrate" in message
+
+
+def test_the_silent_label_warning_names_checkpoints_silent_on_the_training_tokens() -> None:
+    """A checkpoint without a positive training token (a never-firing constant router) but with held-out positives
+    was left out of the warning, which read the label rate over every kept token."""
+    from tide_hf.calibration.pipeline import warn_if_silent
+
+    def metrics(best_epoch, predicted, cosine):
+        return {"best_epoch": best_epoch, "predicted_rate": predicted,
+                "label_rates": {"cosine": cosine, "top1": 0.4, "kl": 0.2, "top1_kl": 0.1}}
+
+    cfg = TideRouterConfig(hidden_size=32, num_hidden_layers=9, label="cosine", metrics={
+        "4": metrics(None, 0.0, 0.0), "8": metrics(None, 0.0, 0.14)})  # 8: silent in training only
+    with pytest.warns(UserWarning, match=r"no positive training token at EVERY checkpoint"):
+        warn_if_silent(cfg)
+    cfg.metrics["4"] = metrics(3, 0.2, 0.3)  # trained: fires
+    with pytest.warns(UserWarning, match=r"at checkpoints \[8\]: routers there will not fire"):
+        warn_if_silent(cfg)
 
 
 # --- the real model -------------------------------------------------------------------------------------

@@ -286,3 +286,21 @@ def test_a_flag_of_a_section_the_command_does_not_run_is_refused(argv, message) 
 
     with pytest.raises(SystemExit, match=message):
         main(argv)
+
+
+@pytest.mark.parametrize(("paths", "argv", "flag"), [
+    (False, ["analyze", "--targets", "0.9"], "--targets"),
+    (False, ["bench", "--baselines", "--targets", "0.9"], "--targets"),
+    (False, ["bench", "--baselines", "--ppl-targets", "0.1"], "--ppl-targets"),
+    (True, ["bench", "--baselines", "--thresholds", "0.3"], "--thresholds"),
+])
+def test_a_flag_the_routers_kind_never_reads_is_refused(tmp_path, monkeypatch, paths, argv, flag) -> None:
+    """--targets on a router without exit paths (analyze, bench --baselines) and --thresholds on one with them
+    (bench --baselines) were accepted and ignored: no row measured what was asked."""
+    from tide_hf.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "config.json").write_text(json.dumps({"exit_paths": {"agreement": {}} if paths else {}}))
+    with pytest.raises(SystemExit, match=f"tide-hf {argv[0]}: {flag} does not apply to ./r, a router with"):
+        main([argv[0], "--router", "./r", *argv[1:]])

@@ -57,6 +57,20 @@ def test_greedy_continuations_are_stock_generate_one_prompt_at_a_time(model) -> 
             assert not torch.equal(w, s)  # the corpus tail really was replaced
 
 
+def test_continuations_of_a_model_with_a_router_attached_are_stock(model) -> None:
+    """With a router attached (exiting every token at layer 4) the continuations were written by the early-exiting
+    model, so calibration labelled text stock generate never writes."""
+    from helpers import constant_router
+
+    import tide_hf
+
+    samples = corpus()
+    with tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5):
+        written, _ = continue_samples(model, samples, config("greedy"), batch_size=3, pad_id=0, progress=False)
+    for s, w in zip(samples, written):
+        assert torch.equal(w, s if len(s) <= PROMPT else stock_greedy(model, s))
+
+
 def test_a_continuation_ends_at_the_models_end_token(model) -> None:
     samples = corpus()
     written, _ = continue_samples(model, samples, config("greedy"), batch_size=8, pad_id=0, progress=False)

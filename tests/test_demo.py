@@ -133,6 +133,9 @@ def test_the_demo_states_its_quality_target() -> None:
     both = demo.describe_target({"min_agreement": 0.97, "max_perplexity_increase": 0.05, "confidence": 0.8}, None)
     assert ">= 97%" in both and "<= +5% perplexity" in both and "80% confidence" in both
     assert "none" in demo.describe_target(None, "sotu")
+    # stated as given, never rounded up to a stronger-sounding target (0.955 at 0.996 read ">= 96% ... 100%")
+    odd = demo.describe_target({"min_agreement": 0.955, "max_perplexity_increase": 0.045, "confidence": 0.996}, None)
+    assert ">= 95.5% top-1" in odd and "<= +4.5% perplexity" in odd and "99.6% confidence" in odd
 
 
 def test_differences_read_missing_options_as_their_meaning() -> None:

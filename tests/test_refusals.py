@@ -644,6 +644,22 @@ def test_what_is_not_a_model_is_named() -> None:
     assert tide_hf.get_handle(model) is None and hooks(model) == hooks(make_model())
 
 
+def test_any_real_exit_threshold_is_served_as_the_float():
+    """`exit_threshold=Fraction(1, 2)` passed the number check, was kept as a Fraction, and the first forward
+    failed comparing tensors with it."""
+    from fractions import Fraction
+
+    model = make_model()
+    ids, mask = left_padded()
+    router = mixed_router(model, ids, mask)
+    runs = []
+    for value in (0.5, Fraction(1, 2), np.float32(0.5)):
+        with tide_hf.attach(model, router, exit_threshold=value) as handle:
+            assert type(handle.options.exit_threshold) is float
+            runs.append((model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False),
+                         handle.last_stats.as_dict()))
+    assert all(torch.equal(out, runs[0][0]) and stats == runs[0][1] for out, stats in runs)
+
 def test_a_model_without_weights_is_named_before_any_forward() -> None:
     """A model built under accelerate's `init_empty_weights` and never loaded: with ignore_fingerprint=True, select
     attach accepted it (generate then failed inside the model) and skip attach and calibration failed with a raw

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tide_hf.errors import TideDataError
+from tide_hf.errors import TideArgumentError, TideDataError
 from tide_hf.eval.report import BEGIN, END, SECTIONS, render, section_markers, update
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,6 +82,17 @@ def test_bad_results_are_named_and_the_readme_is_left_as_it_was(tmp_path: Path) 
     with pytest.raises(TideDataError, match="not a folder of result JSON files"):
         render(tmp_path / "empty", readme)
     assert section_markers(tmp_path / "results" / "h100" / ".." / "h100", readme) == SECTIONS["results/h100"]
+    # a NaN figure rendered as "+nan%" (exit 0); an end marker before the begin marker was a raw ValueError
+    (tmp_path / "results" / "smollm2-cpu" / "calibrate-x.json").write_text('{"label": "top1", "auc": NaN}')
+    with pytest.raises(TideDataError, match=r"calibrate-x.json holds a non-finite number \(NaN\)"):
+        render(tmp_path / "results" / "smollm2-cpu", readme)
+    (tmp_path / "results" / "smollm2-cpu" / "calibrate-x.json").unlink()
+    begin, end = SECTIONS["results/smollm2-cpu"]
+    swapped = tmp_path / "SWAPPED.md"
+    swapped.write_text(f"head\n{end}\nmiddle\n{begin}\ntail\n")
+    with pytest.raises(TideArgumentError, match="end marker .* comes before its begin marker"):
+        update(tmp_path / "results" / "smollm2-cpu", swapped)
+    assert swapped.read_text() == f"head\n{end}\nmiddle\n{begin}\ntail\n"
 
 
 def test_rendering_the_readme_loads_no_torch(tmp_path: Path) -> None:

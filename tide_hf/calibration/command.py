@@ -47,8 +47,11 @@ def calibrate_from_args(args: argparse.Namespace) -> tuple[Any, Any, TideRouter]
 def print_metrics(router: TideRouter) -> None:
     """The per-checkpoint validation table, the draft vocabulary's coverage and the calibration's timings."""
     cfg = router.config
-    print(f"\nrouter: label={cfg.label}, exit_head={cfg.exit_head}, checkpoints={cfg.checkpoint_layers}, "
-          f"threshold={cfg.exit_threshold}")
+    served = (f"attach() serves its default target min_agreement={cfg.min_agreement} at confidence "
+              f"{cfg.confidence}" if cfg.exit_paths and cfg.min_agreement is not None
+              else f"attach() serves exit_threshold={cfg.exit_threshold}")
+    print(f"\nrouter: label={cfg.label}, exit_head={cfg.exit_head}, checkpoints={cfg.checkpoint_layers}; {served}; "
+          f"precision and recall below at exit_threshold={cfg.exit_threshold}")
     print(f"{'layer':>5} {'pos.rate':>8} {'precision':>9} {'recall':>7} {'AUC':>6} {'pred.rate':>9}")
     for k in cfg.checkpoint_layers:
         m = cfg.metrics[str(k)]

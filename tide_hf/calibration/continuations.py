@@ -16,6 +16,7 @@ process writes exactly the continuations a single process would for its batches.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from ..compat import default_generation_settings
 from ..config import TideRouterConfig
 from ..errors import TideArgumentError
 from ..modeling.devices import execution_device
+from ..runtime import get_handle
 from .distributed import local_starts
 
 # generation-config fields a continuation keeps from the model (they choose no token; max_new_tokens is set here)
@@ -90,8 +92,9 @@ def continue_samples(model: nn.Module, samples: list[torch.Tensor], cfg: TideRou
             continue
         prompts = torch.stack([samples[i][:prompt_len] for i in rows]).to(device)
         new_tokens = max(len(samples[i]) for i in rows) - prompt_len
-        with torch.random.fork_rng(devices=cuda_ids(device)):  # the caller's random state is left as it was
-            torch.manual_seed(cfg.seed + start)
+        handle = get_handle(model)  # a router attached to the model: its text is written by the stock model
+        with torch.random.fork_rng(devices=cuda_ids(device)), handle.disabled() if handle else nullcontext():
+            torch.manual_seed(cfg.seed + start)  # (fork_rng: the caller's random state is left as it was)
             written = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts),
                                      max_new_tokens=new_tokens, **settings).cpu()
         for row, i in enumerate(rows):

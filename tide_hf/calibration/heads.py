@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import TideArgumentError
 from ..modeling import ModelAdapter, TideRouter
 from .labels import Collected
 
@@ -121,4 +122,9 @@ def _normal_equations(data: Collected, layer: int, rows: torch.Tensor, device: t
 def _solve(gram: torch.Tensor, cross: torch.Tensor, ridge: float) -> torch.Tensor:
     regularised = gram.clone()
     regularised.diagonal().add_(ridge * gram.diagonal().mean())
-    return torch.linalg.solve(regularised, cross)
+    try:
+        return torch.linalg.solve(regularised, cross)
+    except torch.linalg.LinAlgError:  # no token in a fold (a relative ridge of a zero matrix is zero), or ridge 0
+        raise TideArgumentError(f"the exit heads' least-squares fit is singular (exit_head_ridge={ridge}, "
+                                f"{int(gram[-1, -1])} training tokens in the fit): give calibration more text, or a "
+                                "larger exit_head_ridge") from None

@@ -12,6 +12,7 @@ import os
 import time
 import warnings
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any
 
@@ -42,9 +43,11 @@ def loud(message: str) -> None:
 
 
 def warn_if_silent(cfg: TideRouterConfig) -> None:
-    """Say loudly when the chosen label (almost) never fires, and which label kind would."""
+    """Say loudly where the chosen label had no positive training token, so the router there is a constant that
+    never fires (`training.constant_router`: no trained epoch, no token predicted), and which label kind fires."""
     rates = {k: cfg.metrics[str(k)]["label_rates"] for k in cfg.checkpoint_layers}
-    silent = [k for k in cfg.checkpoint_layers if rates[k][cfg.label] == 0.0]
+    silent = [k for k in cfg.checkpoint_layers if cfg.metrics[str(k)]["best_epoch"] is None
+              and not cfg.metrics[str(k)]["predicted_rate"]]  # (label_rates count held-out tokens too)
     if not silent:
         return
     best = {kind: max(r[kind] for r in rates.values()) for kind in LABEL_KINDS if kind != cfg.label}
@@ -53,7 +56,7 @@ def warn_if_silent(cfg: TideRouterConfig) -> None:
         else f"at checkpoints {silent}: routers there will not fire"
     message = (f"TIDE calibration: label {cfg.label!r} "
                f"(threshold {cfg.convergence_threshold if cfg.label == 'cosine' else cfg.kl_threshold}) "
-               f"has 0% positive tokens {scope}. On this model {hint}; recalibrate with one of those.")
+               f"has no positive training token {scope}. On this model {hint}; recalibrate with one of those.")
     loud(message)
 
 
@@ -92,7 +95,7 @@ def check_context(model: nn.Module, seq_len: int, what: str | None = None) -> No
 _DERIVED_FIELDS = frozenset({"hidden_size", "num_hidden_layers", "base_model_name_or_path", "base_model_revision",
                              "unique_documents",
                              "base_architecture", "base_model_type", "base_fingerprint", "seq_len",
-                             "draft_vocab_coverage"})
+                             "draft_vocab_coverage", "metrics", "exit_paths", "calibration_seconds"})
 
 
 def check_calibrate_args(*, num_samples: Any, seq_len: Any, batch_size: Any, config_kwargs: dict[str, Any]) -> None:
@@ -160,16 +163,17 @@ def calibrate(
     """
     check_tokenizer(tokenizer)
     check_calibrate_args(num_samples=num_samples, seq_len=seq_len, batch_size=batch_size, config_kwargs=config_kwargs)
-    cfg = model_config(model, seq_len, config_kwargs)
-    with main_process_first():  # under a launcher, datasets builds its cache once
-        texts = load_texts(dataset, dataset_config=dataset_config, split=split, text_field=text_field)
-    cfg.dataset, cfg.unique_documents = dataset_label(dataset, split), True
-    samples = make_samples(tokenizer, texts, num_samples, seq_len, cfg.seed)
-    pad_id = pad_token_id(tokenizer)
-    check_token_ids(model, samples, pad_id, "the tokenizer's ids in the samples are", "its pad id",
-                    " (a token added to the tokenizer without model.resize_token_embeddings, or the tokenizer of "
-                    "another model?)")
-    return calibrate_config(model, cfg, samples, batch_size=batch_size, pad_id=pad_id, progress=progress)
+    with caller_rng_kept(model):
+        cfg = model_config(model, seq_len, config_kwargs)
+        with main_process_first():  # under a launcher, datasets builds its cache once
+            texts = load_texts(dataset, dataset_config=dataset_config, split=split, text_field=text_field)
+        cfg.dataset, cfg.unique_documents = dataset_label(dataset, split), True
+        samples = make_samples(tokenizer, texts, num_samples, seq_len, cfg.seed)
+        pad_id = pad_token_id(tokenizer)
+        check_token_ids(model, samples, pad_id, "the tokenizer's ids in the samples are", "its pad id",
+                        " (a token added to the tokenizer without model.resize_token_embeddings, or the tokenizer "
+                        "of another model?)")
+        return calibrate_config(model, cfg, samples, batch_size=batch_size, pad_id=pad_id, progress=progress)
 
 
 def calibrate_tokens(model: nn.Module, samples: list[torch.Tensor], *, batch_size: int = 8, pad_id: int = 0,
@@ -188,9 +192,17 @@ def calibrate_tokens(model: nn.Module, samples: list[torch.Tensor], *, batch_siz
     seq_len = max(len(s) for s in samples)
     check_context(model, seq_len, f"a sample of {seq_len} tokens")
     check_calibrate_args(num_samples=len(samples), seq_len=seq_len, batch_size=batch_size, config_kwargs=config_kwargs)
-    cfg = model_config(model, seq_len, config_kwargs)
-    return calibrate_config(model, cfg, [s.cpu() for s in samples], batch_size=batch_size, pad_id=pad_id,
-                            progress=progress)
+    with caller_rng_kept(model):
+        cfg = model_config(model, seq_len, config_kwargs)
+        return calibrate_config(model, cfg, [s.cpu() for s in samples], batch_size=batch_size, pad_id=pad_id,
+                                progress=progress)
+
+
+def caller_rng_kept(model: nn.Module) -> AbstractContextManager:
+    """Calibration seeds torch's global RNG with the config's seed (the routers' initial weights): the caller's
+    random state (CPU, and the CUDA devices the model is on) is put back when it ends."""
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    return torch.random.fork_rng(devices=devices)
 
 
 def check_token_ids(model: nn.Module, samples: list[torch.Tensor], pad_id: int, source: str, pad_name: str,
@@ -245,7 +257,7 @@ def calibrate_config(model: nn.Module, cfg: TideRouterConfig, samples: list[torc
     adapter = get_adapter(model)
     cfg.num_samples = len(samples)
     progress = progress and is_main_process()
-    was_training = model.training
+    training = [(module, module.training) for module in model.modules()]  # each module's flag, put back after
     model.eval()
     writing: dict[str, float] = {}
     try:
@@ -254,7 +266,8 @@ def calibrate_config(model: nn.Module, cfg: TideRouterConfig, samples: list[torc
                                                             pad_id=pad_id, progress=progress)
         data = collect(model, adapter, samples, cfg, batch_size=batch_size, pad_id=pad_id, progress=progress)
     finally:
-        model.train(was_training)
+        for module, mode in training:
+            module.training = mode
     started = time.perf_counter()
     router = TideRouter(cfg)
     device = execution_device(adapter.lm_head)  # where the forward ran: the routers train there too

@@ -176,8 +176,10 @@ def check_splits(data: Collected, cfg: TideRouterConfig) -> None:
     train, val = ~data.is_val, data.is_val & ~data.is_test
     if not train.any():
         raise TideArgumentError(f"calibration kept no training tokens from its {cfg.num_samples} samples: give it "
-                                "more text (the samples are all the text held) or a larger num_samples, or raise "
-                                f"max_train_tokens={cfg.max_train_tokens}")
+                                "more text (the samples are all the text held) or a larger num_samples, raise "
+                                f"max_train_tokens={cfg.max_train_tokens}, or lower validation_fraction="
+                                f"{cfg.validation_fraction} / threshold_fraction={cfg.threshold_fraction} (each holds "
+                                "out at least one whole sample)")
     if not val.any():
         raise TideArgumentError(f"calibration kept no held-out validation tokens from its {cfg.num_samples} samples: "
                                 "give it more text (the samples are all the text held) or a larger num_samples, or "

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import textwrap
 
@@ -194,6 +195,33 @@ def check_section_flags(parser: argparse.ArgumentParser, args: argparse.Namespac
     for name, section in sections.items():
         if getattr(args, name) != defaults[name] and not getattr(args, section):
             raise SystemExit(f"tide-hf {args.command}: --{name.replace('_', '-')} goes with --{section}")
+
+
+# Flags that apply to one kind of router only (command, section -> flag -> whether it needs exit paths): `--targets`
+# pick thresholds from a router's exit paths, `--thresholds` (bench --baselines) measure a router without them.
+ROUTER_KIND_FLAGS = {("analyze", "router"): {"targets": True},
+                     ("bench", "baselines"): {"targets": True, "ppl_targets": True, "thresholds": False}}
+
+
+def check_router_kind_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a flag set away from its default that the --router's kind never reads (`ROUTER_KIND_FLAGS`): it was
+    accepted and ignored. Read from a local router folder's config.json (a Hub id is looked at when it loads)."""
+    routers = getattr(args, "router", None) or []
+    routers = [routers] if isinstance(routers, str) else routers
+    for (command, section), flags in ROUTER_KIND_FLAGS.items():
+        if args.command != command or not getattr(args, section) or len(routers) != 1:
+            continue
+        try:
+            with open(os.path.join(os.path.expanduser(routers[0]), "config.json"), encoding="utf-8") as f:
+                has_paths = bool(json.load(f).get("exit_paths"))
+        except (OSError, ValueError, AttributeError):  # not a local router: loading it will say what is wrong
+            continue
+        defaults = vars(parser.parse_args([command]))
+        for name, needs_paths in flags.items():
+            if getattr(args, name) != defaults[name] and needs_paths != has_paths:
+                kind, use = ("without", "--thresholds") if needs_paths else ("with", "--targets / --ppl-targets")
+                raise SystemExit(f"tide-hf {command}: --{name.replace('_', '-')} does not apply to {routers[0]}, a "
+                                 f"router {kind} exit paths (quality targets): use {use}")
 
 
 def check_bench_flags(args: argparse.Namespace) -> None:

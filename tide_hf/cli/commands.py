@@ -9,7 +9,14 @@ import shlex
 import sys
 import warnings
 
-from .arguments import DEMO_EXIT_HEAD_RANK, build_parser, check_bench_flags, check_router_paths, check_section_flags
+from .arguments import (
+    DEMO_EXIT_HEAD_RANK,
+    build_parser,
+    check_bench_flags,
+    check_router_kind_flags,
+    check_router_paths,
+    check_section_flags,
+)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
@@ -56,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     if name == "bench":
         check_bench_flags(args)
     check_router_paths(args)
+    check_router_kind_flags(parser, args)
     from ..calibration.distributed import finish  # torch: only once the arguments are known to be good
 
     args.command = shlex.join(["tide-hf", *(sys.argv[1:] if argv is None else argv)])  # recorded in result JSON

@@ -224,13 +224,25 @@ def router_efficiency(model: Any, router: TideRouter, prompts: list[torch.Tensor
     return out
 
 
+def is_analyze_result(path: Path) -> bool:
+    """`path` holds what `tide-hf analyze` writes (a JSON object with its convergence section), not a file of the
+    same name that something else wrote."""
+    import json
+
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(result, dict) and isinstance(result.get("convergence"), dict) and "settings" in result
+
+
 def run(args: Any) -> dict:
     """The `tide-hf analyze` command: analyze.json, analyze.md and PNG plots in `args.output` (replacing its own
     files of an earlier analyze run there, the efficiency plot included when this run has no router)."""
     import json
 
     out = Path(args.output)
-    check_results_folder(out, "--output")
+    check_results_folder(out, "--output", args.dataset)
     model, tokenizer = load_model(args.model, args.dtype)
     pad_id = pad_token_id(tokenizer)
     router = TideRouter.from_pretrained(args.router) if args.router else None
@@ -255,17 +267,19 @@ def run(args: Any) -> dict:
         model, tokenizer, texts, num_samples=args.num_samples, seq_len=args.seq_len, batch_size=args.batch_size,
         checkpoint_interval=args.checkpoint_interval, convergence_threshold=args.convergence_threshold,
         agreements=args.agreements, bins=args.bins, seed=args.seed)
+    if router is not None:
+        heldout = make_samples(tokenizer, texts, args.num_samples, args.seq_len, args.seed)
+        targets = args.targets if router.config.exit_paths else []  # (the CLI refuses --targets for such a router)
+        result["efficiency"] = router_efficiency(model, router, prompts, new_tokens=args.new_tokens,
+                                                 thresholds=args.thresholds, pad_id=pad_id, targets=targets,
+                                                 heldout=heldout)
+    # every file is written once every figure is measured: an interrupted run leaves an earlier run's files whole
     out.mkdir(parents=True, exist_ok=True)
     files = [plot_convergence(result["convergence"], out / "convergence.png"),
              plot_heatmap(result["convergence"], out / "heatmap.png")]
     if router is not None:
-        heldout = make_samples(tokenizer, texts, args.num_samples, args.seq_len, args.seed)
-        targets = args.targets if router.config.exit_paths else []
-        result["efficiency"] = router_efficiency(model, router, prompts, new_tokens=args.new_tokens,
-                                                 thresholds=args.thresholds, pad_id=pad_id, targets=targets,
-                                                 heldout=heldout)
         files.append(plot_efficiency(result["efficiency"], out / "efficiency.png"))
-    elif (out / "analyze.json").is_file():  # an earlier run's plot would describe a router this run does not name
+    elif is_analyze_result(out / "analyze.json"):  # an earlier run's plot describes a router this run does not name
         (out / "efficiency.png").unlink(missing_ok=True)  # (a folder no analyze wrote keeps a file of that name)
     (out / "analyze.json").write_text(json.dumps(result, indent=2))
     table = format_analysis(result)

@@ -28,6 +28,7 @@ from ..modeling import ModelAdapter, TideRouter, check_head, get_adapter
 from ..runtime import Patches, TideHandle, attach
 from .measure import generate, left_pad, match_rate, perplexity
 from .modes import truncated
+from .tables import percent
 
 _TUPLE_LAYERS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 PPL_LEVELS = (0.05, 0.10, 0.25)  # perplexity changes at which methods are compared
@@ -146,7 +147,7 @@ def run_baselines(model: Any, tokenizer: Any, router: TideRouter, dataset: str, 
     plan: list[tuple[str, Any, Callable[[], ContextManager], float | None]] = []
     if router.config.exit_paths:  # quality targets: per-checkpoint thresholds chosen by the router's calibration
         plan += [("tide", f"agreement {a}", exits(TideHandle, min_agreement=a), None) for a in args.targets]
-        plan += [("tide", f"ppl +{e:.0%}", exits(TideHandle, max_perplexity_increase=e), None)
+        plan += [("tide", f"ppl +{percent(e)}", exits(TideHandle, max_perplexity_increase=e), None)
                  for e in args.ppl_targets]
     else:  # a router calibrated before exit paths existed: one global threshold
         plan += [("tide", t, exits(TideHandle, exit_threshold=t), None) for t in args.thresholds]

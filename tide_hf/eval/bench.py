@@ -91,7 +91,7 @@ def run(args: Any) -> dict:
     fused kernels vs the PyTorch path. `--synthetic`: a real architecture's shape with random weights.
     """
     out = Path(args.output)
-    check_results_folder(out, "--output")  # made when the first file is written (a refusal leaves none)
+    check_results_folder(out, "--output", args.dataset)  # made when the first file is written (a refusal leaves none)
     if args.synthetic:
         from .synthetic import run_synthetic
 

@@ -28,6 +28,7 @@ from ..modeling import TideRouter, get_adapter
 from ..modeling.files import check_save_target
 from ..plotting import PlottingUnavailable
 from ..runtime import attach
+from .tables import percent
 
 # How the demo attaches its router: skip mode, so a token that exits really skips the remaining layers (the
 # saving is compute, not a label), with the skipped layers' cache recomputed. The one place to change them.
@@ -184,10 +185,10 @@ def describe_target(target: dict[str, float] | None, calibration_text: str | Non
         return "quality target: none (the router's global exit threshold)"
     goals = []
     if "min_agreement" in target:
-        goals.append(f">= {target['min_agreement']:.0%} top-1 agreement with stock")
+        goals.append(f">= {percent(target['min_agreement'])} top-1 agreement with stock")
     if "max_perplexity_increase" in target:
-        goals.append(f"<= {target['max_perplexity_increase']:+.0%} perplexity")
-    return (f"quality target: {' and '.join(goals)}, held with {target['confidence']:.0%} confidence on text like "
+        goals.append(f"<= +{percent(target['max_perplexity_increase'])} perplexity")
+    return (f"quality target: {' and '.join(goals)}, held with {percent(target['confidence'])} confidence on text like "
             f"the calibration text ({calibration_text or 'unnamed'}); other text may differ")
 
 

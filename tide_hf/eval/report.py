@@ -30,14 +30,21 @@ SECTIONS = {"results/smollm2-cpu": (BEGIN, END),  # results folder -> the README
             "results/h100": (BEGIN.replace("results:", "gpu results:"), END.replace("results", "GPU results"))}
 
 
+def _non_finite(name: str) -> float:
+    """json's reader of NaN / Infinity (Python writes them, strict JSON has none): no figure can be rendered."""
+    raise ValueError(f"a non-finite number ({name}), no measured figure")
+
+
 def _load(folder: Path, name: str) -> dict | None:
     path = folder / f"{name}.json"
     if not path.exists():
         return None
     try:
-        result = json.loads(path.read_text())
+        result = json.loads(path.read_text(), parse_constant=_non_finite)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise TideDataError(f"{path} is not valid JSON ({err}): rewrite it with the command that made it") from None
+    except ValueError as err:  # a NaN / Infinity: the README would show "+nan%"
+        raise TideDataError(f"{path} holds {err}: rewrite it with the command that made it") from None
     if not isinstance(result, dict) or not result:
         raise TideDataError(f"{path} holds {json.dumps(result)[:40]}, not a result: rewrite it with the command "
                             "that made it")
@@ -185,6 +192,9 @@ def update(folder: Path, readme: Path, markers: tuple[str, str] = (BEGIN, END)) 
     if begin not in text or end not in text:
         raise TideArgumentError(f"{readme} lacks the markers of the generated results section:\n{begin}\n{end}")
     head, rest = text.split(begin, 1)
+    if end not in rest:
+        raise TideArgumentError(f"{readme}: the end marker of the generated results section comes before its "
+                                f"begin marker:\n{begin}\n{end}")
     _, tail = rest.split(end, 1)
     new = f"{head}{begin}\n{render(folder, readme)}{end}{tail}"
     readme.write_text(new)

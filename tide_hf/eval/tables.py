@@ -4,6 +4,11 @@ measurements (no torch, no model code), so `python -m tide_hf.eval.report` rende
 from __future__ import annotations
 
 
+def percent(share: float) -> str:
+    """`share` as a percentage without rounding it (a target of 0.955 is "95.5%", not a stronger-sounding "96%")."""
+    return f"{100 * share:g}%"
+
+
 def format_table(result: dict) -> str:
     """Markdown tables of a bench result (the README shows these)."""
     lines = ["| batch | stock tok/s | TIDE (exits off) tok/s | ratio |", "|---|---|---|---|"]

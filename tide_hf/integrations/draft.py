@@ -111,8 +111,9 @@ def draft_body(model: nn.Module, layers: nn.ModuleList) -> tuple[nn.Module, Any]
 
 
 def prior_acceptance(router: TideRouter, layer: int) -> float | None:
-    """The held-out top-1 agreement of `layer`'s exit with the final layer (`label_rates["top1"]`, recorded
-    by calibration for every label kind): the acceptance of an ungated draft token. None without metrics."""
+    """The top-1 agreement of `layer`'s exit with the final layer on the kept calibration tokens (`label_rates
+    ["top1"]`, recorded by calibration for every label kind; training tokens with their cross-fitted exit heads):
+    the acceptance of an ungated draft token, before a call measures its own. None without metrics."""
     m = router.config.metrics.get(str(layer)) or {}
     return (m.get("label_rates") or {}).get("top1")
 

@@ -210,14 +210,20 @@ def check_writable(path: Path, what: str, *, folder: bool) -> None:
                                 ) from None
 
 
-def check_results_folder(path: Path, what: str) -> None:
+def check_results_folder(path: Path, what: str, dataset: str | None = None) -> None:
     """`path` can take a command's results (`check_writable`) and is not a model's or a router's folder (one
     holding a config.json): the results would mix with their files, and a router folder holding them is no longer
-    one a save with `overwrite=True` may replace (`is_router_folder`)."""
+    one a save with `overwrite=True` may replace (`is_router_folder`). Nor is it in the local text folder
+    `dataset`, which is read recursively: its tables would be read back as text."""
     check_writable(path, what, folder=True)
     if (path / CONFIG_FILE).is_file():
         raise TideArgumentError(f"{what} {path} holds a model or a TIDE router ({CONFIG_FILE}); give the results "
                                 "a folder of their own")
+    if dataset is not None and os.path.isdir(os.path.expanduser(dataset)):
+        text = Path(dataset).expanduser().resolve()
+        if path.expanduser().resolve() == text or text in path.expanduser().resolve().parents:
+            raise TideArgumentError(f"{what} {path} is inside the text folder {dataset}, which is read with every "
+                                    "file under it: give the results a folder outside it")
 
 
 def check_config_source(name: str | os.PathLike, config_cls: Any, kwargs: dict[str, Any]) -> None:

@@ -55,6 +55,9 @@ class TideOptions:
         thresholds from the router's exit paths, `tide_hf.modeling.targets`); else the router's default target;
         else, for routers calibrated before exit paths existed, the router's global `exit_threshold`."""
         rest = {**rest, "kv": mode_kv(rest.get("mode", "select"), rest.get("kv"), rest.get("draft_layer"))}
+        if exit_threshold is not None:  # any real number (a Fraction, a numpy float) is served as a float
+            check_threshold(exit_threshold)
+            exit_threshold = float(exit_threshold)
         targeted = min_agreement is not None or max_perplexity_increase is not None
         if exit_threshold is not None and (targeted or confidence is not None):
             raise TideArgumentError("give either exit_threshold (one global threshold) or a quality target "
@@ -66,8 +69,8 @@ class TideOptions:
             level = cfg.confidence if confidence is None else confidence
             thresholds = select(cfg.exit_paths, list(cfg.checkpoint_layers), min_agreement=min_agreement,
                                 max_perplexity_increase=max_perplexity_increase, confidence=level)
-            target = {k: v for k, v in (("min_agreement", min_agreement), ("confidence", level),
-                                        ("max_perplexity_increase", max_perplexity_increase)) if v is not None}
+            target = {k: float(v) for k, v in (("min_agreement", min_agreement), ("confidence", level),
+                                               ("max_perplexity_increase", max_perplexity_increase)) if v is not None}
             check_served(thresholds, cfg.min_layers if min_layers is None else min_layers, cfg.min_layers)
         elif confidence is not None:
             raise TideArgumentError("confidence applies only with a quality target (min_agreement= or "

@@ -124,9 +124,11 @@ class ExitStats:
         return "\n".join(lines)
 
     def plot(self, path: str | Path) -> Path:
-        """Draw the per-layer exit histogram (prefill and decode side by side) to a PNG file."""
-        from ..plotting import pyplot, save_png
+        """Draw the per-layer exit histogram (prefill and decode side by side) to the PNG file `path` (a `.png`
+        name in an existing folder; returned as written)."""
+        from ..plotting import png_path, pyplot, save_png
 
+        path = png_path(path)  # refused before matplotlib draws anything
         plt = pyplot()
 
         layers = [*self.checkpoints, self.num_layers]

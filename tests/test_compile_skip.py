@@ -8,6 +8,7 @@ stays within the design's bound, and the tokens equal eager TIDE skip mode on th
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -157,9 +158,12 @@ def test_models_mixing_attention_kinds_keep_the_whole_step_compile() -> None:
     with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="skip") as handle:
         eager = generate(model, ids, mask, 12, **static())
         assert len(handle.last_stats.decode.executed) > 1  # the steps skipped at different depths
+        skipped = [layer.forward for layer in model.model.layers[4:]]  # replaced after the first checkpoint
+        assert len({forward.__code__ for forward in skipped}) == len(skipped)  # dynamo counts per code object
         torch._dynamo.reset()
         with recompile_log() as recompiles:
             assert torch.equal(generate(model, ids, mask, 12, **static(compile_config=config)), eager)
     # the graph breaks compile the skipped layers' forwards as frames of their own: one code object per layer
     # (they shared one, whose recompiles reached dynamo's limit, and the skipped layers' K/V writes ran uncompiled)
-    assert not [m for m in recompiles if "tide_hf/runtime/skip.py" in m.splitlines()[0]], recompiles
+    ours = Counter(m.split()[2] for m in recompiles if "tide_hf/runtime/skip.py" in m.splitlines()[0])
+    assert all(n < torch._dynamo.config.recompile_limit // 2 for n in ours.values()), ours

@@ -113,3 +113,22 @@ def test_rendering_the_readme_loads_no_torch(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
     assert readme.read_text() == (ROOT / "README.md").read_text()  # rendered, equal to the committed one
+
+
+def test_the_quality_target_table_shows_the_efficiency_on_held_out_text_too() -> None:
+    """The goal's efficiency is on held-out text; the table showed it on greedy text only. Each cell is the JSON's
+    figure, "-" where the oracle saves nothing (no ratio exists)."""
+    from tide_hf.eval.tables import format_analysis
+
+    def row(target: float, agreement: float, saved: float, oracle: float) -> dict:
+        return {"target": target, "agreement": agreement, "layers_saved": saved, "oracle_layers_saved": oracle,
+                "efficiency": saved / oracle if oracle else None}
+
+    result = {"efficiency": {"tokens": 10, "router": [], "confidence": 0.9, "heldout_tokens": 20,
+                             "targets": [row(0.97, 0.975, 3.0, 12.0), row(0.9, 0.95, 2.0, 8.0)],
+                             "heldout_targets": [row(0.97, 0.986, 1.5, 10.0), row(0.9, 1.0, 0.0, 0.0)]}}
+    lines = format_analysis(result, convergence=False).splitlines()
+    assert "| 0.97 | 97.5% | 3.00 | 12.00 | 0.25 | 98.6% | 1.50 | 10.00 | 0.15 |" in lines
+    assert "| 0.9 | 95.0% | 2.00 | 8.00 | 0.25 | 100.0% | 0.00 | 0.00 | - |" in lines
+    header = next(line for line in lines if line.startswith("| target |"))
+    assert header.count("efficiency") == 2 and header.count("oracle saves") == 2

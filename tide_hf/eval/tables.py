@@ -130,23 +130,28 @@ def format_analysis(result: dict, convergence: bool = True) -> str:
                                         "", "| threshold | agreement | layers saved | oracle saves | efficiency |",
                                         "|---|---|---|---|---|"]
         for r in eff["router"]:
-            e = "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}"
             lines.append(f"| {r['threshold']} | {r['agreement']:.1%} | {r['layers_saved']:.2f} | "
-                         f"{r['oracle_layers_saved']:.2f} | {e} |")
+                         f"{r['oracle_layers_saved']:.2f} | {efficiency(r)} |")
         if eff.get("targets"):
             lines += ["", f"quality targets (per-checkpoint thresholds, confidence {eff['confidence']}): agreement "
                       "delivered on the model's own greedy text and on held-out text "
                       f"({eff.get('heldout_tokens', 0)} teacher-forced tokens):", "",
                       "| target | greedy text: agreement | layers saved | oracle saves | efficiency | "
-                      "held-out text: agreement | layers saved |", "|---|---|---|---|---|---|---|"]
+                      "held-out text: agreement | layers saved | oracle saves | efficiency |",
+                      "|---|---|---|---|---|---|---|---|---|"]
             held = {r["target"]: r for r in eff.get("heldout_targets", [])}
             for r in eff["targets"]:
-                e = "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}"
                 h = held.get(r["target"])
-                tail = f"{h['agreement']:.1%} | {h['layers_saved']:.2f}" if h else "- | -"
+                tail = (f"{h['agreement']:.1%} | {h['layers_saved']:.2f} | {h['oracle_layers_saved']:.2f} | "
+                        f"{efficiency(h)}") if h else "- | - | - | -"
                 lines.append(f"| {r['target']} | {r['agreement']:.1%} | {r['layers_saved']:.2f} | "
-                             f"{r['oracle_layers_saved']:.2f} | {e} | {tail} |")
+                             f"{r['oracle_layers_saved']:.2f} | {efficiency(r)} | {tail} |")
     return "\n".join(lines)
+
+
+def efficiency(row: dict) -> str:
+    """A row's router efficiency, or "-" where the oracle saves nothing at its agreement (no ratio exists)."""
+    return "-" if row["efficiency"] is None else f"{row['efficiency']:.2f}"
 
 
 def format_kernels(result: dict) -> str:

@@ -49,7 +49,7 @@ def test_convergence_matches_truncated_models_and_hidden_states() -> None:
     texts = make_documents(6, 40, seed=1)
     res = convergence(model, tok, texts, num_samples=4, seq_len=24, batch_size=3, checkpoint_interval=4,
                       convergence_threshold=0.5, agreements=[1.0, 0.9], bins=10, seed=0, progress=False)
-    samples = make_samples(tok, texts, 4, 24, 0)
+    samples = make_samples(tok, texts, 4, 24, 0, spread=True)  # what analyze measures on
     final_pre_norm = []
     hook = model.model.layers[-1].register_forward_hook(lambda _m, _a, out: final_pre_norm.append(layer_output(out)[0]))
     with torch.no_grad():

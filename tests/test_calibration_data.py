@@ -136,6 +136,32 @@ def test_a_huge_document_is_tokenized_only_as_far_as_the_samples_reach() -> None
         assert held_out == [t for i, t in enumerate(texts) if i not in used]
 
 
+def test_evaluation_samples_spread_over_the_documents_evenly() -> None:
+    """analyze measured its held-out text on consecutive chunks of the first held-out documents: 32 x 256 tokens
+    were one or two speeches. Spread samples take ceil(n / documents) chunks of each document (more where short
+    documents leave the samples short), at the middles of equal shares of it, from a bounded prefix of a huge one."""
+    tok = ByteTokenizer()
+    docs = ["".join(f"{chr(65 + d)}{k:02d}".ljust(32, ".") for k in range(16)) for d in range(6)]  # 16 chunks each
+
+    def names(samples: list[torch.Tensor]) -> list[str]:
+        return [bytes(s[:3].tolist()).decode() for s in samples]
+
+    order = torch.randperm(6, generator=torch.Generator().manual_seed(0)).tolist()
+    assert names(make_samples(tok, docs, 6, 32, seed=0, spread=True)) == [f"{chr(65 + d)}08" for d in order]
+    assert names(make_samples(tok, docs, 6, 32, seed=0)) == [f"{chr(65 + order[0])}{k:02d}" for k in range(6)]
+    assert names(make_samples(tok, docs, 12, 32, seed=0, spread=True)) == [  # 2 each: the middles of the halves
+        f"{chr(65 + d)}{k:02d}" for d in order for k in (4, 12)]
+    short = ["x" * 32, docs[0]]  # one chunk and 16: 2 each leaves 3 samples, so the long one gives the rest
+    filled = make_samples(tok, short, 6, 32, seed=0, spread=True)
+    assert len(filled) == 6 and sum(bytes(s.tolist()) == b"x" * 32 for s in filled) == 1
+    huge = " ".join(make_documents(400, 200, seed=3))
+    counting = CountingTokenizer()
+    assert len(make_samples(counting, [huge], 4, 32, seed=0, spread=True)) == 4
+    from tide_hf.calibration.samples import CHARS_PER_TOKEN, SPREAD_SPAN
+
+    assert max(counting.lengths) <= SPREAD_SPAN * 4 * 32 * CHARS_PER_TOKEN < len(huge)  # a prefix, not all of it
+
+
 def test_too_little_text_is_named_as_the_cause() -> None:
     """Two short documents give two samples: the error must say the text ran out (it said "raise num_samples=2",
     already below the 64 asked for)."""

@@ -26,6 +26,8 @@ CHARS_PER_TOKEN = 16
 # Tokens read past the ones kept from a prefix: where the prefix is cut, tokenization may differ from the whole
 # text's, so the kept tokens end this far from the cut.
 CUT_MARGIN = 64
+# Spread samples (`spread_chunks`) of a long document are spaced over at most this many chunks per sample taken.
+SPREAD_SPAN = 16
 
 
 def document_order(count: int, seed: int) -> list[int]:
@@ -58,14 +60,52 @@ def document_chunks(
         yield i, chunks_of(tokenizer, texts[i], seq_len)
 
 
-def make_samples(tokenizer: Any, texts: list[str], num_samples: int, seq_len: int, seed: int) -> list[torch.Tensor]:
+def spread_chunks(tokenizer: Any, text: str, seq_len: int, count: int) -> list[torch.Tensor]:
+    """At most `count` chunks of `text`, evenly spaced through it (each at the middle of its share), so a sample
+    is not always a document's opening; a long document's chunks spread over its first `SPREAD_SPAN` x `count`
+    chunks (it is never tokenized whole)."""
+    ids = leading_ids(tokenizer, text, SPREAD_SPAN * count * seq_len)
+    slots = -(-len(ids) // seq_len)
+    taken = min(count, slots)
+    starts = [((2 * t + 1) * slots // (2 * taken)) * seq_len for t in range(taken)]
+    return [torch.tensor(ids[s : s + seq_len]) for s in starts]
+
+
+def spread_samples(tokenizer: Any, texts: list[str], num_samples: int, seq_len: int, seed: int
+                   ) -> list[torch.Tensor]:
+    """Documents in the seeded order, each giving at most n chunks evenly spaced through it (`spread_chunks`),
+    n = ceil(num_samples / documents), doubled while documents that had more left the samples short."""
+    order = document_order(len(texts), seed)
+    per_document = -(-num_samples // max(len(texts), 1))
+    while True:
+        chunks: list[torch.Tensor] = []
+        capped = False
+        for i in order:
+            got = spread_chunks(tokenizer, texts[i], seq_len, min(per_document, num_samples - len(chunks)))
+            capped |= len(got) == per_document
+            chunks.extend(got)
+            if len(chunks) >= num_samples:
+                return chunks
+        if not capped:
+            return chunks
+        per_document *= 2
+
+
+def make_samples(tokenizer: Any, texts: list[str], num_samples: int, seq_len: int, seed: int,
+                 spread: bool = False) -> list[torch.Tensor]:
     """Split documents (in a seeded order) into chunks of at most `seq_len` tokens; take `num_samples` (a long
-    document is tokenized only as far as the samples still wanted reach)."""
-    chunks: list[torch.Tensor] = []
-    for i in document_order(len(texts), seed):
-        chunks.extend(chunks_of(tokenizer, texts[i], seq_len, num_samples - len(chunks)))
-        if len(chunks) >= num_samples:
-            break
+    document is tokenized only as far as the samples still wanted reach). Calibration reads consecutive chunks.
+    With `spread` (`spread_samples`) the samples span as many documents as the text allows, which evaluation
+    wants: consecutive chunks of a few long documents would measure those few (a document's tokens are
+    correlated)."""
+    if spread:
+        chunks = spread_samples(tokenizer, texts, num_samples, seq_len, seed)
+    else:
+        chunks = []
+        for i in document_order(len(texts), seed):
+            chunks.extend(chunks_of(tokenizer, texts[i], seq_len, num_samples - len(chunks)))
+            if len(chunks) >= num_samples:
+                break
     if len(chunks) < num_samples:
         warnings.warn(f"the dataset yields only {len(chunks)} samples of <= {seq_len} tokens, fewer than the "
                       f"{num_samples} asked for; calibrating on all {len(chunks)}", stacklevel=3)

@@ -372,7 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_MODEL, help="Hub id or folder of the causal LM ('smollm2' = embedded)")
     p.add_argument("--dataset", default="sotu", help="real text: Hub dataset, local .txt/.jsonl file or folder, 'sotu'")
     p.add_argument("--router", default=None, help="also measure this router's efficiency against the oracle")
-    p.add_argument("--num-samples", type=positive_int, default=32, help="text windows the convergence is measured on")
+    p.add_argument("--num-samples", type=positive_int, default=32,
+                   help="text windows the convergence (and, with --router, the quality targets on held-out text) is "
+                   "measured on, spread over the documents: at most ceil(n / documents) each, evenly spaced through it")
     p.add_argument("--seq-len", type=positive_int, default=256, help="tokens per sample")
     p.add_argument("--batch-size", type=positive_int, default=4, help="samples per forward pass")
     p.add_argument("--checkpoint-interval", type=positive_int, default=d.checkpoint_interval,

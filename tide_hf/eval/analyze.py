@@ -121,7 +121,7 @@ def convergence(model: Any, tokenizer: Any, texts: list[str], *, num_samples: in
     if not checkpoints:
         raise TideArgumentError(f"checkpoint_interval={checkpoint_interval} leaves no checkpoint before the last of "
                                 f"the model's {n} layers: give at most {n - 1}")
-    samples = make_samples(tokenizer, texts, num_samples, seq_len, seed)
+    samples = make_samples(tokenizer, texts, num_samples, seq_len, seed, spread=True)  # many documents, not a few
     if not samples:
         raise TideDataError("no text to analyze: the documents hold no tokens")
     parts = []
@@ -268,7 +268,7 @@ def run(args: Any) -> dict:
         checkpoint_interval=args.checkpoint_interval, convergence_threshold=args.convergence_threshold,
         agreements=args.agreements, bins=args.bins, seed=args.seed)
     if router is not None:
-        heldout = make_samples(tokenizer, texts, args.num_samples, args.seq_len, args.seed)
+        heldout = make_samples(tokenizer, texts, args.num_samples, args.seq_len, args.seed, spread=True)
         targets = args.targets if router.config.exit_paths else []  # (the CLI refuses --targets for such a router)
         result["efficiency"] = router_efficiency(model, router, prompts, new_tokens=args.new_tokens,
                                                  thresholds=args.thresholds, pad_id=pad_id, targets=targets,

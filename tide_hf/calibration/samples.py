@@ -108,7 +108,7 @@ def make_samples(tokenizer: Any, texts: list[str], num_samples: int, seq_len: in
                 break
     if len(chunks) < num_samples:
         warnings.warn(f"the dataset yields only {len(chunks)} samples of <= {seq_len} tokens, fewer than the "
-                      f"{num_samples} asked for; calibrating on all {len(chunks)}", stacklevel=3)
+                      f"{num_samples} asked for; using all {len(chunks)}", stacklevel=3)
     return chunks[:num_samples]
 
 

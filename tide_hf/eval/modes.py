@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from ..integrations.draft import best_draft_length, interpolated_verify
 from ..modeling import TideRouter
-from ..runtime import Patches, attach
+from ..runtime import Patches, TideHandle, attach
 from .measure import generate, left_pad, match_rate, perplexity
 
 
@@ -95,6 +95,19 @@ def _skip_runner(model: Any, router: TideRouter, min_layers: int, kv: str) -> Ru
         finally:
             handle.detach()
     return run
+
+
+def forced_rows(rows: torch.Tensor) -> type[TideHandle]:
+    """A handle class whose routers say "exit" for the batch rows where `rows` (B,) is True and "stay" for the
+    others, at every checkpoint and step: forced per-row exits (with `exit_threshold=0.5` and `min_layers`, those
+    rows leave at the first checkpoint >= `min_layers`, the others run every layer)."""
+
+    class ForcedRows(TideHandle):
+        def score(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+            exits = rows.to(hidden.device)[:, None].expand(hidden.shape[:2])
+            return exits.to(torch.float32)
+
+    return ForcedRows
 
 
 def mixed_exits(model: Any, router: TideRouter, batches: list[dict], chunks: list[torch.Tensor], fit: dict,

@@ -76,7 +76,7 @@ class TideHandle:
         for k in self.checkpoints:
             self._patches.hook(adapter.layers[k - 1].register_forward_hook(self._checkpoint_hook(k)))
         self._patches.hook(adapter.layers[-1].register_forward_hook(self._final_hook))
-        self._skipper = LayerSkipper(adapter.layers, self.open_checkpoints[0], skip_plan, self.current_step,
+        self._skipper = LayerSkipper(adapter.layers, self.open_checkpoints[0], skip_plan, options.kv, self.current_step,
                                      self.recompute_state, self._patches) if skip_plan is not None else None
         segments = SegmentedDecoding(model, adapter.layers, self.open_checkpoints, options.kv, options.threshold,
                                      self.score, self.exit_mask, self.exit_state, self.current_step,
@@ -258,8 +258,8 @@ class TideHandle:
                 step.exit_state = state if state is not hidden else hidden.clone()
             else:  # checkpoints of a model split over devices write into the exit states of the first one
                 step.exit_state = torch.where(exits.to(states.device).unsqueeze(-1), state.to(states.device), states)
-            if self._skipper is not None and bool(((step.exit_layer < self.num_layers) | ~step.valid).all()):
-                step.skip_after = layer  # skip mode's one host read per checkpoint reached
+            if self._skipper is not None:  # skip mode's one host read per checkpoint reached
+                self._skipper.decide(step, layer, self.num_layers)
         return hook
 
     def _final_hook(self, _module: nn.Module, _args: tuple, output: Any) -> Any:

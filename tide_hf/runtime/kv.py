@@ -58,11 +58,10 @@ def rotate_keys(attn: nn.Module, key: torch.Tensor, cos: torch.Tensor, sin: torc
     return rotary(key, key, cos, sin)[1]
 
 
-def propagate_kv(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> None:
-    """Append to the cache the K/V `layer` would produce for input `hidden` (B, T, H)."""
-    cache = cache_in(kwargs)
-    if cache is None or not kwargs.get("use_cache", True):
-        return
+def project_kv(layer: nn.Module, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K/V (B, heads, T, d) `layer` computes for input `hidden` (B, T, H) at the positions of
+    `position_embeddings` (cos, sin)."""
     attn = layer.self_attn
     x = layer.input_layernorm(hidden)
     shape = (*x.shape[:-1], -1, attn.head_dim)
@@ -71,7 +70,15 @@ def propagate_kv(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any])
     if norm is not None:  # normalises each head (over head_dim)
         key = norm(key)
     key, value = key.transpose(1, 2), attn.v_proj(x).view(shape).transpose(1, 2)
-    cache.update(rotate_keys(attn, key, *kwargs["position_embeddings"]), value, attn.layer_idx)
+    return rotate_keys(attn, key, *position_embeddings), value
+
+
+def propagate_kv(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> None:
+    """Append to the cache the K/V `layer` would produce for input `hidden` (B, T, H)."""
+    cache = cache_in(kwargs)
+    if cache is None or not kwargs.get("use_cache", True):
+        return
+    cache.update(*project_kv(layer, hidden, kwargs["position_embeddings"]), layer.self_attn.layer_idx)
 
 
 class FusedPropagation:

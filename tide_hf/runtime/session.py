@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .compaction import Compaction
 from .stats import ExitStats
 
 
@@ -23,6 +24,8 @@ class Step:
     exit_state: torch.Tensor | None = None  # hidden state at the exit checkpoint
     skip_after: int | None = None  # skip mode: every row exited here, later layers are not run
     skipped: int = 0  # layers the skip wrappers did not run in this forward
+    compaction: Compaction | None = None  # skip mode: the positions still running after the latest checkpoint
+    stopped: torch.Tensor | int = 0  # (rows, positions): layers a position did not run beyond `skipped`
     recomputed: int = 0  # kv="recompute": layer x position runs of earlier steps' parked tokens in this forward
     mask2d: torch.Tensor | None = None  # the call's (batch, length) attention mask, when it has one
     segmented: bool = False  # compiled skip mode: the segment graphs make the exit decisions, not the hooks
@@ -67,11 +70,12 @@ class Session:
             ended = torch.isin(last_tokens, self.eos.to(last_tokens.device)) & self.started_decode
             self.finished = self.finished | ended.to(self.finished.device)
         for step in filter(lambda step: step.counted, self.pending):  # (the call's own stream only)
-            executed = num_layers - step.skipped
+            executed = num_layers - step.skipped - step.stopped
             if not self.generating or not self.started_decode:
                 self.stats.prefill.add(step.exit_layer, executed, step.valid, step.recomputed)
                 continue
-            self.stats.decode.add(step.exit_layer[:, -1], executed, step.valid[:, -1], step.recomputed)
+            last = executed[:, -1] if isinstance(executed, torch.Tensor) else executed
+            self.stats.decode.add(step.exit_layer[:, -1], last, step.valid[:, -1], step.recomputed)
         self.pending.clear()
 
 

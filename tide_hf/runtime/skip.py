@@ -18,7 +18,8 @@ from torch import nn
 
 from ..compat import cache_in, is_stateful
 from ..errors import TideUnsupportedError
-from .kv import FusedPropagation, KVRecompute, propagate_kv, propagate_support, recompute_support
+from .compaction import Compaction, compactable, run_compacted
+from .kv import FusedPropagation, KVRecompute, project_kv, propagate_kv, propagate_support, recompute_support
 from .patching import Patches
 from .probe import probe_skipped_layers
 from .session import Step
@@ -52,7 +53,7 @@ class LayerSkipper:
             if kv == "propagate" else None
         return SkipPlan(fused, probe_skipped_layers(model, layers, first_checkpoint, kv, fused, text_config))
 
-    def __init__(self, layers: nn.ModuleList, first_checkpoint: int, plan: SkipPlan,
+    def __init__(self, layers: nn.ModuleList, first_checkpoint: int, plan: SkipPlan, kv: str,
                  current_step: Callable[[], Step | None], recompute_state: Callable[[Any], KVRecompute | None],
                  patches: Patches) -> None:
         """Replace the forwards of `layers` after `first_checkpoint` (recorded in `patches`) as `plan` says.
@@ -64,10 +65,26 @@ class LayerSkipper:
         self._returns_tuple: dict[int, bool] = dict(plan.returns_tuple)
         self.originals: dict[int, Callable] = {}  # layer number -> the forward it replaced (compiled segments run it)
         self.fused = plan.fused
+        self.recompute = kv == "recompute"
         for number in range(first_checkpoint + 1, len(layers) + 1):
             layer = layers[number - 1]
             patches.replace_forward(
                 layer, lambda original, number=number, layer=layer: self._wrap(number, layer, original))
+
+    def decide(self, step: Step, layer: int, num_layers: int) -> None:
+        """After checkpoint `layer` decided its exits: skip the later layers when no position runs on (one host
+        read); else, under `kv="propagate"`, gather the positions still running for them (`compaction.py`).
+        `kv="recompute"` keeps the whole batch running until every row has exited."""
+        running = step.valid.to(step.exit_layer.device) & (step.exit_layer == num_layers)
+        if self.recompute:
+            if not bool(running.any()):
+                step.skip_after = layer
+            return
+        counts = running.sum(1).tolist()
+        if not any(counts):
+            step.skip_after = layer
+        else:
+            step.compaction = Compaction.build(running, counts) or step.compaction
 
     def _wrap(self, number: int, layer: nn.Module, original: Callable) -> Callable:
         self.originals[number] = original
@@ -75,9 +92,14 @@ class LayerSkipper:
             step = self.current_step()
             recompute = self.recompute_state(cache_in(kwargs))
             if step is None or step.skip_after is None or number <= step.skip_after:
-                if recompute is not None and len(args) == 1:
+                out = None
+                if step is not None and step.compaction is not None and len(args) == 1 and compactable(layer):
+                    out = run_compacted(step.compaction, layer, original, args[0], kwargs, project_kv)
+                    if out is not None:
+                        step.stopped = step.stopped + (~step.compaction.running).long()
+                if out is None and recompute is not None and len(args) == 1:
                     out = recompute.run(number, layer, original, args[0], kwargs, step)
-                else:
+                elif out is None:
                     out = original(*args, **kwargs)
                 self._returns_tuple[number] = isinstance(out, tuple)
                 return out

@@ -24,11 +24,11 @@ class PhaseStats:
     # and finished rows included: the work the forwards did, beyond each step's own depth)
     recomputed: int = 0
 
-    def add(self, exit_layers: torch.Tensor, executed: int, keep: torch.Tensor | None = None,
+    def add(self, exit_layers: torch.Tensor, executed: int | torch.Tensor, keep: torch.Tensor | None = None,
             recomputed: int = 0) -> None:
         """Count the per-token exit layers `exit_layers` where `keep` (default: all), each token having run
-        `executed` layers, and `recomputed` layer runs made up for earlier tokens. Device-side only: no host
-        sync."""
+        `executed` layers (one number, or one per token), and `recomputed` layer runs made up for earlier tokens.
+        Device-side only: no host sync."""
         self.recomputed += recomputed
         layers = exit_layers.reshape(-1)
         weights = torch.ones_like(layers) if keep is None else keep.reshape(-1).to(layers.device, torch.long)
@@ -36,7 +36,11 @@ class PhaseStats:
             self._exits = torch.zeros(self.num_layers + 1, dtype=torch.long, device=layers.device)
             self._executed = torch.zeros_like(self._exits)
         self._exits.scatter_add_(0, layers.to(self._exits.device), weights.to(self._exits.device))
-        self._executed[executed] += weights.sum().to(self._executed.device)
+        if isinstance(executed, torch.Tensor):
+            self._executed.scatter_add_(0, executed.reshape(-1).to(self._executed.device),
+                                        weights.to(self._executed.device))
+        else:
+            self._executed[executed] += weights.sum().to(self._executed.device)
 
     def merge(self, other: PhaseStats) -> None:
         """Add the counts of `other` (same model) to these."""

@@ -1,0 +1,134 @@
+"""Skip mode in a batch: rows and prefill positions that exited stop computing, and a row's tokens do not depend
+on the other rows of its batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_skip import NUM_LAYERS, make, prompts, router_for
+from transformers import StaticCache
+
+import tide_hf
+from tide_hf.eval.modes import forced_rows
+
+EXIT_AT = 4  # the forced rows leave after this checkpoint
+NEW_TOKENS = 6
+
+
+def rows_per_layer(model, seen: list[int] | None = None) -> list[int]:
+    """Rows (x positions) each layer's MLP runs, summed over a call into `seen`: what the layer really computed."""
+    seen = [0] * NUM_LAYERS if seen is None else seen
+    seen[:] = [0] * NUM_LAYERS
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.register_forward_hook(
+            lambda _m, args, _o, i=i: seen.__setitem__(i, seen[i] + args[0].shape[0] * args[0].shape[1]))
+    return seen
+
+
+def generate_forced(model, rows: torch.Tensor, ids, mask, cache: str, kv: str = "propagate",
+                    seen: list[int] | None = None):
+    """Greedy tokens with the rows where `rows` is True exiting at `EXIT_AT` in every step, and the stats; the
+    rows each layer ran added to `seen` (counted after attach: its probe forward runs the layers too)."""
+    handle = tide_hf.attach(model, router_for(model, 0.0), exit_threshold=0.5, min_layers=EXIT_AT, mode="skip",
+                            kv=kv, handle_class=forced_rows(rows))
+    if seen is not None:
+        rows_per_layer(model, seen)
+    try:
+        past = StaticCache(config=model.config, max_cache_len=32) if cache == "static" else None
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                             past_key_values=past, return_dict_in_generate=True)
+        return out, handle.last_stats
+    finally:
+        handle.detach()
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_forced_per_row_exits_give_each_row_its_tokens_alone_and_stop_its_layers(cache):
+    model = make()
+    ids, mask = prompts()  # rows 1 and 2 left-padded
+    rows = torch.tensor([True, False, True])
+    seen: list[int] = []
+    batched, stats = generate_forced(model, rows, ids, mask, cache, seen=seen)
+    deep = seen[EXIT_AT:]
+    # only row 1 runs the deep layers: its 6 prompt positions (padding stops too), then one position per step
+    assert deep == [int(mask[1].sum()) + NEW_TOKENS - 1] * (NUM_LAYERS - EXIT_AT)
+    for r in range(3):
+        alone, _ = generate_forced(model, rows[r : r + 1], ids[r : r + 1], mask[r : r + 1], cache)
+        assert torch.equal(alone.sequences, batched.sequences[r : r + 1]), f"row {r}"
+    # layers executed per token: the exiting rows EXIT_AT, the other every layer
+    assert stats.decode.executed == {EXIT_AT: 2 * (NEW_TOKENS - 1), NUM_LAYERS: NEW_TOKENS - 1}
+    assert stats.prefill.executed == {EXIT_AT: int(mask[0].sum() + mask[2].sum()), NUM_LAYERS: int(mask[1].sum())}
+
+
+def test_forced_per_row_exits_return_a_complete_cache():
+    model = make()
+    ids, mask = prompts()
+    out, _ = generate_forced(model, torch.tensor([True, False, False]), ids, mask, "dynamic")
+    lengths = {layer.keys.shape[-2] for layer in out.past_key_values.layers}
+    assert lengths == {ids.shape[1] + NEW_TOKENS - 1}  # every layer holds every position, every row
+    assert all(torch.isfinite(layer.keys).all() for layer in out.past_key_values.layers)
+
+
+def test_the_propagated_cache_of_an_exited_row_is_what_the_layer_computes_from_its_exit_state():
+    """The K/V an exited row gets for a skipped layer equal that layer's K/V on the state that exited (the row
+    alone, where the whole step is skipped and `propagate_kv` writes them: the reference of single-row skip)."""
+    model = make()
+    ids, mask = prompts()
+    rows = torch.tensor([True, False, True])
+    batched, _ = generate_forced(model, rows, ids, mask, "dynamic")
+    alone, _ = generate_forced(model, rows[:1], ids[:1], mask[:1], "dynamic")
+    for layer_b, layer_a in zip(batched.past_key_values.layers, alone.past_key_values.layers):
+        torch.testing.assert_close(layer_b.keys[:1], layer_a.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layer_b.values[:1], layer_a.values, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_positions_that_exit_stop_and_match_the_same_positions_fed_one_by_one():
+    """Positions of one prompt exit at different checkpoints (a router reading the state): prefilled in one
+    forward, the exited positions stop computing, and the next-token logits equal those of the same prompt fed
+    one token per forward (where a position that exits skips its whole step)."""
+    model = make()
+    router = router_for(model, 0.0)
+    with torch.no_grad():  # scores depend on the state: some positions exit, some do not
+        for mlp in router.routers.values():
+            mlp.fc2.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(3))
+    handle = tide_hf.attach(model, router, exit_threshold=0.7, mode="skip")  # exits at both checkpoints
+    seen = rows_per_layer(model)  # (after attach: its probe forward runs the layers too)
+    try:
+        with torch.no_grad():
+            whole = model(input_ids=ids, use_cache=True)
+        stats = handle.last_stats.prefill
+        assert 0 < stats.exit_rate < 1 and len(stats.exits) == 3
+        assert seen[-1] == ids.shape[1] - sum(c for k, c in stats.exits.items() if k < NUM_LAYERS)
+        assert stats.mean_executed == pytest.approx(stats.mean_layers)
+        with torch.no_grad():
+            past, logits = None, []
+            for t in range(ids.shape[1]):
+                step = model(input_ids=ids[:, t : t + 1], past_key_values=past, use_cache=True)
+                past = step.past_key_values
+                logits.append(step.logits)
+    finally:
+        handle.detach()
+    torch.testing.assert_close(whole.logits, torch.cat(logits, dim=1), atol=1e-4, rtol=1e-4)
+
+
+def test_a_batch_of_rows_exiting_on_their_own_gives_each_row_its_tokens_alone():
+    """Real (state-dependent) router decisions: each row of a left-padded batch exits when its own state says so,
+    stops computing, and gets the tokens it gets alone."""
+    model = make()
+    ids, mask = prompts()
+    router = router_for(model, 0.0)
+    with torch.no_grad():
+        for mlp in router.routers.values():
+            mlp.fc2.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(3))
+    handle = tide_hf.attach(model, router, exit_threshold=0.5, mode="skip")
+    try:
+        batched = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+        stats = handle.last_stats
+        assert 0 < stats.decode.exit_rate < 1
+        assert stats.decode.mean_executed == pytest.approx(stats.decode.mean_layers)  # exited rows stopped
+        for r in range(3):
+            alone = model.generate(input_ids=ids[r : r + 1, mask[r].argmax():], max_new_tokens=5, do_sample=False)
+            assert torch.equal(alone[0, -5:], batched[r, -5:]), f"row {r}"
+    finally:
+        handle.detach()

@@ -1,0 +1,169 @@
+"""Skip mode in a batch: after a checkpoint, a layer runs only on the positions that have not exited.
+
+The running positions of each row are gathered into a smaller batch: rows with none leave it (decode), and
+each kept row holds its running positions in order (prefill). A row with fewer than the most is padded by
+repeating its last running position; those slots' outputs and K/V are dropped. The layer runs on the small
+batch and its output is scattered back; exited positions pass through unchanged.
+
+The cache keeps one length for every row: the layer's own cache write is intercepted, and the K/V it computed
+for the running positions are written together with the kv policy's K/V for the exited ones (`kv="propagate"`:
+the K/V the layer would compute from the exit state). The layer then reads back only its rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..compat import cache_in
+
+POSITION_DIM = 1  # hidden states, rotary embeddings and position ids are (B, T, ...)
+MASK_QUERY_DIM = 2  # 4-D attention masks are (B, 1, T, keys)
+COMPACT_ATTENTION = ("sdpa", "eager")  # implementations that take any 4-D mask (flash kernels take none)
+GROWING = -1  # a cache layer's `get_max_length()` when it grows with the sequence (one key slot per position)
+
+
+@dataclass
+class Compaction:
+    """Where the running positions of a step (B, T) sit in the gathered batch (R, S)."""
+
+    running: torch.Tensor  # (B, T) bool: positions that run the layers after the checkpoint
+    rows: torch.Tensor  # (R,) the rows kept (at least one running position)
+    index: torch.Tensor  # (R, S) the step position each slot runs
+    real: torch.Tensor  # (R, S) bool: False for padding slots (a repeat of the row's last running position)
+    real_rows: torch.Tensor  # (N,) row and position of each running position, in slot order
+    real_positions: torch.Tensor
+    out_rows: torch.Tensor  # (M,) row and position of each position that does not run
+    out_positions: torch.Tensor
+
+    @classmethod
+    def build(cls, running: torch.Tensor, counts: list[int]) -> Compaction | None:
+        """The gather for `running` (B, T), whose row sums are `counts` (read once on the host); None when it
+        would keep every row and slot (nothing to save)."""
+        batch, width = running.shape
+        longest = max(counts)
+        kept = [b for b, c in enumerate(counts) if c]
+        if len(kept) == batch and longest == width:
+            return None
+        device = running.device
+        rows = torch.tensor(kept, dtype=torch.long, device=device)
+        order = torch.arange(width, device=device).expand(batch, width)
+        # running positions first, in order: sort by (not running, position)
+        order = torch.argsort((~running).long() * width + order, dim=POSITION_DIM)[rows, :longest]
+        count = torch.tensor([counts[b] for b in kept], dtype=torch.long, device=device)
+        real = torch.arange(longest, device=device)[None, :] < count[:, None]
+        last = order.gather(POSITION_DIM, (count - 1)[:, None])
+        index = torch.where(real, order, last)
+        real_rows = rows[:, None].expand_as(index)[real]
+        out_rows, out_positions = (~running).nonzero(as_tuple=True)
+        return cls(running, rows, index, real, real_rows, index[real], out_rows, out_positions)
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rows and positions of `tensor` (B or 1, T, ...) as the small batch (R, S, ...)."""
+        tensor = tensor.expand(self.running.shape[0], *tensor.shape[1:])
+        return tensor[self.rows[:, None], self.index]
+
+    def scatter(self, full: torch.Tensor, small: torch.Tensor) -> torch.Tensor:
+        """`full` (B, T, ...) with the running positions replaced by their values in `small` (R, S, ...)."""
+        merged = full.clone()
+        merged[self.real_rows, self.real_positions] = small[self.real].to(full.dtype)
+        return merged
+
+    def gather_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """A 4-D mask (B or 1, heads or 1, T, keys): the rows kept, and each slot's query row."""
+        mask = mask.expand(self.running.shape[0], *mask.shape[1:])[self.rows]
+        index = self.index[:, None, :, None].expand(-1, mask.shape[1], -1, mask.shape[-1])
+        return mask.gather(MASK_QUERY_DIM, index)
+
+    def causal_mask(self, past: int, dtype: torch.dtype) -> torch.Tensor:
+        """The additive causal mask of the small batch over `past` cached keys plus the step's (a forward given
+        none: no padding, full attention)."""
+        width = self.running.shape[1]
+        keys = torch.arange(past + width, device=self.index.device)
+        allowed = keys[None, None, :] <= (past + self.index)[:, :, None]
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def compactable(layer: nn.Module) -> bool:
+    """Whether `layer` can run on a gathered batch: Llama-style attention under an implementation that takes
+    any 4-D mask."""
+    attn = getattr(layer, "self_attn", None)
+    config = getattr(attn, "config", None)
+    return attn is not None and getattr(config, "_attn_implementation", None) in COMPACT_ATTENTION
+
+
+def _gathered_kwargs(comp: Compaction, layer: nn.Module, kwargs: dict[str, Any], width: int,
+                     dtype: torch.dtype) -> dict[str, Any] | None:
+    """The layer's keyword arguments for the small batch; None when one cannot be gathered (a block mask, a
+    mask-less forward on a cache whose key slots are not positions)."""
+    out = dict(kwargs)
+    cos, sin = kwargs["position_embeddings"]
+    out["position_embeddings"] = (comp.gather(cos), comp.gather(sin))
+    ids = kwargs.get("position_ids")
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] == width:
+        out["position_ids"] = comp.gather(ids)
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        out["attention_mask"] = comp.gather_mask(mask)
+    elif mask is None and comp.index.shape[1] > 1:  # a causal forward without a mask (sdpa's is_causal)
+        cache = cache_in(kwargs)
+        layer_idx = layer.self_attn.layer_idx
+        cache_layers = getattr(cache, "layers", []) if cache is not None else []
+        if layer_idx < len(cache_layers) and cache_layers[layer_idx].get_max_length() != GROWING:
+            return None  # a static or sliding cache: its key slots are not the positions
+        past = cache.get_seq_length(layer_idx) if cache is not None else 0
+        out["attention_mask"] = comp.causal_mask(past, dtype)
+    elif mask is not None:
+        return None
+    return out
+
+
+def run_compacted(comp: Compaction, layer: nn.Module, original: Callable, hidden: torch.Tensor,
+                  kwargs: dict[str, Any], exited_kv: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None
+                  ) -> Any | None:
+    """Run `layer` (its forward `original`) on the running positions of `hidden` (B, T, H) only; the exited
+    positions' K/V come from `exited_kv(layer, states (1, M, H), (cos, sin))` (`kv.project_kv`). Returns the
+    layer's output for the whole batch, or None when its arguments cannot be gathered (the caller runs it whole)."""
+    batch, width = hidden.shape[:2]
+    small_kwargs = _gathered_kwargs(comp, layer, kwargs, width, hidden.dtype)
+    if small_kwargs is None:
+        return None
+    cache = cache_in(kwargs)
+    writes = cache is not None and kwargs.get("use_cache", True) is not False
+    own = cache.__dict__.get("update") if writes else None
+    if writes:
+        cos, sin = (t.expand(batch, *t.shape[1:]) for t in kwargs["position_embeddings"])
+        rows, positions = comp.out_rows, comp.out_positions
+        exited = exited_kv(layer, hidden[rows, positions][None], (cos[rows, positions][None],
+                                                                  sin[rows, positions][None])) \
+            if exited_kv is not None and len(rows) else None
+        update = cache.update
+
+        def write(key: torch.Tensor, value: torch.Tensor, *args: Any, **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            full_k = key.new_zeros(batch, key.shape[1], width, key.shape[-1])
+            full_v = value.new_zeros(batch, value.shape[1], width, value.shape[-1])
+            if exited is not None:
+                full_k[rows, :, positions] = exited[0][0].transpose(0, 1).to(key.dtype)
+                full_v[rows, :, positions] = exited[1][0].transpose(0, 1).to(value.dtype)
+            full_k[comp.real_rows, :, comp.real_positions] = key.transpose(1, 2)[comp.real]
+            full_v[comp.real_rows, :, comp.real_positions] = value.transpose(1, 2)[comp.real]
+            keys, values = update(full_k, full_v, *args, **kw)
+            return keys[comp.rows], values[comp.rows]
+
+        cache.update = write  # this cache object only, for this one layer call
+    try:
+        out = original(comp.gather(hidden), **small_kwargs)
+    finally:
+        if writes:
+            if own is None:
+                del cache.update
+            else:
+                cache.update = own
+    small = out[0] if isinstance(out, tuple) else out
+    merged = comp.scatter(hidden, small)
+    return (merged, *out[1:]) if isinstance(out, tuple) else merged

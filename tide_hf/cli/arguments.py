@@ -176,7 +176,8 @@ def check_router_paths(args: argparse.Namespace) -> None:
 # Flags read by one section of a command only (their help starts "--SECTION:"): given away from their default
 # without it, they were accepted and ignored.
 SECTION_FLAGS = {
-    "bench": {"depths": "modes", "confidence_thresholds": "baselines", "targets": "baselines",
+    "bench": {"depths": "modes", "confidence_thresholds": "baselines", "targets": ("baselines", "batches"),
+              "forced_depth": "batches",
               "ppl_targets": "baselines", "drop_counts": "baselines", "baseline_calib_samples": "baselines",
               "baseline_calib_len": "baselines", "synthetic_depth": "synthetic", "compile": "synthetic",
               "configs": "synthetic", "device": "synthetic"},
@@ -193,8 +194,10 @@ def check_section_flags(parser: argparse.ArgumentParser, args: argparse.Namespac
         return
     defaults = vars(parser.parse_args([args.command]))
     for name, section in sections.items():
-        if getattr(args, name) != defaults[name] and not getattr(args, section):
-            raise SystemExit(f"tide-hf {args.command}: --{name.replace('_', '-')} goes with --{section}")
+        owners = (section,) if isinstance(section, str) else section
+        if getattr(args, name) != defaults[name] and not any(getattr(args, s) for s in owners):
+            raise SystemExit(f"tide-hf {args.command}: --{name.replace('_', '-')} goes with "
+                             + " or ".join(f"--{s}" for s in owners))
 
 
 # Flags that apply to one kind of router only (command, section -> flag -> whether it needs exit paths): `--targets`
@@ -226,7 +229,8 @@ def check_router_kind_flags(parser: argparse.ArgumentParser, args: argparse.Name
 
 def check_bench_flags(args: argparse.Namespace) -> None:
     """bench's flags go together (before its --router is looked at: "leave out --router" is the better answer)."""
-    sections = [f"--{name}" for name in ("synthetic", "kernels", "baselines", "modes") if getattr(args, name)]
+    sections = [f"--{name}" for name in ("synthetic", "kernels", "baselines", "modes", "batches")
+                if getattr(args, name)]
     if len(sections) > 1:
         raise SystemExit(f"tide-hf bench: {' and '.join(sections)} are separate runs; give one per command")
     if args.near_identity_after is not None and not args.modes:
@@ -234,7 +238,7 @@ def check_bench_flags(args: argparse.Namespace) -> None:
     if args.router and (args.synthetic or args.kernels or args.near_identity_after is not None):
         flag = sections[0] if args.synthetic or args.kernels else "--near-identity-after"
         raise SystemExit(f"tide-hf bench: {flag} builds its own routers; leave out --router")
-    if len(args.router) > 1 and (args.modes or args.baselines):
+    if len(args.router) > 1 and (args.modes or args.baselines or args.batches):
         raise SystemExit(f"tide-hf bench: {sections[0]} measures one router; give one --router per command")
     folders = [os.path.realpath(os.path.expanduser(r)) if os.path.isdir(os.path.expanduser(r)) else r
                for r in args.router]  # one folder spelled two ways ("r", "./r", a link) is one router
@@ -245,7 +249,7 @@ def check_bench_flags(args: argparse.Namespace) -> None:
     if args.new_tokens < 2 and not args.kernels:
         raise SystemExit(f"tide-hf bench: --new-tokens {args.new_tokens}: decode tokens are the ones after the first "
                          "(the prefill's), so it needs at least 2")
-    if not sections and max(args.batch_sizes) > args.num_prompts:
+    if (not sections or args.batches) and max(args.batch_sizes) > args.num_prompts:
         raise SystemExit(f"tide-hf bench: --batch-sizes {max(args.batch_sizes)} needs at least as many "
                          f"--num-prompts (got {args.num_prompts}): a batch is made of distinct prompts")
     if not args.kernels and not args.synthetic and not args.router and args.near_identity_after is None:
@@ -315,6 +319,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", action="store_true", help="skip mode vs stock and vs the ideal truncated model, and "
                         "speculative mode vs stock and assistant_early_exit")
     p.add_argument("--depths", nargs="+", type=positive_int, default=[8, 16, 24], help="--modes: forced exit depths")
+    p.add_argument("--batches", action="store_true", help="skip mode in batches at each --batch-sizes: forced "
+                   "per-row exits (half the rows) and real router decisions at --targets, decode and prefill, vs "
+                   "stock and the ideal")
+    p.add_argument("--forced-depth", type=positive_int, default=None,
+                   help="--batches: the checkpoint forced rows exit at (default: the one nearest half the depth)")
     p.add_argument("--near-identity-after", type=positive_int, default=None, metavar="K",
                    help="--modes on an easy model: layers after K made near-identity (o_proj / down_proj scaled), "
                         "routers calibrated on it quickly; measures the speculative mode only (modes-easy.json)")
@@ -337,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--confidence-thresholds", nargs="+", type=share, default=[0.9, 0.8, 0.6, 0.4],
                    help="--baselines: exit when the exit logits' top probability reaches this")
     p.add_argument("--targets", nargs="+", type=target_share, default=[0.99, 0.97, 0.95, 0.9],
-                   help="--baselines: TIDE at these min_agreement targets (routers with exit paths)")
+                   help="--baselines / --batches: TIDE at these min_agreement targets (routers with exit paths)")
     p.add_argument("--ppl-targets", nargs="+", type=nonnegative_float, default=[0.05, 0.10, 0.25],
                    help="--baselines: TIDE at these max_perplexity_increase targets (routers with exit paths)")
     p.add_argument("--drop-counts", nargs="+", type=positive_int, default=[1, 2, 3, 4, 6, 8],
@@ -352,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=positive_int, default=64, help="tokens per prompt")
     p.add_argument("--new-tokens", type=positive_int, default=32, help="tokens generated per prompt")
     p.add_argument("--batch-sizes", nargs="+", type=positive_int, default=[1, 8],
-                   help="batch sizes of the overhead run (at most --num-prompts)")
+                   help="batch sizes of the overhead run and of --batches (at most --num-prompts)")
     p.add_argument("--reps", type=positive_int, default=3, help="interleaved repetitions of the overhead run")
     p.add_argument("--num-chunks", type=positive_int, default=16, help="held-out chunks for perplexity")
     p.add_argument("--chunk-len", type=positive_int, default=256, help="tokens per perplexity chunk")

@@ -23,7 +23,15 @@ from ..modeling import TideRouter
 from ..modeling.files import check_results_folder
 from ..runtime import attach
 from .measure import check_exit_depths, evaluation_text, generate, left_pad, match_rate, perplexity
-from .tables import format_baselines, format_kernels, format_modes, format_speculative, format_synthetic, format_table
+from .tables import (
+    format_baselines,
+    format_batches,
+    format_kernels,
+    format_modes,
+    format_speculative,
+    format_synthetic,
+    format_table,
+)
 
 
 def overhead(model: Any, router: TideRouter, prompts: list[torch.Tensor], pad_id: int, batch_sizes: list[int],
@@ -122,6 +130,13 @@ def run(args: Any) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         print("Pareto plot:", pareto(result, out / "pareto.png"))
         return write_result(out, "baselines", result, format_baselines)
+    if args.batches:
+        from .batches import run_batches
+
+        if args.forced_depth is not None:
+            check_exit_depths([args.forced_depth], router.config.checkpoint_layers, "--forced-depth")
+        result.update(run_batches(model, router, prompts, chunks, pad_id, args))
+        return write_result(out, "batches", result, format_batches)
     if args.modes:
         from .modes import run_modes
 

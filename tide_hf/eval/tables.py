@@ -50,6 +50,29 @@ def format_modes(result: dict) -> str:
     return "\n".join(lines)
 
 
+def format_batches(result: dict) -> str:
+    """Markdown tables of the batches section: forced per-row exits, real router decode, prefill."""
+    lines = ["| batch | kv | exiting rows | exit depth | layers executed / token | speed vs stock | realized / ideal |",
+             "|---|---|---|---|---|---|---|"]
+    for r in result["forced"]:
+        lines.append(f"| {r['batch_size']} | {r['kv']} | {r['exiting_rows']} | {r['depth']} | "
+                     f"{r['mean_executed_layers']:.2f} | {r['speedup_vs_stock']:.2f} | "
+                     f"{r['realized_over_ideal']:.2f} |")
+    lines += ["", "| target | kv | batch | layers executed / decode token (rows alone) | speed vs stock | "
+              "realized / ideal | top-1 agreement |", "|---|---|---|---|---|---|---|"]
+    for r in result["router"]["decode"]:
+        lines.append(f"| {r['target']} | {r['kv']} | {r['batch_size']} | {r['mean_executed_layers']:.2f} "
+                     f"({r['alone_mean_executed_layers']:.2f}) | {r['speedup_vs_stock']:.2f} | "
+                     f"{r['realized_over_ideal']:.2f} | {percent(r['top1_agreement'])} |")
+    lines += ["", "| prefill | target | kv | layers executed / position | exit rate | speed vs stock | "
+              "top-1 agreement |", "|---|---|---|---|---|---|---|"]
+    for r in result["router"]["prefill"]:
+        lines.append(f"| {r['rows']} x {r['positions']} | {r['target']} | {r['kv']} | "
+                     f"{r['mean_executed_layers']:.2f} | {percent(r['exit_rate'])} | {r['speedup_vs_stock']:.2f} | "
+                     f"{percent(r['top1_agreement'])} |")
+    return "\n".join(lines)
+
+
 def format_speculative(spec: dict) -> str:
     """Markdown table of the speculative section (results written before the drafting policy lack its
     columns: shown as "-")."""

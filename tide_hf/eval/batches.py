@@ -1,0 +1,174 @@
+"""`tide-hf bench --batches`: skip mode in batches, where rows exit on their own, against stock and the ideal.
+
+Two sections, each at every `--batch-sizes`, timed against stock in the same run (interleaved repetitions):
+- forced per-row exits: half the rows (the even ones; at batch 1, the one row) leave at `--forced-depth` at every
+  step, the others run every layer. The ideal is the time of the mean executed depth, on a line through the
+  truncated model at that depth and the full model at the same batch size (layers cost alike).
+- real router decisions at quality targets (`--targets`): layers executed per decode token beside the same prompts
+  run one at a time, tokens/s against stock, realized / ideal, and the delivered top-1 agreement: the share of
+  generated tokens equal to the full model's top-1 after the same prefix (one stock forward over the output).
+  Prefill: the perplexity chunks in one forward, timed against stock, with layers executed per position and
+  top-1 agreement with the full model's logits.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from ..modeling import TideRouter
+from ..runtime import attach
+from .measure import generate, left_pad
+from .modes import forced_rows, truncated
+
+KV_POLICIES = ("propagate", "recompute")
+
+
+def default_forced_depth(checkpoints: list[int], num_layers: int) -> int:
+    """The checkpoint nearest half the model's depth."""
+    return min(checkpoints, key=lambda k: abs(k - num_layers / 2))
+
+
+def _timed_runs(runs: dict[str, Any], reps: int, desc: str) -> dict[str, float]:
+    """Median seconds of each named callable over `reps` interleaved repetitions (after one warm-up each)."""
+    for fn in runs.values():
+        fn()
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in tqdm(range(reps), desc=desc, leave=False):
+        for name, fn in runs.items():
+            started = time.perf_counter()
+            fn()
+            seconds[name].append(time.perf_counter() - started)
+    return {name: statistics.median(s) for name, s in seconds.items()}
+
+
+def _ideal(stock_s: float, truncated_s: float, depth: int, num_layers: int, executed: float) -> float:
+    """Seconds at `executed` mean layers on the line through (depth, truncated_s) and (num_layers, stock_s)."""
+    per_layer = (stock_s - truncated_s) / (num_layers - depth)
+    return truncated_s + per_layer * (executed - depth)
+
+
+def _skip_call(model: Any, router: TideRouter, batch: dict, new_tokens: int, stats: dict, **options: Any) -> Any:
+    def run() -> None:
+        handle = attach(model, router, mode="skip", **options)
+        try:
+            generate(model, batch, new_tokens, tide=True)
+            stats["decode"] = handle.last_stats.decode.mean_executed
+        finally:
+            handle.detach()
+    return run
+
+
+def forced(model: Any, router: TideRouter, prompts: list[torch.Tensor], pad_id: int, batch_sizes: list[int],
+           depth: int, new_tokens: int, reps: int) -> list[dict]:
+    """Forced per-row exits at `depth`: skip mode (both kv policies) against stock and the ideal."""
+    num_layers = router.config.num_hidden_layers
+    rows = []
+    for bs in batch_sizes:
+        batch = left_pad(prompts[:bs], pad_id)
+        exiting = torch.arange(bs) % 2 == 0
+        stats: dict[str, dict] = {kv: {} for kv in KV_POLICIES}
+        runs = {"stock": lambda b=batch: generate(model, b, new_tokens, tide=False)}
+
+        def cut(b: dict = batch) -> None:
+            with truncated(model, depth):
+                generate(model, b, new_tokens)
+        runs["truncated"] = cut
+        for kv in KV_POLICIES:
+            runs[kv] = _skip_call(model, router, batch, new_tokens, stats[kv], exit_threshold=0.5, min_layers=depth,
+                                  kv=kv, handle_class=forced_rows(exiting))
+        seconds = _timed_runs(runs, reps, f"forced per-row exits, batch {bs}")
+        for kv in KV_POLICIES:
+            executed = stats[kv]["decode"]
+            ideal = _ideal(seconds["stock"], seconds["truncated"], depth, num_layers, executed)
+            rows.append({"batch_size": bs, "kv": kv, "depth": depth, "exiting_rows": int(exiting.sum()),
+                         "mean_executed_layers": executed, "speedup_vs_stock": seconds["stock"] / seconds[kv],
+                         "realized_over_ideal": ideal / seconds[kv], "stock_s": seconds["stock"],
+                         "truncated_s": seconds["truncated"], "skip_s": seconds[kv]})
+    return rows
+
+
+@torch.no_grad()
+def decode_agreement(model: Any, batch: dict, new: torch.Tensor) -> float:
+    """Share of the generated tokens `new` (B, n) equal to the full model's top-1 after the same prefix (one
+    forward of the stock model over prompt + output)."""
+    ids = torch.cat([batch["input_ids"], new], dim=1)
+    mask = torch.cat([batch["attention_mask"], torch.ones_like(new)], dim=1)
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    width = batch["input_ids"].shape[1]
+    top1 = logits[:, width - 1 : -1].argmax(-1)
+    return float((top1 == new).float().mean())
+
+
+def real_router(model: Any, router: TideRouter, prompts: list[torch.Tensor], chunks: list[torch.Tensor],
+                pad_id: int, batch_sizes: list[int], targets: list[float], new_tokens: int, reps: int,
+                depth: int) -> dict:
+    """Real router decisions at each quality target in skip mode: decode per batch size, and prefill."""
+    num_layers = router.config.num_hidden_layers
+    decode, prefill = [], []
+    for target in targets:
+        for kv in KV_POLICIES:
+            options = {"min_agreement": target, "kv": kv}
+            for bs in batch_sizes:
+                batch = left_pad(prompts[:bs], pad_id)
+                stats: dict = {}
+                runs = {"stock": lambda b=batch: generate(model, b, new_tokens, tide=False),
+                        "tide": _skip_call(model, router, batch, new_tokens, stats, **options)}
+
+                def cut(b: dict = batch) -> None:
+                    with truncated(model, depth):
+                        generate(model, b, new_tokens)
+                runs["truncated"] = cut
+                seconds = _timed_runs(runs, reps, f"target {target} kv={kv} batch {bs}")
+                with attach(model, router, mode="skip", **options) as handle:
+                    out, _ = generate(model, batch, new_tokens, tide=True)
+                    executed = handle.last_stats.decode.mean_executed
+                    alone = []  # the same prompts one at a time: what batching must not change
+                    for p in prompts[:bs] if bs > 1 else []:
+                        generate(model, left_pad([p], pad_id), new_tokens, tide=True)
+                        alone.append(handle.last_stats.decode.mean_executed)
+                ideal = _ideal(seconds["stock"], seconds["truncated"], depth, num_layers, executed)
+                decode.append({"target": target, "kv": kv, "batch_size": bs, "mean_executed_layers": executed,
+                               "alone_mean_executed_layers": statistics.mean(alone) if alone else executed,
+                               "speedup_vs_stock": seconds["stock"] / seconds["tide"],
+                               "realized_over_ideal": ideal / seconds["tide"],
+                               "top1_agreement": decode_agreement(model, batch, out)})
+        prefill.append(_prefill(model, router, chunks, target, reps))
+    return {"decode": decode, "prefill": prefill}
+
+
+@torch.no_grad()
+def _prefill(model: Any, router: TideRouter, chunks: list[torch.Tensor], target: float, reps: int) -> dict:
+    """One forward over the chunks (B x chunk length): stock vs skip mode at `target` (kv="propagate": a
+    prefill's exited positions are read by later ones in the same forward)."""
+    ids = torch.stack(chunks)
+    stock_logits = model(input_ids=ids).logits
+    with attach(model, router, mode="skip", min_agreement=target) as handle:
+        runs = {"stock": lambda: _stock_forward(model, handle, ids), "tide": lambda: model(input_ids=ids)}
+        seconds = _timed_runs(runs, reps, f"prefill, target {target}")
+        logits = model(input_ids=ids).logits
+        stats = handle.last_stats.prefill
+    agreement = float((logits.argmax(-1) == stock_logits.argmax(-1)).float().mean())
+    return {"target": target, "kv": "propagate", "rows": ids.shape[0], "positions": ids.shape[1],
+            "mean_executed_layers": stats.mean_executed, "exit_rate": stats.exit_rate,
+            "speedup_vs_stock": seconds["stock"] / seconds["tide"], "top1_agreement": agreement}
+
+
+def _stock_forward(model: Any, handle: Any, ids: torch.Tensor) -> Any:
+    """The model's forward as if TIDE were not attached."""
+    with handle.disabled():
+        return model(input_ids=ids)
+
+
+def run_batches(model: Any, router: TideRouter, prompts: list[torch.Tensor], chunks: list[torch.Tensor], pad_id: int,
+                args: Any) -> dict:
+    """The `batches` bench JSON: forced per-row exits and real router decisions, decode and prefill."""
+    depth = args.forced_depth or default_forced_depth(list(router.config.checkpoint_layers),
+                                                      router.config.num_hidden_layers)
+    return {"forced": forced(model, router, prompts, pad_id, args.batch_sizes, depth, args.new_tokens, args.reps),
+            "router": real_router(model, router, prompts, chunks, pad_id, args.batch_sizes, args.targets,
+                                  args.new_tokens, args.reps, depth)}

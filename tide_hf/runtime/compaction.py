@@ -99,11 +99,13 @@ def compactable(layer: nn.Module) -> bool:
 
 def _gathered_kwargs(comp: Compaction, layer: nn.Module, kwargs: dict[str, Any], width: int,
                      dtype: torch.dtype) -> dict[str, Any] | None:
-    """The layer's keyword arguments for the small batch; None when one cannot be gathered (a block mask, a
-    mask-less forward on a cache whose key slots are not positions)."""
+    """The layer's keyword arguments for the small batch; None when one cannot be gathered (no rotary embeddings
+    given, a block mask, a mask-less forward on a cache whose key slots are not positions)."""
     out = dict(kwargs)
-    cos, sin = kwargs["position_embeddings"]
-    out["position_embeddings"] = (comp.gather(cos), comp.gather(sin))
+    rotary = kwargs.get("position_embeddings")
+    if not (isinstance(rotary, tuple) and len(rotary) == 2):  # the layer computes its own rotary: not gathered
+        return None
+    out["position_embeddings"] = tuple(comp.gather(t) for t in rotary)
     ids = kwargs.get("position_ids")
     if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] == width:
         out["position_ids"] = comp.gather(ids)

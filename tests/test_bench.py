@@ -188,9 +188,8 @@ def test_bench_table_names_the_router_of_each_row_when_there_are_several() -> No
 
 
 def test_batches_forced_rows_report_each_rows_depth_and_a_table() -> None:
-    """Forced per-row exits: at batch 2 one row leaves at the depth and one runs every layer, so under
-    kv="propagate" the mean executed depth is their mean (kv="recompute" keeps a batch whole until every row has
-    exited); at batch 1 the one row leaves."""
+    """Forced per-row exits: at batch 2 one row leaves at the depth and one runs every layer, so the mean executed
+    depth is their mean (both kv policies); at batch 1 the one row leaves."""
     from test_skip import make, router_for
 
     from tide_hf.eval.batches import forced
@@ -201,6 +200,6 @@ def test_batches_forced_rows_report_each_rows_depth_and_a_table() -> None:
     rows = forced(model, router_for(model, 0.0), prompts, 0, [1, 2], depth=4, new_tokens=3, reps=1)
     executed = {(r["batch_size"], r["kv"]): r["mean_executed_layers"] for r in rows}
     assert executed[(1, "propagate")] == executed[(1, "recompute")] == 4
-    assert executed[(2, "propagate")] == (4 + 9) / 2 and executed[(2, "recompute")] == 9
+    assert executed[(2, "propagate")] == executed[(2, "recompute")] == (4 + 9) / 2
     table = format_batches({"forced": rows, "router": {"decode": [], "prefill": []}})
     assert table.count("| 2 | propagate | 1 | 4 | 6.50 |") == 1

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from transformers import GenerationMixin, LogitsProcessorList
 
-from ..compat import merged_generation_config
+from ..compat import cache_in, merged_generation_config
 from ..errors import TideArgumentError, TideArgumentTypeError
 from ..modeling import TideRouter
 from ..runtime import Patches, TideHandle, attach_for_call, get_handle
@@ -132,7 +132,10 @@ def _run(handle: TideHandle, original: Callable, model: Any, args: tuple, kwargs
             return speculative_generate(handle, original, model, args, kwargs, session, config)
         processors = LogitsProcessorList(kwargs.get("logits_processor") or [])
         processors.append(TideLogitsProcessor(handle, session))
-        return original(model, *args, **{**kwargs, "logits_processor": processors})
+        out = original(model, *args, **{**kwargs, "logits_processor": processors})
+        for cache in (cache_in(kwargs), cache_in(out) if isinstance(out, dict) else None):  # caches that outlive it
+            handle.settle(cache)
+        return out
 
 
 def same_router(a: TideRouter, b: TideRouter) -> bool:

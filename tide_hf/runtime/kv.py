@@ -240,6 +240,7 @@ class KVRecompute:
         self.num_layers = num_layers
         self.pending: list[Pending] = []
         self.stock_mask: torch.Tensor | None = None  # the 2-D mask of a call without TIDE using this cache now
+        self.rows: Any = None  # the positions parked per row (`parked.ParkedRows`) where rows exit on their own
 
     def park(self, hidden: torch.Tensor, depth: int, kwargs: dict[str, Any]) -> None:
         """Remember the exit state of a step whose layers after `depth` are being skipped."""

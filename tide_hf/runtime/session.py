@@ -26,6 +26,11 @@ class Step:
     skipped: int = 0  # layers the skip wrappers did not run in this forward
     compaction: Compaction | None = None  # skip mode: the positions still running after the latest checkpoint
     stopped: torch.Tensor | int = 0  # (rows, positions): layers a position did not run beyond `skipped`
+    cache: Any = None  # the cache this forward writes
+    per_row: bool | None = None  # kv="recompute": stopped positions park per row (`parked.py`); None: not decided
+    active: torch.Tensor | None = None  # kv="recompute" per row: positions still running
+    parking: torch.Tensor | None = None  # ... positions that stopped at the latest checkpoint, parked at its next layer
+    park_after: int | None = None  # ... that checkpoint
     recomputed: int = 0  # kv="recompute": layer x position runs of earlier steps' parked tokens in this forward
     mask2d: torch.Tensor | None = None  # the call's (batch, length) attention mask, when it has one
     segmented: bool = False  # compiled skip mode: the segment graphs make the exit decisions, not the hooks
@@ -120,4 +125,4 @@ def new_step(session: Session, tokens: torch.Tensor, mask: Any, num_layers: int,
             ended = ended | session.finished.to(tokens.device)
         valid = torch.cat([valid[:, :-1], valid[:, -1:] & ~ended[:, None]], dim=1)
     exit_layer = torch.full((batch, width), num_layers, dtype=torch.long, device=tokens.device)
-    return Step(valid, exit_layer, mask2d=mask, counted=counted)
+    return Step(valid, exit_layer, mask2d=mask, counted=counted, cache=cache)

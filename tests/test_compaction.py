@@ -42,31 +42,75 @@ def generate_forced(model, rows: torch.Tensor, ids, mask, cache: str, kv: str = 
         handle.detach()
 
 
+@pytest.mark.parametrize("kv", ["propagate", "recompute"])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_forced_per_row_exits_give_each_row_its_tokens_alone_and_stop_its_layers(cache):
+def test_forced_per_row_exits_give_each_row_its_tokens_alone_and_stop_its_layers(cache, kv):
     model = make()
     ids, mask = prompts()  # rows 1 and 2 left-padded
     rows = torch.tensor([True, False, True])
     seen: list[int] = []
-    batched, stats = generate_forced(model, rows, ids, mask, cache, seen=seen)
-    deep = seen[EXIT_AT:]
-    # only row 1 runs the deep layers: its 6 prompt positions (padding stops too), then one position per step
-    assert deep == [int(mask[1].sum()) + NEW_TOKENS - 1] * (NUM_LAYERS - EXIT_AT)
+    batched, stats = generate_forced(model, rows, ids, mask, cache, kv, seen=seen)
+    deep = list(seen[EXIT_AT:])  # (before the rows alone add theirs)
     for r in range(3):
-        alone, _ = generate_forced(model, rows[r : r + 1], ids[r : r + 1], mask[r : r + 1], cache)
+        alone, _ = generate_forced(model, rows[r : r + 1], ids[r : r + 1], mask[r : r + 1], cache, kv)
         assert torch.equal(alone.sequences, batched.sequences[r : r + 1]), f"row {r}"
+    if kv == "recompute" and cache == "static":  # rows park only in a cache that grows: the batch runs whole
+        assert stats.decode.executed == {NUM_LAYERS: 3 * (NEW_TOKENS - 1)}
+        return
     # layers executed per token: the exiting rows EXIT_AT, the other every layer
     assert stats.decode.executed == {EXIT_AT: 2 * (NEW_TOKENS - 1), NUM_LAYERS: NEW_TOKENS - 1}
     assert stats.prefill.executed == {EXIT_AT: int(mask[0].sum() + mask[2].sum()), NUM_LAYERS: int(mask[1].sum())}
+    if kv == "propagate":  # (recompute: the returned cache's parked positions catch up when the call ends)
+        # only row 1 runs the deep layers: its 4 prompt positions (padding stops too), then one per step
+        assert deep == [int(mask[1].sum()) + NEW_TOKENS - 1] * (NUM_LAYERS - EXIT_AT)
 
 
-def test_forced_per_row_exits_return_a_complete_cache():
+@pytest.mark.parametrize("kv", ["propagate", "recompute"])
+def test_forced_per_row_exits_return_a_complete_cache(kv):
     model = make()
     ids, mask = prompts()
-    out, _ = generate_forced(model, torch.tensor([True, False, False]), ids, mask, "dynamic")
+    out, _ = generate_forced(model, torch.tensor([True, False, False]), ids, mask, "dynamic", kv)
     lengths = {layer.keys.shape[-2] for layer in out.past_key_values.layers}
     assert lengths == {ids.shape[1] + NEW_TOKENS - 1}  # every layer holds every position, every row
     assert all(torch.isfinite(layer.keys).all() for layer in out.past_key_values.layers)
+
+
+def test_recompute_in_a_batch_returns_the_stock_models_cache_of_its_tokens():
+    """kv='recompute' with rows exiting on their own: the cache generate returns holds, at every layer, the K/V
+    the stock model computes for the same tokens (parked positions caught up when the call ends)."""
+    model = make()
+    ids, mask = prompts()
+    out, _ = generate_forced(model, torch.tensor([True, False, True]), ids, mask, "dynamic", "recompute")
+    full_mask = torch.cat([mask, torch.ones(3, NEW_TOKENS - 1, dtype=mask.dtype)], dim=1)
+    with torch.no_grad():
+        stock = model(input_ids=out.sequences[:, :-1], attention_mask=full_mask,
+                      position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True).past_key_values
+    keep = full_mask.bool()  # padding slots hold whatever a layer wrote there: never read
+    for ours, theirs in zip(out.past_key_values.layers, stock.layers):
+        torch.testing.assert_close(ours.keys.transpose(1, 2)[keep], theirs.keys.transpose(1, 2)[keep])
+        torch.testing.assert_close(ours.values.transpose(1, 2)[keep], theirs.values.transpose(1, 2)[keep])
+
+
+def test_recompute_in_a_batch_with_rows_exiting_on_their_own_gives_select_modes_tokens():
+    """Real (state-dependent) decisions: rows exit at different steps and checkpoints, parked positions join their
+    row when it runs deeper again, and every deep K/V is exact, so the tokens are select mode's (which runs every
+    layer with the same exits), while exited rows really stop."""
+    model = make()
+    ids, mask = prompts()
+    router = router_for(model, 0.0)
+    with torch.no_grad():
+        for mlp in router.routers.values():
+            mlp.fc2.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(3))
+    outputs, stats = {}, {}
+    for mode, kv in (("select", None), ("skip", "recompute")):
+        handle = tide_hf.attach(model, router, exit_threshold=0.5, mode=mode, kv=kv)
+        outputs[mode] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+        stats[mode] = handle.last_stats
+        handle.detach()
+    assert torch.equal(outputs["skip"], outputs["select"])
+    decode = stats["skip"].decode
+    assert 0 < decode.exit_rate < 1 and decode.mean_executed < NUM_LAYERS
+    assert decode.recomputed > 0  # parked positions caught up inside the call
 
 
 def test_the_propagated_cache_of_an_exited_row_is_what_the_layer_computes_from_its_exit_state():

@@ -176,3 +176,35 @@ def test_a_batch_of_rows_exiting_on_their_own_gives_each_row_its_tokens_alone():
             assert torch.equal(alone[0, -5:], batched[r, -5:]), f"row {r}"
     finally:
         handle.detach()
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_recompute_returns_a_complete_cache_when_every_row_exits_at_every_step(rows, cache):
+    """Every token exits at layer 1 of 2 (kv='recompute'): the deep layer never runs during the call, yet the cache
+    generate returns holds every layer, one length, the stock model's K/V of the returned tokens."""
+    from helpers import new_router
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=63)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(1, 60, (2, 5), generator=torch.Generator().manual_seed(0))[:rows]
+    handle = tide_hf.attach(model, new_router(model, checkpoint_interval=1), exit_threshold=0.0, mode="skip",
+                            kv="recompute")
+    try:
+        extra = {"cache_implementation": "static"} if cache == "static" else {}
+        out = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True, **extra)
+        assert handle.last_stats.decode.mean_executed == 1
+    finally:
+        handle.detach()
+    length = ids.shape[1] + 2
+    layers = out.past_key_values.layers
+    assert all(layer.keys is not None and layer.keys.shape[2] >= length for layer in layers)
+    assert [int(out.past_key_values.get_seq_length(i)) for i in range(2)] == [length] * 2
+    with torch.no_grad():
+        stock = model(input_ids=out.sequences[:, :-1], use_cache=True).past_key_values
+    for ours, theirs in zip(layers, stock.layers):
+        torch.testing.assert_close(ours.keys[:, :, :length], theirs.keys)
+        torch.testing.assert_close(ours.values[:, :, :length], theirs.values)

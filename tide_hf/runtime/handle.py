@@ -104,12 +104,14 @@ class TideHandle:
         return self._pending.get(cache) or self._pending.setdefault(cache, KVRecompute(self.num_layers))
 
     @torch.no_grad()
-    def settle(self, cache: Any) -> None:
-        """Write the exact deep K/V of the positions parked per row in `cache` (kv="recompute" in a batch): at the
-        end of a generate call whose cache outlives it, and before a call without TIDE reads it."""
+    def settle(self, cache: Any, blocks: bool = True) -> None:
+        """Write the exact deep K/V of the tokens of `cache` still waiting for the layers they skipped
+        (kv="recompute"): at the end of a generate call whose cache outlives it, so the cache it returns is
+        complete; before a call without TIDE reads it, the positions parked per row (`blocks=False`: whole
+        parked steps catch up in that call's own forward)."""
         state = self._pending.get(cache) if cache is not None and len(self._pending) else None
-        if state is not None and state.rows is not None and len(state.rows) and self._skipper is not None:
-            self._skipper.settle(cache, state.rows)
+        if state is not None and self._skipper is not None:
+            self._skipper.settle(cache, state, blocks)
 
     def __deepcopy__(self, memo: dict) -> TideHandle:  # reached through the hooks of a deep-copied layer
         refuse_pickling()
@@ -179,7 +181,7 @@ class TideHandle:
             cache = cache_in(kwargs)  # kv="recompute": a cache TIDE filled, tokens waiting in it
             waiting = self._pending.get(cache) if cache is not None and len(self._pending) else None
             if waiting is not None:  # its waiting tokens catch up in this call: padding from its 2-D mask
-                self.settle(cache)  # (positions parked per row catch up now: the stock layers cannot take them)
+                self.settle(cache, blocks=False)  # (positions parked per row now: stock layers cannot take them)
                 mask = kwargs.get("attention_mask")
                 waiting.stock_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
             return

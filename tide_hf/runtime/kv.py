@@ -241,11 +241,27 @@ class KVRecompute:
         self.pending: list[Pending] = []
         self.stock_mask: torch.Tensor | None = None  # the 2-D mask of a call without TIDE using this cache now
         self.rows: Any = None  # the positions parked per row (`parked.ParkedRows`) where rows exit on their own
+        self.mask2d: torch.Tensor | None = None  # the call's 2-D mask when the latest step was parked
 
-    def park(self, hidden: torch.Tensor, depth: int, kwargs: dict[str, Any]) -> None:
-        """Remember the exit state of a step whose layers after `depth` are being skipped."""
+    def park(self, hidden: torch.Tensor, depth: int, kwargs: dict[str, Any], mask2d: torch.Tensor | None = None
+             ) -> None:
+        """Remember the exit state of a step whose layers after `depth` are being skipped (`mask2d`: the call's
+        2-D mask so far, for a catch-up without a step, `settle`)."""
         cos, sin = kwargs["position_embeddings"]
         self.pending.append(Pending(hidden, depth, cos, sin))
+        self.mask2d = mask2d
+
+    def settle(self, layers: nn.ModuleList, forwards: dict[int, Callable], kwargs: dict[str, Any]) -> None:
+        """Run the waiting tokens through the layers they skipped, without a step of their own (`forwards`: layer
+        number -> its forward; `kwargs`: the cache and use_cache), so every layer's cache holds them."""
+        while self.pending:
+            number = min(p.depth for p in self.pending) + 1
+            first = self.pending[0]
+            rotary = {"position_embeddings": (first.cos[:, :0], first.sin[:, :0])}
+            due, block, ext = self.extend(number, layers[number - 1], first.hidden[:, :0], {**kwargs, **rotary},
+                                          self.mask2d)
+            out = forwards[number](block, **ext)
+            self.advance(due, out[0] if isinstance(out, tuple) else out, number)
 
     def extend(self, number: int, layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any],
                mask2d: torch.Tensor | None) -> tuple[list[Pending], torch.Tensor, dict[str, Any]] | None:

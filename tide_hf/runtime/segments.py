@@ -194,6 +194,6 @@ class SegmentedDecoding:
             return out
         step.skip_after, step.skipped = segment.last, self.num_layers - segment.last
         if recompute is not None:
-            recompute.park(out[0] if isinstance(out, tuple) else out, segment.last, kwargs)
+            recompute.park(out[0] if isinstance(out, tuple) else out, segment.last, kwargs, step.mask2d)
         with traceable_output_capture():
             return self._finish[segment.last](out, step.exit_layer, step.exit_state, kwargs)

@@ -115,11 +115,14 @@ class LayerSkipper:
             state.rows = ParkedRows(len(self.layers))
         return True
 
-    def settle(self, cache: Any, parked: ParkedRows) -> None:
-        """Run the parked positions of `cache` through the layers they skipped, writing their exact K/V (the end
-        of a generate call that returns or was given its cache; a call without TIDE about to read it)."""
+    def settle(self, cache: Any, state: KVRecompute, blocks: bool) -> None:
+        """Run the tokens of `cache` waiting for layers they skipped through them, writing their exact K/V: the
+        positions parked per row, and with `blocks` the steps parked whole (`KVRecompute.settle`)."""
         kwargs = {**with_cache({}, cache), "use_cache": True}
-        while len(parked):
+        if blocks and state.pending:
+            state.settle(self.layers, self.originals, kwargs)
+        parked = state.rows
+        while parked is not None and len(parked):
             number = parked.first_due()
             due = parked.due(number)
             plan = Plan.build(None, parked.rows[due].tolist(), parked.slots[due].tolist(), 0, 0, due.device)
@@ -186,7 +189,7 @@ class LayerSkipper:
                 append_placeholders(layer, hidden, kwargs)
             elif recompute is not None:
                 if number == step.skip_after + 1:
-                    recompute.park(hidden, step.skip_after, kwargs)
+                    recompute.park(hidden, step.skip_after, kwargs, step.mask2d)
             elif self.fused is not None:
                 if number == step.skip_after + 1:  # one pass writes every skipped layer's K/V
                     self.fused.write(step.skip_after, hidden, kwargs)

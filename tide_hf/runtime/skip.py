@@ -3,8 +3,9 @@
 The forward of every layer after the first checkpoint is replaced on the instance (on accelerate's
 `_old_forward` when the model is dispatched, so accelerate's device hooks keep running). Once every row
 of a step has exited, the replaced forwards pass the hidden state through untouched and keep the KV
-cache sound (see `kv.py`); otherwise they call the original forward. The replacements are recorded in
-the handle's `Patches`, whose `restore()` leaves the layers exactly as they were.
+cache sound (see `kv.py`). While some rows or positions run on, the original forward runs on those only
+(`compaction.py`; `parked.py` under `kv="recompute"`). The replacements are recorded in the handle's
+`Patches`, whose `restore()` leaves the layers exactly as they were.
 """
 
 from __future__ import annotations
@@ -206,9 +207,9 @@ def append_placeholders(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str
     if cache is None or not kwargs.get("use_cache", True):
         return
     attn = layer.self_attn
-    shape = (hidden.shape[0], -1, hidden.shape[1], attn.head_dim)
-    key = hidden.new_zeros(hidden.shape[0], attn.k_proj.out_features // attn.head_dim, hidden.shape[1], attn.head_dim)
-    value = hidden.new_zeros(shape[0], attn.v_proj.out_features // attn.head_dim, shape[2], shape[3])
+    batch, width = hidden.shape[:2]
+    key, value = (hidden.new_zeros(batch, proj.out_features // attn.head_dim, width, attn.head_dim)
+                  for proj in (attn.k_proj, attn.v_proj))
     cache.update(key, value, attn.layer_idx)
 
 

@@ -34,16 +34,24 @@ def default_forced_depth(checkpoints: list[int], num_layers: int) -> int:
 
 
 def _timed_runs(runs: dict[str, Any], reps: int, desc: str) -> dict[str, float]:
-    """Median seconds of each named callable over `reps` interleaved repetitions (after one warm-up each)."""
+    """Median seconds of each named callable over `reps` interleaved repetitions (after one warm-up each); each
+    returns the seconds of its own generate call or forward (attach and detach are not timed)."""
     for fn in runs.values():
         fn()
     seconds: dict[str, list[float]] = {name: [] for name in runs}
     for _ in tqdm(range(reps), desc=desc, leave=False):
         for name, fn in runs.items():
-            started = time.perf_counter()
-            fn()
-            seconds[name].append(time.perf_counter() - started)
+            seconds[name].append(fn())
     return {name: statistics.median(s) for name, s in seconds.items()}
+
+
+def _seconds(fn: Any) -> Any:
+    """`fn` returning the wall seconds it took."""
+    def timed() -> float:
+        started = time.perf_counter()
+        fn()
+        return time.perf_counter() - started
+    return timed
 
 
 def _ideal(stock_s: float, truncated_s: float, depth: int, num_layers: int, executed: float) -> float:
@@ -53,13 +61,25 @@ def _ideal(stock_s: float, truncated_s: float, depth: int, num_layers: int, exec
 
 
 def _skip_call(model: Any, router: TideRouter, batch: dict, new_tokens: int, stats: dict, **options: Any) -> Any:
-    def run() -> None:
+    """A timed skip-mode generate call (seconds of the call only), its mean executed depth left in `stats`."""
+    def run() -> float:
         handle = attach(model, router, mode="skip", **options)
         try:
-            generate(model, batch, new_tokens, tide=True)
+            seconds = generate(model, batch, new_tokens, tide=True)[1]
             stats["decode"] = handle.last_stats.decode.mean_executed
         finally:
             handle.detach()
+        return seconds
+    return run
+
+
+def _stock_call(model: Any, batch: dict, new_tokens: int, depth: int | None = None) -> Any:
+    """A timed stock generate call; with `depth`, of the model truncated to its first `depth` layers."""
+    def run() -> float:
+        if depth is None:
+            return generate(model, batch, new_tokens, tide=False)[1]
+        with truncated(model, depth):
+            return generate(model, batch, new_tokens)[1]
     return run
 
 
@@ -72,12 +92,8 @@ def forced(model: Any, router: TideRouter, prompts: list[torch.Tensor], pad_id: 
         batch = left_pad(prompts[:bs], pad_id)
         exiting = torch.arange(bs) % 2 == 0
         stats: dict[str, dict] = {kv: {} for kv in KV_POLICIES}
-        runs = {"stock": lambda b=batch: generate(model, b, new_tokens, tide=False)}
-
-        def cut(b: dict = batch) -> None:
-            with truncated(model, depth):
-                generate(model, b, new_tokens)
-        runs["truncated"] = cut
+        runs = {"stock": _stock_call(model, batch, new_tokens),
+                "truncated": _stock_call(model, batch, new_tokens, depth)}
         for kv in KV_POLICIES:
             runs[kv] = _skip_call(model, router, batch, new_tokens, stats[kv], exit_threshold=0.5, min_layers=depth,
                                   kv=kv, handle_class=forced_rows(exiting))
@@ -116,13 +132,9 @@ def real_router(model: Any, router: TideRouter, prompts: list[torch.Tensor], chu
             for bs in batch_sizes:
                 batch = left_pad(prompts[:bs], pad_id)
                 stats: dict = {}
-                runs = {"stock": lambda b=batch: generate(model, b, new_tokens, tide=False),
-                        "tide": _skip_call(model, router, batch, new_tokens, stats, **options)}
-
-                def cut(b: dict = batch) -> None:
-                    with truncated(model, depth):
-                        generate(model, b, new_tokens)
-                runs["truncated"] = cut
+                runs = {"stock": _stock_call(model, batch, new_tokens),
+                        "tide": _skip_call(model, router, batch, new_tokens, stats, **options),
+                        "truncated": _stock_call(model, batch, new_tokens, depth)}
                 seconds = _timed_runs(runs, reps, f"target {target} kv={kv} batch {bs}")
                 with attach(model, router, mode="skip", **options) as handle:
                     out, _ = generate(model, batch, new_tokens, tide=True)
@@ -148,7 +160,8 @@ def _prefill(model: Any, router: TideRouter, chunks: list[torch.Tensor], target:
     ids = torch.stack(chunks)
     stock_logits = model(input_ids=ids).logits
     with attach(model, router, mode="skip", min_agreement=target) as handle:
-        runs = {"stock": lambda: _stock_forward(model, handle, ids), "tide": lambda: model(input_ids=ids)}
+        runs = {"stock": _seconds(lambda: _stock_forward(model, handle, ids)),
+                "tide": _seconds(lambda: model(input_ids=ids))}
         seconds = _timed_runs(runs, reps, f"prefill, target {target}")
         logits = model(input_ids=ids).logits
         stats = handle.last_stats.prefill

@@ -9,14 +9,8 @@ import shlex
 import sys
 import warnings
 
-from .arguments import (
-    DEMO_EXIT_HEAD_RANK,
-    build_parser,
-    check_bench_flags,
-    check_router_kind_flags,
-    check_router_paths,
-    check_section_flags,
-)
+from .arguments import DEMO_EXIT_HEAD_RANK, build_parser, check_router_paths
+from .checks import check_bench_flags, check_router_kind_flags, check_section_flags
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:

@@ -41,26 +41,27 @@ class Compaction:
     out_positions: torch.Tensor
 
     @classmethod
-    def build(cls, running: torch.Tensor, counts: list[int]) -> Compaction | None:
-        """The gather for `running` (B, T), whose row sums are `counts` (read once on the host); None when it
-        would keep every row and slot (nothing to save)."""
+    def build(cls, running: torch.Tensor, flags: list[list[bool]]) -> Compaction | None:
+        """The gather for `running` (B, T), read once on the host as `flags` (indices are built there: no further
+        device sync); None when it would keep every row and slot (nothing to save)."""
         batch, width = running.shape
-        longest = max(counts)
-        kept = [b for b, c in enumerate(counts) if c]
+        kept = [(b, [t for t, run in enumerate(row) if run]) for b, row in enumerate(flags)]
+        kept = [(b, positions) for b, positions in kept if positions]
+        longest = max(len(positions) for _, positions in kept)
         if len(kept) == batch and longest == width:
             return None
-        device = running.device
-        rows = torch.tensor(kept, dtype=torch.long, device=device)
-        order = torch.arange(width, device=device).expand(batch, width)
-        # running positions first, in order: sort by (not running, position)
-        order = torch.argsort((~running).long() * width + order, dim=POSITION_DIM)[rows, :longest]
-        count = torch.tensor([counts[b] for b in kept], dtype=torch.long, device=device)
-        real = torch.arange(longest, device=device)[None, :] < count[:, None]
-        last = order.gather(POSITION_DIM, (count - 1)[:, None])
-        index = torch.where(real, order, last)
-        real_rows = rows[:, None].expand_as(index)[real]
-        out_rows, out_positions = (~running).nonzero(as_tuple=True)
-        return cls(running, rows, index, real, real_rows, index[real], out_rows, out_positions)
+        pad = [longest - len(positions) for _, positions in kept]
+
+        def tensor(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=running.device)
+
+        index = tensor([positions + positions[-1:] * n for (_, positions), n in zip(kept, pad)])
+        real = tensor([[1] * len(positions) + [0] * n for (_, positions), n in zip(kept, pad)]).bool()
+        stopped = [(b, t) for b, row in enumerate(flags) for t, run in enumerate(row) if not run]
+        return cls(running, tensor([b for b, _ in kept]), index, real,
+                   tensor([b for b, positions in kept for _ in positions]),
+                   tensor([t for _, positions in kept for t in positions]),
+                   tensor([b for b, _ in stopped]), tensor([t for _, t in stopped]))
 
     @classmethod
     def whole(cls, valid: torch.Tensor) -> Compaction:

@@ -105,10 +105,9 @@ class TideHandle:
 
     @torch.no_grad()
     def settle(self, cache: Any, blocks: bool = True) -> None:
-        """Write the exact deep K/V of the tokens of `cache` still waiting for the layers they skipped
-        (kv="recompute"): at the end of a generate call whose cache outlives it, so the cache it returns is
-        complete; before a call without TIDE reads it, the positions parked per row (`blocks=False`: whole
-        parked steps catch up in that call's own forward)."""
+        """Write the exact K/V of `cache`'s tokens waiting for layers they skipped (kv="recompute"): when a generate
+        call whose cache outlives it ends; before a call without TIDE reads it, those parked per row only
+        (`blocks=False`: steps parked whole catch up in that call's own forward)."""
         state = self._pending.get(cache) if cache is not None and len(self._pending) else None
         if state is not None and self._skipper is not None:
             self._skipper.settle(cache, state, blocks)

@@ -10,7 +10,9 @@ with the checkpoint's router scores, the step's exit decisions and the flag. The
 either runs the next segment or finishes: one more graph per checkpoint, swapping exit states in (and, for
 `kv="propagate"`, writing the skipped layers' K/V); `kv="recompute"` parks the step's tokens as in eager.
 
-Rows that diverge (some exited, some not) all run the next segment, exited rows masked as in select mode.
+Under `kv="propagate"`, a step in which not every row exited at a checkpoint finishes in eager from there: the
+checkpoint's hook gathers the rows still running (`compaction.py`), as in eager decoding. Under `kv="recompute"`
+the rows all run the next segment, exited rows masked as in select mode.
 Graphs: one per segment and one finish per checkpoint; with `kv="recompute"` each segment after the first
 also gets one catch-up graph whose query length is dynamic (pending tokens of earlier skipped steps).
 """
@@ -157,9 +159,11 @@ class SegmentedDecoding:
     def _dispatch(self, number: int, previous: Callable) -> Callable:
         def forward(*args: Any, **kwargs: Any) -> Any:
             step = self.current_step()
-            if step is None or not getattr(self._local, "running", False):
-                return previous(*args, **kwargs)
-            step.segmented = True  # the checkpoint and final hooks leave this step to the segments
+            if step is None or not getattr(self._local, "running", False) \
+                    or (step.diverged_after is not None and number > step.diverged_after):
+                return previous(*args, **kwargs)  # (after rows diverged: eager, on the rows still running)
+            if step.diverged_after is None:
+                step.segmented = True  # the checkpoint and final hooks leave this step to the segments
             segment = self.segment_of[number]
             if number == segment.first and step.skip_after is None:
                 hidden = args[0] if args else kwargs.pop("hidden_states")
@@ -191,6 +195,8 @@ class SegmentedDecoding:
             step.recomputed += sum(p.positions for p in due) * (segment.last - segment.first + 1)
             recompute.advance(due, states, segment.last)
         if done is None or not bool(done):  # skip mode's one host read per checkpoint reached
+            if done is not None and self.kv == "propagate":  # rows may have diverged: the rest of the step runs
+                step.segmented, step.diverged_after = False, segment.last  # eager, on the rows still running
             return out
         step.skip_after, step.skipped = segment.last, self.num_layers - segment.last
         if recompute is not None:

@@ -34,6 +34,7 @@ class Step:
     recomputed: int = 0  # kv="recompute": layer x position runs of earlier steps' parked tokens in this forward
     mask2d: torch.Tensor | None = None  # the call's (batch, length) attention mask, when it has one
     segmented: bool = False  # compiled skip mode: the segment graphs make the exit decisions, not the hooks
+    diverged_after: int | None = None  # compiled skip mode: not every row exited here; later layers run eager
     counted: bool = True  # a forward of the call's own decoding stream (see `Session.stream`)
 
 

@@ -95,11 +95,11 @@ class LayerSkipper:
             previous = step.valid if step.active is None else step.active
             step.parking, step.active = previous.to(running.device) & ~running, running
             self.recompute_state(step.cache).rows.key_mask = step.mask2d
-        counts = running.sum(1).tolist()
-        if not any(counts):
+        flags = running.tolist()  # skip mode's one host read per checkpoint reached
+        if not any(map(any, flags)):
             step.skip_after = layer
         else:
-            step.compaction = Compaction.build(running, counts) or step.compaction
+            step.compaction = Compaction.build(running, flags) or step.compaction
         if self.recompute:
             step.park_after = layer
 

@@ -17,6 +17,7 @@ from ..errors import TideArgumentError, TideDataError, TideError
 from .tables import (
     format_analysis,
     format_baselines,
+    format_batches,
     format_kernels,
     format_modes,
     format_speculative,
@@ -169,6 +170,7 @@ def _render(folder: Path, readme: Path) -> str:
         ("exit-heads", "Exit heads against the model's own head", format_exit_heads, []),
         ("bench", "Overhead and select-mode quality", format_table, []),
         ("modes", "Skip and speculative modes", format_modes, []),
+        ("batches", "Skip mode in batches: rows and prefill positions exiting on their own", format_batches, []),
         ("modes-easy", "Speculative mode on an easy model", format_easy, []),
         ("baselines", "Against the baselines", format_baselines, ["pareto.png"]),
         ("kernels", "Kernels", format_kernels, []),

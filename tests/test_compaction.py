@@ -25,6 +25,15 @@ def rows_per_layer(model, seen: list[int] | None = None) -> list[int]:
     return seen
 
 
+def state_router(model) -> tide_hf.TideRouter:
+    """A router whose scores depend on the state: rows and positions exit at different steps and checkpoints."""
+    router = router_for(model, 0.0)
+    with torch.no_grad():
+        for mlp in router.routers.values():
+            mlp.fc2.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(3))
+    return router
+
+
 def generate_forced(model, rows: torch.Tensor, ids, mask, cache: str, kv: str = "propagate",
                     seen: list[int] | None = None):
     """Greedy tokens with the rows where `rows` is True exiting at `EXIT_AT` in every step, and the stats; the
@@ -97,10 +106,7 @@ def test_recompute_in_a_batch_with_rows_exiting_on_their_own_gives_select_modes_
     layer with the same exits), while exited rows really stop."""
     model = make()
     ids, mask = prompts()
-    router = router_for(model, 0.0)
-    with torch.no_grad():
-        for mlp in router.routers.values():
-            mlp.fc2.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(3))
+    router = state_router(model)
     outputs, stats = {}, {}
     for mode, kv in (("select", None), ("skip", "recompute")):
         handle = tide_hf.attach(model, router, exit_threshold=0.5, mode=mode, kv=kv)
@@ -131,10 +137,7 @@ def test_prefill_positions_that_exit_stop_and_match_the_same_positions_fed_one_b
     forward, the exited positions stop computing, and the next-token logits equal those of the same prompt fed
     one token per forward (where a position that exits skips its whole step)."""
     model = make()
-    router = router_for(model, 0.0)
-    with torch.no_grad():  # scores depend on the state: some positions exit, some do not
-        for mlp in router.routers.values():
-            mlp.fc2.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(3))
+    router = state_router(model)
     ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(3))
     handle = tide_hf.attach(model, router, exit_threshold=0.7, mode="skip")  # exits at both checkpoints
     seen = rows_per_layer(model)  # (after attach: its probe forward runs the layers too)
@@ -161,10 +164,7 @@ def test_a_batch_of_rows_exiting_on_their_own_gives_each_row_its_tokens_alone():
     stops computing, and gets the tokens it gets alone."""
     model = make()
     ids, mask = prompts()
-    router = router_for(model, 0.0)
-    with torch.no_grad():
-        for mlp in router.routers.values():
-            mlp.fc2.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(3))
+    router = state_router(model)
     handle = tide_hf.attach(model, router, exit_threshold=0.5, mode="skip")
     try:
         batched = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)

@@ -39,6 +39,8 @@ class Compaction:
     real_positions: torch.Tensor
     out_rows: torch.Tensor  # (M,) row and position of each position that does not run
     out_positions: torch.Tensor
+    slot_rows: torch.Tensor  # (N,) where each running position sits in (R, S): integer indices, no device sync
+    slot_columns: torch.Tensor
 
     @classmethod
     def build(cls, running: torch.Tensor, flags: list[list[bool]]) -> Compaction | None:
@@ -61,7 +63,9 @@ class Compaction:
         return cls(running, tensor([b for b, _ in kept]), index, real,
                    tensor([b for b, positions in kept for _ in positions]),
                    tensor([t for _, positions in kept for t in positions]),
-                   tensor([b for b, _ in stopped]), tensor([t for _, t in stopped]))
+                   tensor([b for b, _ in stopped]), tensor([t for _, t in stopped]),
+                   tensor([i for i, (_, positions) in enumerate(kept) for _ in positions]),
+                   tensor([j for _, positions in kept for j in range(len(positions))]))
 
     @classmethod
     def whole(cls, valid: torch.Tensor) -> Compaction:
@@ -69,10 +73,11 @@ class Compaction:
         batch, width = valid.shape
         running = torch.ones_like(valid, dtype=torch.bool)
         index = torch.arange(width, device=valid.device).expand(batch, width)
-        rows, positions = running.nonzero(as_tuple=True)
+        rows = torch.arange(batch, device=valid.device).repeat_interleave(width)
+        positions = torch.arange(width, device=valid.device).repeat(batch)
         empty = rows[:0]
         return cls(running, torch.arange(batch, device=valid.device), index, running.clone(), rows, positions,
-                   empty, empty)
+                   empty, empty, rows, positions)
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Rows and positions of `tensor` (B or 1, T, ...) as the small batch (R, S, ...)."""
@@ -82,7 +87,7 @@ class Compaction:
     def scatter(self, full: torch.Tensor, small: torch.Tensor) -> torch.Tensor:
         """`full` (B, T, ...) with the running positions replaced by their values in `small` (R, S, ...)."""
         merged = full.clone()
-        merged[self.real_rows, self.real_positions] = small[self.real].to(full.dtype)
+        merged[self.real_rows, self.real_positions] = small[self.slot_rows, self.slot_columns].to(full.dtype)
         return merged
 
     def gather_mask(self, mask: torch.Tensor) -> torch.Tensor:
@@ -164,8 +169,8 @@ def run_compacted(comp: Compaction, layer: nn.Module, original: Callable, hidden
             if exited is not None:
                 full_k[rows, :, positions] = exited[0][0].transpose(0, 1).to(key.dtype)
                 full_v[rows, :, positions] = exited[1][0].transpose(0, 1).to(value.dtype)
-            full_k[comp.real_rows, :, comp.real_positions] = key.transpose(1, 2)[comp.real]
-            full_v[comp.real_rows, :, comp.real_positions] = value.transpose(1, 2)[comp.real]
+            full_k[comp.real_rows, :, comp.real_positions] = key[comp.slot_rows, :, comp.slot_columns]
+            full_v[comp.real_rows, :, comp.real_positions] = value[comp.slot_rows, :, comp.slot_columns]
             keys, values = update(full_k, full_v, *args, **kw)
             return keys[comp.rows], values[comp.rows]
 

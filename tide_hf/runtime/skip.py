@@ -95,11 +95,10 @@ class LayerSkipper:
             previous = step.valid if step.active is None else step.active
             step.parking, step.active = previous.to(running.device) & ~running, running
             self.recompute_state(step.cache).rows.key_mask = step.mask2d
-        flags = running.tolist()  # skip mode's one host read per checkpoint reached
-        if not any(map(any, flags)):
+        if not bool(running.any()):  # skip mode's one host read per checkpoint reached ...
             step.skip_after = layer
-        else:
-            step.compaction = Compaction.build(running, flags) or step.compaction
+        else:  # ... and, where some rows run on, a copy of the flags (the device is idle by then)
+            step.compaction = Compaction.build(running, running.tolist()) or step.compaction
         if self.recompute:
             step.park_after = layer
 

@@ -7,12 +7,14 @@ batch and its output is scattered back; exited positions pass through unchanged.
 
 The cache keeps one length for every row: the layer's own cache write is intercepted, and the K/V it computed
 for the running positions are written together with the kv policy's K/V for the exited ones (`kv="propagate"`:
-the K/V the layer would compute from the exit state). The layer then reads back only its rows.
+the K/V the layer computes from the state they left with, the checkpoint's output). The layer then reads back
+only its rows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +108,20 @@ class Compaction:
         return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
 
 
+@contextmanager
+def intercepted_update(cache: Any, write: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+    """`cache.update` is `write` on this cache object only, for one layer call; then it is as it was."""
+    own = cache.__dict__.get("update")
+    cache.update = write
+    try:
+        yield
+    finally:
+        if own is None:
+            del cache.update
+        else:
+            cache.update = own
+
+
 def compactable(layer: nn.Module) -> bool:
     """Whether `layer` can run on a gathered batch: Llama-style attention under an implementation that takes
     any 4-D mask."""
@@ -153,9 +169,9 @@ def run_compacted(comp: Compaction, layer: nn.Module, original: Callable, hidden
     if small_kwargs is None:
         return None
     cache = cache_in(kwargs)
-    writes = cache is not None and kwargs.get("use_cache", True) is not False
-    own = cache.__dict__.get("update") if writes else None
-    if writes:
+    if cache is None or kwargs.get("use_cache", True) is False:
+        out = original(comp.gather(hidden), **small_kwargs)
+    else:
         cos, sin = (t.expand(batch, *t.shape[1:]) for t in kwargs["position_embeddings"])
         rows, positions = comp.out_rows, comp.out_positions
         exited = exited_kv(layer, hidden[rows, positions][None], (cos[rows, positions][None],
@@ -174,15 +190,8 @@ def run_compacted(comp: Compaction, layer: nn.Module, original: Callable, hidden
             keys, values = update(full_k, full_v, *args, **kw)
             return keys[comp.rows], values[comp.rows]
 
-        cache.update = write  # this cache object only, for this one layer call
-    try:
-        out = original(comp.gather(hidden), **small_kwargs)
-    finally:
-        if writes:
-            if own is None:
-                del cache.update
-            else:
-                cache.update = own
+        with intercepted_update(cache, write):
+            out = original(comp.gather(hidden), **small_kwargs)
     small = out[0] if isinstance(out, tuple) else out
     merged = comp.scatter(hidden, small)
     return (merged, *out[1:]) if isinstance(out, tuple) else merged
@@ -196,8 +205,8 @@ class Plan:
     rows: torch.Tensor  # (R,) rows with a query
     source: torch.Tensor  # (R, S) index into [step positions (B x T, row-major); due parked positions]
     positions: torch.Tensor  # (R, S) each query's cache slot (its position)
-    current: torch.Tensor  # (R, S) bool: a step position (scattered back)
-    entry: torch.Tensor  # (R, S) bool: a due parked position (advanced)
+    current: tuple[torch.Tensor, torch.Tensor]  # (slot row, slot column) of each step position (scattered back)
+    entry: tuple[torch.Tensor, torch.Tensor]  # ... of each due parked position (advanced)
 
     @classmethod
     def build(cls, comp: Compaction | None, due_rows: list[int], due_slots: list[int], width: int, past: int,
@@ -218,9 +227,13 @@ class Plan:
         padded = [queries[r] + [(queries[r][-1][0], queries[r][-1][1], 0)] * (longest - len(queries[r]))
                   for r in rows]
         table = torch.tensor(padded, dtype=torch.long, device=device).reshape(len(rows), longest, 3)
-        kind = table[..., 2]
-        return cls(torch.tensor(rows, dtype=torch.long, device=device), table[..., 0], table[..., 1], kind == 1,
-                   kind == 2)
+
+        def slots(kind: int) -> tuple[torch.Tensor, torch.Tensor]:
+            found = [(i, j) for i, row in enumerate(padded) for j, query in enumerate(row) if query[2] == kind]
+            return tuple(torch.tensor([f[k] for f in found], dtype=torch.long, device=device) for k in (0, 1))
+
+        return cls(torch.tensor(rows, dtype=torch.long, device=device), table[..., 0], table[..., 1], slots(1),
+                   slots(2))
 
     def mask(self, key_valid: torch.Tensor | None, keys: int, dtype: torch.dtype) -> torch.Tensor:
         """Additive mask (R, 1, S, keys): causal by slot, padding from `key_valid` (B, >= keys; None: none)."""
@@ -259,34 +272,27 @@ def run_planned(plan: Plan, layer: nn.Module, original: Callable, hidden: torch.
     small_kwargs = {k: v for k, v in kwargs.items() if k != "position_ids"}  # rotary comes from the embeddings
     small_kwargs["position_embeddings"] = (rotary(cos, parked.cos[due]), rotary(sin, parked.sin[due]))
     small_kwargs["attention_mask"] = plan.mask(parked.key_mask, keys, small.dtype)
-    entries = due[plan.source[plan.entry] - (batch * width)]
+    entries = due[plan.source[plan.entry] - (batch * width)]  # (integer slots: no device sync)
     entry_rows, entry_slots = parked.rows[entries], parked.slots[entries]
     step_flat = plan.source[plan.current]
     step_rows, step_positions = step_flat // max(width, 1), step_flat % max(width, 1)
     update = cache.update
-    own = cache.__dict__.get("update")
 
     def write(key: torch.Tensor, value: torch.Tensor, *args: Any, **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if hidden is not None:  # the step's own positions append (zeros where they stopped)
             full_k = key.new_zeros(batch, key.shape[1], width, key.shape[-1])
             full_v = value.new_zeros(batch, value.shape[1], width, value.shape[-1])
-            full_k[step_rows, :, step_positions] = key.transpose(1, 2)[plan.current]
-            full_v[step_rows, :, step_positions] = value.transpose(1, 2)[plan.current]
+            full_k[step_rows, :, step_positions] = key[plan.current[0], :, plan.current[1]]
+            full_v[step_rows, :, step_positions] = value[plan.current[0], :, plan.current[1]]
             all_keys, all_values = update(full_k, full_v, *args, **kw)
         else:
             all_keys, all_values = cache.layers[layer_idx].keys, cache.layers[layer_idx].values
-        all_keys[entry_rows, :, entry_slots] = key.transpose(1, 2)[plan.entry].to(all_keys.dtype)
-        all_values[entry_rows, :, entry_slots] = value.transpose(1, 2)[plan.entry].to(all_values.dtype)
+        all_keys[entry_rows, :, entry_slots] = key[plan.entry[0], :, plan.entry[1]].to(all_keys.dtype)
+        all_values[entry_rows, :, entry_slots] = value[plan.entry[0], :, plan.entry[1]].to(all_values.dtype)
         return all_keys[plan.rows], all_values[plan.rows]
 
-    cache.update = write  # this cache object only, for this one layer call
-    try:
+    with intercepted_update(cache, write):
         out = original(small, **small_kwargs)
-    finally:
-        if own is None:
-            del cache.update
-        else:
-            cache.update = own
     result = out[0] if isinstance(out, tuple) else out
     parked.advance(entries, result[plan.entry], number)
     if hidden is None:

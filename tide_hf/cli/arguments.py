@@ -215,16 +215,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "bench", formatter_class=HelpFormatter,
         usage="tide-hf bench (--router DIR [DIR ...] | --kernels | --synthetic SHAPE | "
-              "--modes --near-identity-after K) [options]",
+              "--modes --near-identity-after K) [options]\n       tide-hf bench gpu [--dry-run] [--output DIR]",
         help="stock generate vs TIDE in one run: overhead, exit rates, quality",
         description="Stock generate vs TIDE with the given routers in one run: overhead, exit rates, perplexity "
                     "and agreement. --modes, --baselines, --kernels and --synthetic each run their own section "
                     "instead (one per command). --router is required, except with --kernels, --synthetic or "
                     "--near-identity-after.\n\n"
                     "example: tide-hf bench --router router-smollm2 --output bench-out\n"
+                    "every GPU goal in one call (~8 min on one H100/H200; random weights, no download): "
+                    "tide-hf bench gpu --output gpu-out\n"
                     "GPU speed table, no download (~10 min on an H100): tide-hf bench --synthetic llama3-8b "
                     "--dtype bfloat16 --prompt-len 128 --new-tokens 64\n"
                     f"time {CPU}: ~5-10 min with the defaults (--modes / --baselines: add ~10-20 min each)")
+    p.add_argument("suite", nargs="?", default=None, choices=["gpu"],
+                   help="'gpu': the GPU suite, every GPU goal in one call (tide_hf.eval.gpu; takes only --dry-run "
+                        "and --output; writes gpu.json and gpu.md)")
+    p.add_argument("--dry-run", action="store_true", help="gpu: the suite's code on tiny shapes on the CPU (~1 min)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="Hub id or folder of the causal LM ('smollm2' = embedded)")
     p.add_argument("--dataset", default="sotu", help="text for prompts and perplexity (documents the router never saw)")
     p.add_argument("--router", nargs="+", default=[], metavar="DIR",

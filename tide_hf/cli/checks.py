@@ -61,6 +61,25 @@ def check_router_kind_flags(parser: argparse.ArgumentParser, args: argparse.Name
                                  f"router {kind} exit paths (quality targets): use {use}")
 
 
+SUITE_FLAGS = ("command", "func", "suite", "dry_run", "output")  # what `bench gpu` reads; its plan is fixed
+
+
+def check_suite_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`bench gpu` takes --dry-run and --output only (its plan is `tide_hf.eval.gpu.GPU`): any other bench flag
+    given is refused, and --dry-run without `gpu` too."""
+    if args.command != "bench":
+        return
+    if args.suite is None:
+        if args.dry_run:
+            raise SystemExit("tide-hf bench: --dry-run goes with `tide-hf bench gpu`")
+        return
+    defaults = vars(parser.parse_args([args.command]))
+    given = [name for name, value in vars(args).items() if name not in SUITE_FLAGS and value != defaults[name]]
+    if given:
+        raise SystemExit(f"tide-hf bench gpu: --{given[0].replace('_', '-')} does not apply: the suite's plan is "
+                         "fixed (tide_hf.eval.gpu.GPU); it takes --dry-run and --output only")
+
+
 def check_bench_flags(args: argparse.Namespace) -> None:
     """bench's flags go together (before its --router is looked at: "leave out --router" is the better answer)."""
     sections = [f"--{name}" for name in ("synthetic", "kernels", "baselines", "modes", "batches")

@@ -10,7 +10,7 @@ import sys
 import warnings
 
 from .arguments import DEMO_EXIT_HEAD_RANK, build_parser, check_router_paths
-from .checks import check_bench_flags, check_router_kind_flags, check_section_flags
+from .checks import check_bench_flags, check_router_kind_flags, check_section_flags, check_suite_flags
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     name, args.func = args.command, COMMANDS[args.command]
     check_section_flags(parser, args)
-    if name == "bench":
+    check_suite_flags(parser, args)
+    if name == "bench" and args.suite is None:
         check_bench_flags(args)
     check_router_paths(args)
     check_router_kind_flags(parser, args)

@@ -96,10 +96,15 @@ def run(args: Any) -> dict:
     Default: overhead and quality of TIDE vs stock. `--modes`: skip mode vs stock and ideal, and speculative mode
     vs stock and `assistant_early_exit` (`--near-identity-after K`: the same on the model with the layers after K
     made near-identity). `--baselines`: TIDE vs fixed depth, static skipping and softmax confidence. `--kernels`:
-    fused kernels vs the PyTorch path. `--synthetic`: a real architecture's shape with random weights.
+    fused kernels vs the PyTorch path. `--synthetic`: a real architecture's shape with random weights. `gpu`: the
+    GPU suite (`tide_hf.eval.gpu`).
     """
     out = Path(args.output)
     check_results_folder(out, "--output", args.dataset)  # made when the first file is written (a refusal leaves none)
+    if args.suite == "gpu":
+        from .gpu import run_suite
+
+        return run_suite(out, args.dry_run, args.command)
     if args.synthetic:
         from .synthetic import run_synthetic
 

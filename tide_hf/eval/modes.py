@@ -149,14 +149,15 @@ SPECULATIVE_COUNTERS = ("rounds", "plain_steps", "probes", "planned", "drafted",
 
 
 def speculative(model: Any, router: TideRouter, batches: list[dict], batched: dict, new_tokens: int, reps: int,
-                assisted_layer: int | None = None) -> dict:
+                assisted_layer: int | None = None, lookup_tokens: int | None = None) -> dict:
     """Lossless mode vs stock and vs transformers' `assistant_early_exit`, interleaved prompt by prompt.
 
     Speed ratios are medians over repetitions of (stock seconds / method seconds) on all prompts. Beside
     them: divergence from stock greedy (share of continuations not token-identical; 0 in fp32), the measured
     per-token acceptance, the policy's draft lengths, and the optimum E that acceptance allows with the
     measured draft and verify costs (`realized_over_optimum` = speed ratio / E). `assistant_early_exit`
-    drafts at `assisted_layer` (default: the draft layer speculative mode chose).
+    drafts at `assisted_layer` (default: the draft layer speculative mode chose). `lookup_tokens`: also
+    transformers' prompt lookup (`prompt_lookup_num_tokens`), the built-in lossless peer that needs no model.
     """
     handle = attach(model, router, mode="speculative")
     try:
@@ -165,7 +166,10 @@ def speculative(model: Any, router: TideRouter, batches: list[dict], batched: di
         assisted_layer = assisted_layer or layer
         runs = {"stock": {"tide": False}, "speculative": {"tide": True},
                 "assisted": {"tide": False, "assistant_early_exit": assisted_layer}}
-        generate(model, batches[0], 2, **runs["assisted"])
+        if lookup_tokens is not None:
+            runs["lookup"] = {"tide": False, "prompt_lookup_num_tokens": lookup_tokens}
+        for name in [n for n in runs if n not in ("stock", "speculative")]:
+            generate(model, batches[0], 2, **runs[name])  # warm-up
         seconds = {name: [0.0] * reps for name in runs}
         tokens: dict[str, list[torch.Tensor]] = {name: [] for name in runs}
         counters = dict.fromkeys(SPECULATIVE_COUNTERS, 0)
@@ -183,9 +187,12 @@ def speculative(model: Any, router: TideRouter, batches: list[dict], batched: di
     finally:
         handle.detach()
     stock = torch.cat(tokens["stock"])
-    divergence = {name: 1.0 - match_rate(torch.cat(tokens[name]), stock)[0] for name in ("speculative", "assisted")}
-    ratio = {name: statistics.median(st / s for st, s in zip(seconds["stock"], seconds[name]))
-             for name in ("speculative", "assisted")}
+    peers = [name for name in runs if name != "stock"]
+    divergence = {name: 1.0 - match_rate(torch.cat(tokens[name]), stock)[0] for name in peers}
+    ratio = {name: statistics.median(st / s for st, s in zip(seconds["stock"], seconds[name])) for name in peers}
+    lookup = ({} if lookup_tokens is None else
+              {"lookup_tokens": lookup_tokens, "lookup_speed_ratio": ratio["lookup"],
+               "lookup_divergence": divergence["lookup"]})
     acceptance = counters["accepted"] / counters["trials"] if counters["trials"] else 0.0
     optimal_k, optimum = best_draft_length(acceptance, costs["draft_cost"], interpolated_verify(costs["verify_costs"]))
     rounds = counters["rounds"]
@@ -200,7 +207,7 @@ def speculative(model: Any, router: TideRouter, batches: list[dict], batched: di
             "mean_draft_length": counters["drafted"] / rounds if rounds else 0.0,
             "mean_planned_length": counters["planned"] / rounds if rounds else 0.0,
             **costs, "optimal_draft_length": optimal_k, "optimal_speedup": optimum,
-            "realized_over_optimum": ratio["speculative"] / optimum, **counters}
+            "realized_over_optimum": ratio["speculative"] / optimum, **lookup, **counters}
 
 
 def run_modes(model: Any, router: TideRouter, prompts: list[torch.Tensor], chunks: list[torch.Tensor], pad_id: int,

@@ -18,6 +18,7 @@ from .tables import (
     format_analysis,
     format_baselines,
     format_batches,
+    format_gpu_suite,
     format_kernels,
     format_modes,
     format_speculative,
@@ -90,7 +91,8 @@ def _calibration(result: dict) -> list[str]:
 
 
 def format_gpu_calibration(result: dict) -> str:
-    """`scripts/gpu_calibrate.py`'s result: calibration wall time split, against the bare forward."""
+    """The calibration result of the GPU runs before `tide-hf bench gpu` (results/h100): calibration wall time
+    split, against the bare forward."""
     bare = sum(result["bare_forward_s"]) / len(result["bare_forward_s"])  # timed before and after
     lines = [f"{result['shape']['name']} ({result['dtype']}, random weights) on {result['device']}, "
              f"{result['samples']} samples x {result['seq']} tokens", "",
@@ -132,7 +134,8 @@ def format_easy(result: dict) -> str:
 
 
 def format_gpu_speculative(result: dict) -> str:
-    """`scripts/gpu_speculative.py`'s result: the speculative table, with the easy model's own ceiling."""
+    """The speculative result of the GPU runs before `tide-hf bench gpu` (results/h100): the speculative table,
+    with the easy model's own ceiling."""
     return (f"{result['device']}, {result['dtype']}: layers after {result['near_identity_after']} near-identity "
             f"(x {result['near_identity_scale']}); layer {result['near_identity_after']}'s top-1 agreement with the "
             f"last {result['layer_agreement']:.1%}; the model truncated there runs "
@@ -179,6 +182,7 @@ def _render(folder: Path, readme: Path) -> str:
         ("calibration", "Calibration time against the bare forward", format_gpu_calibration, []),
         ("speculative", "Speculative mode, Llama-3-8B shape with near-identity deep layers", format_gpu_speculative,
          []),
+        ("gpu", "Every GPU goal, one call of `tide-hf bench gpu`", format_gpu_suite, []),
     ):
         result = _load(folder, name)
         if result:

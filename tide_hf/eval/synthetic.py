@@ -32,7 +32,7 @@ from ..modeling import TideRouter
 from ..modeling.fingerprint import model_fingerprint
 from ..runtime import attach
 from .measure import check_exit_depths
-from .modes import truncated
+from .modes import forced_rows, truncated
 
 SHAPES: dict[str, dict[str, Any]] = {
     "llama3-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -46,6 +46,7 @@ THRESHOLD = 0.5
 SEED = 0  # random weights and prompts: every run of one shape measures the same model on the same tokens
 SPECIAL_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 FIRST_TEXT_ID = max(SPECIAL_IDS.values()) + 1  # random prompts draw from the ids after the special ones
+ROWS_LABEL = "skip, half the rows leave at"  # forced per-row exits: the even rows leave, the odd run every layer
 RECOMPILE_LIMIT = 64  # each configuration compiles graphs of its own; dynamo's default limit (8) is too low
 
 
@@ -99,9 +100,24 @@ def configurations(model: Any, depth: int) -> dict[str, tuple[str, Callable[[], 
     }
 
 
-def _generate(model: Any, ids: torch.Tensor, new_tokens: int, compiled: bool) -> float:
-    """Wall seconds of one greedy generate call (device synchronized before and after)."""
-    kwargs = {"cache_implementation": "static"} if compiled else {}
+def row_configurations(model: Any, depth: int, batch_size: int
+                       ) -> dict[str, tuple[str, Callable[[], AbstractContextManager]]]:
+    """Skip mode with forced per-row exits, one per kv policy: at every step the even rows of a `batch_size`
+    batch leave at `depth` and the odd ones run every layer (what a batch of unequal rows costs)."""
+    handle_class = forced_rows(torch.arange(batch_size) % 2 == 0)
+    router = constant_router(model, -CONSTANT_LOGIT)  # its scores are replaced by the forced ones
+    return {f"rows-{kv}": (f"{ROWS_LABEL} {depth}, kv={kv}",
+                           lambda kv=kv: attach(model, router, exit_threshold=THRESHOLD, min_layers=depth, mode="skip",
+                                                kv=kv, handle_class=handle_class))
+            for kv in ("propagate", "recompute")}
+
+
+def _generate(model: Any, ids: torch.Tensor, new_tokens: int, compiled: bool, compile_config: Any = None) -> float:
+    """Wall seconds of one greedy generate call (device synchronized before and after). `compile_config`:
+    transformers' `CompileConfig` of a compiled call (None: generate's default)."""
+    kwargs: dict[str, Any] = {"cache_implementation": "static"} if compiled else {}
+    if compiled and compile_config is not None:
+        kwargs["compile_config"] = compile_config
     sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
     sync()
     start = time.perf_counter()
@@ -112,7 +128,8 @@ def _generate(model: Any, ids: torch.Tensor, new_tokens: int, compiled: bool) ->
 
 
 @contextmanager
-def _recompile_limit() -> Iterator[None]:
+def recompile_limit() -> Iterator[None]:
+    """Dynamo's recompile limit raised to RECOMPILE_LIMIT for the block: each configuration compiles its own."""
     import torch._dynamo
 
     previous = torch._dynamo.config.recompile_limit
@@ -124,11 +141,13 @@ def _recompile_limit() -> Iterator[None]:
 
 
 def measure(model: Any, configs: dict[str, Callable[[], AbstractContextManager]], batch_size: int, prompt_len: int,
-            new_tokens: int, reps: int, compiled: bool) -> list[dict]:
-    """Median ms per decode token of each configuration, interleaved over `reps` repetitions.
+            new_tokens: int, reps: int, compiled: bool, compile_config: Any = None) -> list[dict]:
+    """Median ms per decode token of each configuration, interleaved over `reps` repetitions; `vs_stock` where
+    `configs` holds "stock".
 
     Compiled: each configuration stays attached through its own warm-up and timed runs, one after another
     (attaching anew would compile anew); eager: everything is interleaved repetition by repetition.
+    `compile_config`: transformers' `CompileConfig` of the compiled calls (None: generate's default).
     """
     gen = torch.Generator().manual_seed(SEED)
     device = next(model.parameters()).device
@@ -136,14 +155,14 @@ def measure(model: Any, configs: dict[str, Callable[[], AbstractContextManager]]
     times: dict[str, list[float]] = {name: [] for name in configs}
 
     def one(name: str) -> None:
-        full = _generate(model, ids, new_tokens, compiled)
-        first = _generate(model, ids, 1, compiled)
+        full = _generate(model, ids, new_tokens, compiled, compile_config)
+        first = _generate(model, ids, 1, compiled, compile_config)
         times[name].append((full - first) / (new_tokens - 1))
 
     if compiled:
         for name, context in tqdm(configs.items(), desc=f"compiled bs{batch_size}", leave=False):
             with context():
-                _generate(model, ids, new_tokens, compiled)  # compiles this configuration's graphs
+                _generate(model, ids, new_tokens, compiled, compile_config)  # compiles this configuration's graphs
                 for _ in range(reps):
                     one(name)
             tqdm.write(f"{name} (bs{batch_size}, compiled): {1e3 * statistics.median(times[name]):.2f} ms/token")
@@ -160,8 +179,9 @@ def measure(model: Any, configs: dict[str, Callable[[], AbstractContextManager]]
     if noisy:  # the two calls' difference drowned in timing noise: no ratio is computed from it
         tqdm.write(f"warning: {', '.join(noisy)} (bs{batch_size}): decode time <= 0 ms per token, below the timing "
                    "noise; raise --new-tokens or --reps")
+    stock = median.get("stock")
     return [{"config": name, "batch_size": batch_size, "compiled": compiled, "ms_per_token": 1e3 * m,
-             "vs_stock": median["stock"] / m if m > 0 and median["stock"] > 0 else None,
+             "vs_stock": stock / m if stock is not None and m > 0 and stock > 0 else None,
              "ms_spread": 1e3 * (max(times[name]) - min(times[name]))} for name, m in median.items()]
 
 
@@ -189,7 +209,7 @@ def run_synthetic(args: Any) -> dict:
     every = configurations(model, depth)
     configs = dict(every[key] for key in dict.fromkeys(["stock", *args.configs]))  # stock: the reference
     rows = []
-    with _recompile_limit(), torch.inference_mode():
+    with recompile_limit(), torch.inference_mode():
         for compiled in [c == "static" for c in args.compile]:
             for bs in args.batch_sizes:
                 rows += measure(model, configs, bs, args.prompt_len, args.new_tokens, args.reps, compiled)
@@ -201,11 +221,20 @@ def run_synthetic(args: Any) -> dict:
 
 
 def with_ideal_ratios(rows: list[dict], depth: int) -> list[dict]:
-    """Add `vs_ideal` (truncated model's time / this one's) to the rows that exit at `depth`, where the
-    truncated model was timed too."""
-    ideal = {(r["batch_size"], r["compiled"]): r["ms_per_token"] for r in rows if r["config"].startswith("truncated")}
+    """Add `vs_ideal` (the ideal's time / this one's) where the truncated model was timed too: for the rows that
+    all exit at `depth`, the truncated model; for half the rows leaving there, the mean of the truncated model
+    and stock (the time at the mean executed depth, on the line through the two, as layers cost alike)."""
+    def timed(prefix: str) -> dict:
+        return {(r["batch_size"], r["compiled"]): r["ms_per_token"] for r in rows if r["config"].startswith(prefix)}
+
+    truncated_ms, stock_ms = timed("truncated"), timed("stock")
     for r in rows:
         key = (r["batch_size"], r["compiled"])
-        if f"exit at {depth}" in r["config"] and key in ideal and min(ideal[key], r["ms_per_token"]) > 0:
-            r["vs_ideal"] = ideal[key] / r["ms_per_token"]
+        ideal = truncated_ms.get(key)
+        if r["config"].startswith(ROWS_LABEL):
+            ideal = None if ideal is None or key not in stock_ms else (ideal + stock_ms[key]) / 2
+        elif f"exit at {depth}" not in r["config"]:
+            ideal = None
+        if ideal is not None and min(ideal, r["ms_per_token"]) > 0:
+            r["vs_ideal"] = ideal / r["ms_per_token"]
     return rows

@@ -75,7 +75,7 @@ def format_batches(result: dict) -> str:
 
 def format_speculative(spec: dict) -> str:
     """Markdown table of the speculative section (results written before the drafting policy lack its
-    columns: shown as "-")."""
+    columns: shown as "-"), and prompt lookup's figures where they were measured."""
     def cell(key: str, fmt: str) -> str:
         return "-" if spec.get(key) is None else format(spec[key], fmt)
 
@@ -93,7 +93,10 @@ def format_speculative(spec: dict) -> str:
         f"{cell('optimal_speedup', '.3f')} | {cell('realized_over_optimum', '.2f')} | "
         f"{cell('divergence', '.1%') if 'divergence' in spec else ('0' if spec['identical_all_prompts'] else '> 0')}"
         f" / {cell('assisted_divergence', '.1%')} | "
-        f"{spec['identical_batched']} ({spec['batched_rows']} rows) |"])
+        f"{spec['identical_batched']} ({spec['batched_rows']} rows) |"]
+        + ([] if "lookup_speed_ratio" not in spec else [
+            "", f"Prompt lookup (`prompt_lookup_num_tokens={spec['lookup_tokens']}`), same prompts: "
+            f"{spec['lookup_speed_ratio']:.3f}x stock, divergence {spec['lookup_divergence']:.1%}."]))
 
 
 def format_baselines(result: dict) -> str:
@@ -209,4 +212,49 @@ def format_synthetic(result: dict) -> str:
         ms, vs_stock = ((f"{r['ms_per_token']:.2f}", "" if r["vs_stock"] is None else f"{r['vs_stock']:.3f}")
                         if r["ms_per_token"] > 0 else ("below noise", ""))
         lines.append(f"| {r['config']} | {r['batch_size']} | {path} | {ms} | {vs_stock} | {ideal} |")
+    return "\n".join(lines)
+
+
+def _goal_figure(goal: dict) -> str:
+    if goal["figure"] is None:
+        return "not measured"
+    return f"{goal['figure']:.1f}" if goal["at_most"] is not None and goal["at_most"] > 2 else f"{goal['figure']:.3f}"
+
+
+def format_gpu_suite(result: dict) -> str:
+    """Markdown of `tide-hf bench gpu`: the goals met or not with their figures, then each section's table."""
+    versions = result["versions"]
+    plan = result["plan"]
+    lines = [f"{'Dry run (tiny shape, CPU)' if result['dry_run'] else 'GPU suite'} on {result['device']}: torch "
+             f"{versions['torch']} (CUDA {versions['cuda']}), transformers {versions['transformers']}, kernels "
+             f"{result['kernels_backend']}; {plan['shape']} in {plan['dtype']}, random weights; "
+             f"{result['wall_s']:.0f} s in all (" + ", ".join(f"{k} {v:.0f} s" for k, v in result["seconds"].items())
+             + ").", "", "| goal | target | figure | met |", "|---|---|---|---|"]
+    for goal in result["goals"]:
+        target = f">= {goal['at_least']}" if goal["at_least"] is not None else f"<= {goal['at_most']}"
+        met = {True: "yes", False: "**no**", None: "-"}[goal["met"]]
+        lines.append(f"| {goal['goal']} | {target} | {_goal_figure(goal)} | {met} |")
+    for name in result["errors"]:
+        lines += ["", f"Section `{name}` failed (traceback in the JSON): "
+                  + result["errors"][name].strip().splitlines()[-1]]
+    timing = {"shape": plan["shape"], "dtype": plan["dtype"], "device": result["device"],
+              "prompt_len": plan["prompt_len"], "new_tokens": plan["new_tokens"], "reps": plan["reps"]}
+    for name, title in (("eager", "Eager decoding"), ("compiled", "Compiled static cache")):
+        if result.get(name):
+            lines += ["", f"#### {title}", "", format_synthetic({**timing, "rows": result[name]["rows"]})]
+    if result.get("kernels"):
+        lines += ["", "#### Fused kernels", "", format_kernels(result["kernels"])]
+    cal = result.get("calibration")
+    if cal:
+        bare = sum(cal["bare_forward_s"]) / len(cal["bare_forward_s"])
+        secs = cal["seconds"]
+        lines += ["", "#### Calibration", "", "| samples x tokens | label (exit head) | total | model forward | "
+                  "labelling | training | bare forward | total / bare |", "|---|---|---|---|---|---|---|---|",
+                  f"| {cal['samples']} x {cal['seq_len']} | {cal['label']} ({cal['exit_head']}) | "
+                  f"{cal['total_s']:.1f} s | {secs['forward']:.1f} s | {secs['label']:.1f} s | {secs['train']:.1f} s "
+                  f"| {bare:.1f} s | {cal['total_over_bare']:.2f} |"]
+    spec = result.get("speculative")
+    if spec:
+        lines += ["", "#### Speculative mode, near-identity after layer " f"{spec['near_identity_after']} "
+                  f"(x {spec['near_identity_scale']})", "", format_speculative(spec["speculative"])]
     return "\n".join(lines)

@@ -72,7 +72,7 @@ class SuitePlan:
 
 
 GPU = SuitePlan(shape="llama3-8b", dtype="bfloat16", device="cuda", batch_sizes=(1, 8, 64), compiled_batch_sizes=(1,),
-                compiled_configs=("stock", "select-scored", "truncated", "skip-propagate", "skip-recompute"),
+                compiled_configs=("stock", "select-scored", "truncated", "skip-propagate"),  # each compiles anew
                 compile_backend=None, prompt_len=128, new_tokens=32, reps=3,
                 kernel_rows=(1, 8, 64, 256, 4096, 32768), calibration_samples=2000, calibration_len=256,
                 calibration_batch=8, easy_calibration_samples=32, speculative_prompts=3, speculative_new_tokens=64,

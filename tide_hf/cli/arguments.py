@@ -26,7 +26,7 @@ SYNTHETIC_CONFIGS = ("stock", "exits-off", "select-scored", "select-exit", "skip
 # the demo's calibration: fast (labelling every kept token dominates, hence the token cap), its routers still exit
 DEMO_SAMPLES, DEMO_SEQ_LEN, DEMO_TRAIN_TOKENS = 128, 128, 8192
 # ... and with so few tokens, routers learn rank-64 exit heads' labels better than full-rank ones' (which agree
-# more, scripts/exit_head_rank.py): rank 64 lets 11 % of SmolLM2's tokens exit at 96 % agreement, full rank none
+# more, benchmarks/exit_head_rank.py): rank 64 lets 11 % of SmolLM2's tokens exit at 96 % agreement, full rank none
 # (measured with `tide-hf demo`)
 DEMO_EXIT_HEAD_RANK = 64
 

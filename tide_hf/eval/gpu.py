@@ -292,13 +292,18 @@ def goals(result: dict) -> list[dict]:
 
 
 def _versions() -> dict[str, str | None]:
+    """What the figures were measured with; tide_hf run from a checkout without installing reads as such."""
+    from importlib.metadata import PackageNotFoundError, version
+
     import accelerate
     import transformers
 
-    from .. import __version__
-
+    try:
+        tide_hf = version("tide_hf")
+    except PackageNotFoundError:
+        tide_hf = "a source checkout (not installed)"
     return {"torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
-            "accelerate": accelerate.__version__, "tide_hf": __version__, "python": platform.python_version()}
+            "accelerate": accelerate.__version__, "tide_hf": tide_hf, "python": platform.python_version()}
 
 
 def run_suite(out: Path, dry_run: bool, command: str) -> dict:

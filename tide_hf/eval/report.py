@@ -106,7 +106,7 @@ def format_gpu_calibration(result: dict) -> str:
 
 
 def format_exit_heads(result: dict) -> str:
-    """`scripts/exit_heads.py`'s result: the model's own head against the exit heads, per checkpoint."""
+    """`benchmarks/exit_heads.py`'s result: the model's own head against the exit heads, per checkpoint."""
     lines = [f"Exit heads fitted on {result['fit_tokens']} tokens, measured on {result['test_tokens']} tokens of "
              "held-out documents; the last column exits every token at that checkpoint.", "",
              "| checkpoint | top-1 agreement: lens / exit head | mean KL: lens / exit head | "

@@ -11,7 +11,7 @@ with per-width verify cost V(w) and draft cost c (both in plain steps), a round 
 (V(k + 1) is the full model's forward of k + 1 tokens; verification reuse runs the first layers for one of
 them only, so the true verify cost lies between this and the deep layers' share of it).
 
-    python scripts/verify_width_cost.py --acceptance 0.876 --draft-cost 0.667
+    python benchmarks/verify_width_cost.py --acceptance 0.876 --draft-cost 0.667
 """
 
 from __future__ import annotations

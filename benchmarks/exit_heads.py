@@ -5,7 +5,7 @@ the text, then measures on the last ones, which the fit never saw, for every che
 exit logits with the final logits, the mean KL(final || exit), and the perplexity change if *every* token
 exited there. Writes a JSON and prints a table.
 
-    python scripts/exit_heads.py --out results/smollm2-cpu/exit-heads.json
+    python benchmarks/exit_heads.py --out results/smollm2-cpu/exit-heads.json
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def main() -> None:
     test_samples = make_samples(tokenizer, texts[cut:], args.test_samples, args.seq_len, test_cfg.seed)
     test = collect(model, adapter, test_samples, test_cfg, batch_size=8, pad_id=pad_token_id(tokenizer))
     dtype = next(model.parameters()).dtype
-    command = "python scripts/exit_heads.py " + " ".join(sys.argv[1:])
+    command = "python benchmarks/exit_heads.py " + " ".join(sys.argv[1:])
     result = {"command": command, "model": args.model, "dataset": args.dataset, "settings": vars(args),
               "fit_tokens": int((~data.is_val).sum()), "test_tokens": int((test.next_ids >= 0).sum()),
               "lens": measure(lens, adapter, test, dtype), "linear": measure(linear, adapter, test, dtype),

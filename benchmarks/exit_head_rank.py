@@ -6,8 +6,8 @@ fitted on all training tokens. This script collects the tokens once and refits t
 whether a rank chosen by agreement would match what makes routers exit (the demo's rank 64: 11 % of tokens
 exit, full rank: none).
 
-    PYTHONPATH=. python scripts/exit_head_rank.py                      # the demo's 128 x 128, 8192 kept tokens
-    PYTHONPATH=. python scripts/exit_head_rank.py --samples 800 --seq-len 256 --max-train-tokens 65536
+    PYTHONPATH=. python benchmarks/exit_head_rank.py                      # the demo's 128 x 128, 8192 kept tokens
+    PYTHONPATH=. python benchmarks/exit_head_rank.py --samples 800 --seq-len 256 --max-train-tokens 65536
 """
 
 from __future__ import annotations

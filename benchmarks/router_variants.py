@@ -6,7 +6,7 @@ oracle's at the same top-1 agreement) on held-out A and B under the thresholds `
 pick: the exit path is ordered on the val split and its losses counted on the test split with the repo's own
 code (`build_path`, `path_losses`, `select`).
 
-    PYTHONPATH=. python scripts/router_variants.py /tmp/r12x/data.safetensors --variants base kl top1_kl extras
+    PYTHONPATH=. python benchmarks/router_variants.py /tmp/r12x/data.safetensors --variants base kl top1_kl extras
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ for the router's top-1 label at every checkpoint:
 2. Position. The router's stored quality targets (`attach(min_agreement=a)` thresholds), on the first and the
    second half of each continuation's positions.
 
-    python scripts/router_context.py --router ROUTER --out context.json  # ~6 min on 2 CPU cores
+    python benchmarks/router_context.py --router ROUTER --out context.json  # ~6 min on 2 CPU cores
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ torch and an `nvcc` on PATH, then imports the module and lists its ops. Headers 
 toolkit lacks (cuSPARSE / cuBLAS headers, an unversioned libcudart.so) are taken from the `nvidia-*` wheels
 that the CUDA build of torch installs.
 
-    .venv-floors/bin/python scripts/cuda_compile_check.py          # torch 2.11+cu130 from .ci/floors, ~2.5 min
+    .venv-floors/bin/python .ci/cuda_compile_check.py          # torch 2.11+cu130 from .ci/floors, ~2.5 min
 """
 
 from __future__ import annotations

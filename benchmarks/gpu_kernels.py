@@ -2,7 +2,7 @@
 propagation, poisoned memory, determinism, gather / scatter and the device-side index check, then timing of
 every route and `tide-hf bench --kernels`. Run from the repository root on a machine with a CUDA device:
 
-    python scripts/gpu_kernels.py --out gpu-kernels
+    python benchmarks/gpu_kernels.py --out gpu-kernels
 
 Each group runs in its own Python process, so a kernel that faults (which poisons the CUDA context) fails
 its group and the others still run. Writes OUT/<group>.json, OUT/kernels.{json,md} (the bench) and

@@ -11,7 +11,7 @@ vocabulary in it, three more inputs read the exit logits over its first `--conf-
 probability there ("conf"), the top-1 minus top-2 logit ("margin"), and whether the top token equals the
 previous checkpoint's ("stable"; 0 at the first).
 
-    PYTHONPATH=. python scripts/router_features.py --shipped my-router --out /tmp/r12x/data.safetensors
+    PYTHONPATH=. python benchmarks/router_features.py --shipped my-router --out /tmp/r12x/data.safetensors
 """
 
 from __future__ import annotations

@@ -167,3 +167,65 @@ def test_models_mixing_attention_kinds_keep_the_whole_step_compile() -> None:
     # (they shared one, whose recompiles reached dynamo's limit, and the skipped layers' K/V writes ran uncompiled)
     ours = Counter(m.split()[2] for m in recompiles if "tide_hf/runtime/skip.py" in m.splitlines()[0])
     assert all(n < torch._dynamo.config.recompile_limit // 2 for n in ours.values()), ours
+
+
+def mixed_windows(family: str) -> torch.nn.Module:
+    """A tiny random model whose layers mix sliding-window and full attention: Gemma 2 here slides on the layers
+    before the first checkpoint only (those kv='recompute' never skips), Qwen 2 with `use_sliding_window` slides
+    from `max_window_layers` on."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    sizes = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=9, num_attention_heads=4,
+                 num_key_value_heads=2, sliding_window=6, pad_token_id=0, eos_token_id=2)
+    torch.manual_seed(0)
+    if family == "gemma2":
+        layer_types = ["sliding_attention"] * 4 + ["full_attention"] * 5
+        return Gemma2ForCausalLM(Gemma2Config(**sizes, head_dim=16, layer_types=layer_types)).eval()
+    return Qwen2ForCausalLM(Qwen2Config(**sizes, use_sliding_window=True, max_window_layers=5)).eval()
+
+
+@pytest.mark.parametrize("kv", ["propagate", "recompute"])
+@pytest.mark.parametrize("family", ["gemma2", "qwen2"])
+def test_fullgraph_is_refused_before_the_prefill_where_segments_cannot_run(family: str, kv: str) -> None:
+    """Skip mode on layers mixing attention kinds compiles the whole step, whose graph breaks at each checkpoint's
+    flag read: `fullgraph=True` raised dynamo's raw `UserError` (data-dependent guard) from inside the first
+    compiled step. Now a `TideUnsupportedError` naming fullgraph and the way out, before any forward runs; where
+    kv='recompute' cannot serve the sliding layers, attach itself refuses. Select mode keeps fullgraph."""
+    from tide_hf.errors import TideError, TideUnsupportedError
+
+    model = mixed_windows(family)
+    ids, mask = left_padded()
+    router = constant_router(model, 30.0)
+    try:
+        handle = tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="skip", kv=kv)
+    except TideError as err:  # Qwen 2 slides on layers after the first checkpoint
+        assert (family, kv) == ("qwen2", "recompute") and "sliding-window attention" in str(err), err
+        return
+    forwards: list[int] = []
+    with handle:
+        counting = model.register_forward_pre_hook(lambda *_: forwards.append(1))
+        with pytest.raises(TideUnsupportedError, match=r"fullgraph=True in mode='skip' on .*mix attention kinds.*"
+                                                       r"CompileConfig\(fullgraph=False\).*mode='select'"):
+            generate(model, ids, mask, 4, **static(compile_config=compiled()))
+        counting.remove()
+        assert not forwards  # refused when transformers asks for the compiled step, before the prefill
+        config = compiled()
+        config.fullgraph = False  # the way out it names (test_models_mixing_attention_kinds_... runs it)
+        assert callable(model.get_compiled_call(config))
+    with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="select"):
+        assert callable(model.get_compiled_call(compiled()))  # no host read in select mode: fullgraph stays
+
+
+def test_fullgraph_is_refused_on_layers_under_accelerate_hooks() -> None:
+    """A dispatched model's layers run behind accelerate's hooks (`_old_forward`), which segments do not call:
+    its skip-mode step compiles whole and cannot be one graph."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    from tide_hf.errors import TideUnsupportedError
+
+    model = make_model()
+    for layer in model.model.layers:
+        add_hook_to_module(layer, ModelHook())
+    with tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, min_layers=4, mode="skip"):
+        with pytest.raises(TideUnsupportedError, match=r"fullgraph=True.*accelerate's device hooks"):
+            model.get_compiled_call(compiled())

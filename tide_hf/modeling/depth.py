@@ -27,9 +27,11 @@ def layers_config(owner: nn.Module, model: nn.Module) -> Any:
 
 
 @torch.no_grad()
-def check_depth_follows_config(model: nn.Module, adapter: ModelAdapter, depth: int) -> None:
+def check_depth_follows_config(model: nn.Module, adapter: ModelAdapter, depth: int,
+                               way_out: str = "use mode='select' or 'skip'") -> None:
     """Raise `TideUnsupportedError` unless a forward with `num_hidden_layers` lowered to `depth` runs and leaves
-    `layers[depth]` unrun. The field, the hook and every module's training flag are restored."""
+    `layers[depth]` unrun; its message ends with `way_out` (the modes this model can run instead). The field,
+    the hook and every module's training flag are restored."""
     layers = adapter.layers
     config = layers_config(layers_owner(model, layers), model)
     ids = check_ids(adapter, model)
@@ -43,8 +45,8 @@ def check_depth_follows_config(model: nn.Module, adapter: ModelAdapter, depth: i
         model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
     except Exception as err:
         raise TideUnsupportedError(f"mode='speculative' on {type(model).__name__}: a forward with "
-                                   f"config.num_hidden_layers lowered to {depth} (how drafts run) failed: {err}; use "
-                                   "mode='select' or 'skip'") from err
+                                   f"config.num_hidden_layers lowered to {depth} (how drafts run) failed: {err}; "
+                                   f"{way_out}") from err
     finally:
         config.num_hidden_layers = saved
         hook.remove()
@@ -54,4 +56,4 @@ def check_depth_follows_config(model: nn.Module, adapter: ModelAdapter, depth: i
         raise TideUnsupportedError(
             f"mode='speculative' on {type(model).__name__}: it ignores config.num_hidden_layers, so it cannot draft "
             "with its first layers; speculative mode needs a model that runs `layers[: config.num_hidden_layers]` "
-            "(the Llama family does); use mode='select' or 'skip'")
+            f"(the Llama family does); {way_out}")

@@ -78,13 +78,13 @@ class TideHandle:
         self._patches.hook(adapter.layers[-1].register_forward_hook(self._final_hook))
         self._skipper = LayerSkipper(adapter.layers, self.open_checkpoints[0], skip_plan, options.kv, self.current_step,
                                      self.recompute_state, self._patches) if skip_plan is not None else None
+        breaks = None if self._skipper is None else SegmentedDecoding.unsupported(adapter.layers)
         segments = SegmentedDecoding(model, adapter.layers, self.open_checkpoints, options.kv, options.threshold,
                                      self.score, self.exit_mask, self.exit_state, self.current_step,
                                      self.recompute_state, self._skipper, self._patches) \
-            if self._skipper is not None and SegmentedDecoding.supported(adapter.layers) else None
-        # transformers' compiled decoding steps: graphs of TIDE's own (skip mode: one per segment of layers)
-        install_compiled_call(model, self._patches, None if segments is None else segments.compiled_call,
-                              self._prefilling)
+            if self._skipper is not None and breaks is None else None
+        # transformers' compiled decoding steps: graphs of TIDE's own (skip mode: per segment of layers, or `breaks`)
+        install_compiled_call(model, self._patches, getattr(segments, "compiled_call", None), self._prefilling, breaks)
 
     def __enter__(self) -> TideHandle:
         return self

@@ -9,6 +9,7 @@ from ..config import CLOSED
 from ..errors import TideUnsupportedError
 from ..modeling import ModelAdapter, TideRouter, check_head, text_config
 from ..modeling.depth import check_depth_follows_config
+from .kv import propagate_support
 from .options import TideOptions
 from .skip import LayerSkipper, SkipPlan
 
@@ -29,8 +30,10 @@ def check_mode(model: nn.Module, adapter: ModelAdapter, options: TideOptions, ro
             f"mode='speculative' on {type(model).__name__}: it keeps a recurrent (state-space or linear-attention) "
             "state, which assisted decoding cannot roll back to the last accepted token the way it crops a KV "
             "cache; use mode='select'")
-    if options.mode == "speculative":
-        check_depth_follows_config(model, adapter, options.draft_layer or min(router.checkpoint_layers))
+    if options.mode == "speculative":  # the way out names skip mode where its layers have the parts it needs
+        skips = all(propagate_support(layer) is None for layer in adapter.layers)
+        check_depth_follows_config(model, adapter, options.draft_layer or min(router.checkpoint_layers),
+                                   "use mode='select' or 'skip'" if skips else "use mode='select'")
     if options.mode == "speculative" and router.config.draft_vocab_coverage:
         check_head(model, adapter)
     return None

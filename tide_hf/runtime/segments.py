@@ -56,11 +56,21 @@ class SegmentedDecoding:
 
     @staticmethod
     def supported(layers: nn.ModuleList) -> bool:
-        """Segments call the layers' own forwards with the first layer's arguments; a dispatched model
-        (accelerate's device hooks around each layer) and one mixing attention kinds (Gemma 2 / 3: sliding
-        and full layers take different masks and rotary embeddings) keep the whole-step compile."""
+        """Whether skip mode's compiled steps can run as segments (`unsupported` says why not)."""
+        return SegmentedDecoding.unsupported(layers) is None
+
+    @staticmethod
+    def unsupported(layers: nn.ModuleList) -> str | None:
+        """Why segments cannot run `layers` (None: they can). Segments call the layers' own forwards with the
+        first layer's arguments; a dispatched model (accelerate's device hooks around each layer) and one mixing
+        attention kinds (Gemma 2 / 3: sliding and full layers take different masks and rotary embeddings) keep
+        the whole-step compile, whose graph breaks at each checkpoint's flag read (so no fullgraph there)."""
         windows = {sliding_window(layer.self_attn) if hasattr(layer, "self_attn") else None for layer in layers}
-        return len(windows) == 1 and all(forward_attribute(layer) == "forward" for layer in layers)
+        if len(windows) != 1:
+            return "its layers mix attention kinds (sliding-window and full attention layers take different masks)"
+        if any(forward_attribute(layer) != "forward" for layer in layers):
+            return "accelerate's device hooks wrap its layers (a dispatched or offloaded model)"
+        return None
 
     def __init__(self, model: nn.Module, layers: nn.ModuleList, checkpoints: list[int], kv: str,
                  threshold: Callable[[int], float],

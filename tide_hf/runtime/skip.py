@@ -52,8 +52,12 @@ class LayerSkipper:
         support = propagate_support if kv == "propagate" else recompute_support
         for number in range(first_checkpoint + 1, len(layers) + 1):
             reason = support(layers[number - 1])
-            if reason is not None:
-                raise TideUnsupportedError(f"mode='skip' with kv={kv!r} on layer {number}: {reason}")
+            if reason is not None:  # the way out: kv='propagate' where only recompute's window check failed
+                way_out = "kv='propagate' or mode='select'" if propagate_support(layers[number - 1]) is None \
+                    else "mode='select'"
+                raise TideUnsupportedError(f"mode='skip' with kv={kv!r} on {type(model).__name__} (model_type="
+                                           f"{getattr(model.config, 'model_type', None)!r}), layer {number}: "
+                                           f"{reason}; use {way_out}")
         fused = FusedPropagation.build(list(layers)[first_checkpoint:], first_checkpoint + 1) \
             if kv == "propagate" else None
         return SkipPlan(fused, probe_skipped_layers(model, layers, first_checkpoint, kv, fused, text_config))

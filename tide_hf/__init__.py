@@ -64,18 +64,24 @@ def _install_keyword() -> None:
 
 
 def _trampoline(mixin: type) -> None:
-    """Wrap `mixin.generate` so its first call installs the real `tide=` wrapper (all imports done by then)."""
-    original = mixin.generate
+    """Wrap `mixin.generate` and `mixin.init_continuous_batching` (continuous batching's entry) so the first call of
+    either installs the real wrappers (all imports done by then; the install drops both placeholders)."""
+    for name in ("generate", "init_continuous_batching"):
+        original = getattr(mixin, name, None)
+        if original is not None:
+            setattr(mixin, name, _bounce(mixin, name, original))
 
+
+def _bounce(mixin: type, name: str, original: Any) -> Any:
     @functools.wraps(original)
-    def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if getattr(mixin.generate, TRAMPOLINE_FLAG, False):
-            mixin.generate = original
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(getattr(mixin, name), TRAMPOLINE_FLAG, False):
+            setattr(mixin, name, original)
             _install_keyword()
-        return mixin.generate(self, *args, **kwargs)
+        return getattr(mixin, name)(self, *args, **kwargs)
 
-    setattr(generate, TRAMPOLINE_FLAG, True)
-    mixin.generate = generate
+    setattr(method, TRAMPOLINE_FLAG, True)
+    return method
 
 
 def _register_config(module: Any) -> None:

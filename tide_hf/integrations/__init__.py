@@ -5,5 +5,6 @@ from __future__ import annotations
 
 from .generate import install, resolve_router, uninstall
 from .processor import TideLogitsProcessor
+from .rows import SpeculativeFallbackWarning
 
-__all__ = ["TideLogitsProcessor", "install", "resolve_router", "uninstall"]
+__all__ = ["SpeculativeFallbackWarning", "TideLogitsProcessor", "install", "resolve_router", "uninstall"]

@@ -15,7 +15,8 @@ straight line through V(1) = 1 and V(2) predicts V(5). With per-token acceptance
 compilation are never charged to drafting; widths not measured yet are interpolated, and wider ones taken as
 costly as the widest measured, so the plan tries them and then knows) and plans every round's k as the
 argmax of E; `draft_plan` picks the draft vocabulary size (`vocab.py`) and `choose_draft_layer` ranks router
-checkpoints by the same E from calibration metrics and parameter counts.
+checkpoints by the same E from calibration metrics and parameter counts. `SpeculativeStats` counts a call's
+rounds and reports the optimum its measured acceptance and costs imply.
 """
 
 from __future__ import annotations
@@ -220,3 +221,45 @@ class DraftEstimates:
             self.warm.add(kind)
             return old
         return new if old is None else (1.0 - TIMING_EMA) * old + TIMING_EMA * new
+
+
+# -- statistics of a call ---------------------------------------------------------------------------------
+@dataclass
+class SpeculativeStats:
+    """Counters of one speculative call (all rows), published as `ExitStats.speculative` (a dict).
+
+    `as_dict` adds the measured per-token acceptance, and the optimum it implies with the measured costs:
+    `optimal_draft_length` and `optimal_speedup` (E over plain steps, the best any draft-length policy can
+    expect at that acceptance and cost).
+    """
+
+    draft_layer: int
+    expected_speedup: float | None = None  # `draft_plan`: the optimum E from calibration (None: no metrics)
+    draft_vocab: int | None = None  # drafts' logits cover this many most frequent tokens (None: all)
+    rounds: int = 0  # verification forwards that checked at least one drafted token
+    plain_steps: int = 0  # verification forwards without candidates (prefill, closed gate, drafting loses, ...)
+    gate_skips: int = 0  # rounds not drafted because the router called the previous token unconverged
+    plan_skips: int = 0  # rounds not drafted because the estimates said drafting loses
+    probes: int = 0  # one-token drafts while the estimates said drafting loses
+    planned: int = 0  # draft tokens the policy planned, summed over drafted rounds
+    drafted: int = 0  # tokens proposed to the verifier
+    accepted: int = 0  # proposed tokens the verifier kept
+    trials: int = 0  # proposed tokens the verifier checked (up to and including the first rejected one)
+    draft_forwards: int = 0  # forwards through the first `draft_layer` layers
+    tail_forwards: int = 0  # the last draft token through the first layers, without the head (for reuse)
+    reused: int = 0  # verification forwards that ran only the layers after `draft_layer`
+    gate_stops: int = 0  # drafts cut short because the router said "not converged"
+    draft_cost: float = 0.0  # c at the end of the call: a draft forward's time over a plain step's
+    verify_costs: dict[int, float] = field(default_factory=dict)  # measured V(w) at the end of the call
+    # why stock generate ran instead (`rows.fallback_reason`), set on every call: None when it drafted
+    fallback: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        acceptance = self.accepted / self.trials if self.trials else 0.0
+        k, gain = best_draft_length(acceptance, self.draft_cost, interpolated_verify(self.verify_costs))
+        return {**self.__dict__,
+                "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+                "acceptance_per_token": acceptance,
+                "mean_draft_length": self.drafted / self.rounds if self.rounds else 0.0,
+                "mean_planned_length": self.planned / self.rounds if self.rounds else 0.0,
+                "optimal_draft_length": k, "optimal_speedup": gain}

@@ -29,6 +29,7 @@ from ..compat import cache_in, merged_generation_config
 from ..errors import TideArgumentError, TideArgumentTypeError
 from ..modeling import TideRouter
 from ..runtime import Patches, TideHandle, attach_for_call, get_handle
+from .batching import guarded
 from .processor import TideLogitsProcessor
 from .speculative import generate as speculative_generate
 
@@ -39,6 +40,7 @@ _SAME_ROUTER: weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, tupl
 _INSTALLED = Patches()  # the wrapped `GenerationMixin.generate`, while installed
 _CURRENT: list[Any] = [None]  # the wrapper installed now: an older one another library still wraps passes through
 TRAMPOLINE_FLAG = "__tide_trampoline__"  # `import tide_hf`'s placeholder wrapper (see tide_hf/__init__.py)
+BATCHING_ENTRY = "init_continuous_batching"  # the method every continuous-batching path starts with
 
 
 @functools.lru_cache(maxsize=_ROUTER_CACHE_SIZE)
@@ -158,10 +160,12 @@ def same_router(a: TideRouter, b: TideRouter) -> bool:
 
 
 def install() -> None:
-    """Wrap `GenerationMixin.generate` to understand `tide=` (idempotent; `uninstall` reverts it)."""
+    """Wrap `GenerationMixin.generate` to understand `tide=`, and its continuous batching to refuse an attached
+    router (`batching.py`) (idempotent; `uninstall` reverts both)."""
     if _INSTALLED:
         return
     _drop_trampoline()
+    _INSTALLED.set_attr(GenerationMixin, BATCHING_ENTRY, guarded(getattr(GenerationMixin, BATCHING_ENTRY)))
     original = GenerationMixin.generate
 
     @functools.wraps(original)
@@ -195,9 +199,12 @@ def install() -> None:
 
 
 def _drop_trampoline() -> None:
-    """Replace the placeholder that `import tide_hf` put on `generate` (if still there) by the stock method."""
-    if getattr(GenerationMixin.generate, TRAMPOLINE_FLAG, False):
-        GenerationMixin.generate = GenerationMixin.generate.__wrapped__
+    """Replace the placeholders that `import tide_hf` put on `generate` and continuous batching (where still
+    there) by the stock methods."""
+    for name in ("generate", BATCHING_ENTRY):
+        method = getattr(GenerationMixin, name, None)
+        if getattr(method, TRAMPOLINE_FLAG, False):
+            setattr(GenerationMixin, name, method.__wrapped__)
 
 
 def uninstall() -> None:

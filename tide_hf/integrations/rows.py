@@ -2,13 +2,18 @@
 
 Stock assisted decoding supports batch size 1 only, so speculative mode decodes a batch row by row (each
 row keeps its left padding and mask, `prefix_allowed_tokens_fn` is asked with the row's batch index) and
-re-assembles it like stock batched generate pads it; calls it cannot reproduce exactly run stock generate
-instead (`fallback_reason` says why). `count_tokens` counts a call's tokens the way select mode does.
+re-assembles it like stock batched generate lays it out (`outputs.py`). Calls it cannot reproduce exactly run
+stock generate instead (`fallback_reason` says why): `last_stats.speculative["fallback"]` records the reason
+of every such call (None: drafted), and `warn_fallback` warns once per reason and handle, so a user who asked
+for drafting learns why none happened without a warning on every call. `count_tokens` counts a call's tokens
+the way select mode does.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -16,11 +21,31 @@ from torch import nn
 from transformers import GenerationConfig
 
 from ..compat import CACHE_KWARGS
-from ..errors import TideArgumentError
-from ..runtime import Session
+from ..runtime import Session, TideHandle
+from .embeds import embeds_reason
+from .outputs import first_id
 
 # generate() arguments assisted decoding cannot take (or would change the output with); a cache by any of its names
-FALLBACK_KWARGS = ("assistant_model", "custom_generate", *CACHE_KWARGS, "inputs_embeds", "negative_prompt_ids")
+FALLBACK_KWARGS = ("assistant_model", "custom_generate", *CACHE_KWARGS, "negative_prompt_ids")
+_WARNED: weakref.WeakKeyDictionary[TideHandle, set[str]] = weakref.WeakKeyDictionary()  # reasons warned per handle
+
+
+class SpeculativeFallbackWarning(UserWarning):
+    """A generate call in speculative mode ran stock generate (no drafting); the message says why."""
+
+
+def warn_fallback(handle: TideHandle, reason: str | None, stacklevel: int) -> None:
+    """Warn that a call of `handle` fell back to stock generate for `reason`, the first time it does for that
+    reason (None: it drafted; nothing to say)."""
+    if reason is None:
+        return
+    seen = _WARNED.setdefault(handle, set())
+    if reason in seen:
+        return
+    seen.add(reason)
+    warnings.warn(f"tide_hf speculative mode ran stock generate for this call, without drafting (same output, no "
+                  f"speed-up): {reason}. last_stats.speculative['fallback'] records it per call; this warning comes "
+                  "once per reason and attach", SpeculativeFallbackWarning, stacklevel=stacklevel + 1)
 
 
 def fallback_reason(model: nn.Module, args: tuple, kwargs: dict, batch: int, gc: Any) -> str | None:
@@ -28,6 +53,11 @@ def fallback_reason(model: nn.Module, args: tuple, kwargs: dict, batch: int, gc:
     call's generation config as generate merges it with the model's defaults."""
     if len(args) > 1:
         return "positional arguments after the inputs"
+    if batch == 0:
+        return "no 2-D input_ids nor 3-D inputs_embeds"
+    embedded = embeds_reason(args[0] if args else kwargs.get("inputs", kwargs.get("input_ids")), kwargs, gc)
+    if embedded is not None:
+        return embedded
     given = [k for k in FALLBACK_KWARGS if kwargs.get(k) is not None]
     if given:
         return f"{given[0]}= given"
@@ -50,19 +80,15 @@ def fallback_reason(model: nn.Module, args: tuple, kwargs: dict, batch: int, gc:
         return "prefill_chunk_size (assisted decoding prefills the prompt in one forward)"
     if gc.guidance_scale not in (None, 1.0) or gc.dola_layers is not None:
         return "classifier-free guidance or DoLa"
+    if (getattr(gc, "penalty_alpha", None) or 0.0) > 0.0:
+        return "contrastive search (penalty_alpha; stock runs it from its Hub custom_generate repo)"
     if gc.assistant_early_exit is not None or gc.prompt_lookup_num_tokens is not None:
         return "another assisted-decoding method requested"
     if batch > 1 and gc.max_time is not None:
         return "max_time with batch size > 1 (decoded row by row, each row would get the whole time)"
-    if batch > 1 and (gc.return_dict_in_generate or kwargs.get("streamer") is not None):
-        return "return_dict_in_generate or a streamer with batch size > 1"
+    if batch > 1 and kwargs.get("streamer") is not None:
+        return "a streamer with batch size > 1 (stock streamers take one row; rows decoded one at a time would pass)"
     return None
-
-
-def first_id(value: Any) -> int | None:
-    """The first token id of an int, a list or a tensor of them (None for none)."""
-    ids = None if value is None else torch.as_tensor(value).reshape(-1)
-    return None if ids is None or ids.numel() == 0 else int(ids[0])
 
 
 @functools.cache
@@ -107,18 +133,6 @@ def count_tokens(ids: torch.Tensor, mask: torch.Tensor | None, sequences: torch.
         return prefill, fed.numel()
     finished = torch.isin(fed, eos.to(fed.device)).cumsum(dim=1) > 0
     return prefill, int((~finished).sum())
-
-
-def stack_rows(rows: list[torch.Tensor], gc: Any) -> torch.Tensor:
-    """Right-pad the rows with the pad id stock batched generate uses after EOS (the EOS id without one)."""
-    pad = first_id(gc.pad_token_id)
-    if pad is None:
-        pad = first_id(gc.eos_token_id)
-    width = max(r.shape[1] for r in rows)
-    if pad is None and any(r.shape[1] != width for r in rows):
-        raise TideArgumentError("rows ended at different lengths but there is neither a pad nor an EOS token id to "
-                                "pad with")
-    return torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=pad or 0) for r in rows], dim=0)
 
 
 def count_full_depth(session: Session, num_layers: int, ids: torch.Tensor, mask: torch.Tensor | None, out: Any,

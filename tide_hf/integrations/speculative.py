@@ -31,10 +31,13 @@ resolve the other way and the text diverge from stock's (transformers' own assis
 same): `tide-hf bench --modes` reports the divergence rate beside transformers' `assistant_early_exit`.
 
 Stock assisted decoding supports batch size 1 only, so a batch is decoded row by row (each row keeps its
-left padding and mask) and re-assembled like stock batched generate pads it. Configurations assisted
-decoding cannot reproduce exactly (beam search, stop strings and custom stopping criteria, user logits
-processors, user caches, and with several rows `max_time`: `rows.fallback_reason`) run stock generate
-instead: the output is the same, only the speed-up is missing. Either way the statistics count every token
+left padding and mask) and re-assembled like stock batched generate lays it out, `return_dict_in_generate`
+outputs included (`outputs.py`); a prompt given as `inputs_embeds` is drafted after too (`embeds.py`).
+Configurations assisted decoding cannot reproduce exactly (beam search, several sequences per prompt, stop
+strings and custom stopping criteria, user logits processors, user caches, `output_attentions`, and with
+several rows `max_time` or a streamer: `rows.fallback_reason`) run stock generate instead: the output is the
+same, only the speed-up is missing; `last_stats.speculative["fallback"]` names the reason (None: drafted) and a
+`SpeculativeFallbackWarning` says it once per reason and attach. Either way the statistics count every token
 at full depth, as select mode counts them (a fallback through the handle's own hooks, told to decide no exits).
 Like stock early-exit drafting, a draft forward lowers the shared `config.num_hidden_layers` (of the module
 owning the layers): a speculative call runs alone, other threads' calls of the model waiting (`turns.py`).
@@ -47,7 +50,6 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -61,23 +63,25 @@ from ..modeling import layer_output
 from ..runtime import Patches, Session, TideHandle
 from .draft import (
     DraftEstimates,
-    best_draft_length,
+    SpeculativeStats,
     choose_draft_layer,
     draft_body,
     draft_cost,
     draft_plan,
-    interpolated_verify,
     prior_acceptance,
 )
+from .embeds import with_placeholder_ids, without_prompt
+from .outputs import stack_outputs
 from .processor import TideLogitsProcessor
 from .reuse import DraftReuse, install_reuse
-from .rows import count_full_depth, fallback_reason, row_kwargs, stack_rows
+from .rows import count_full_depth, fallback_reason, row_kwargs, warn_fallback
 from .vocab import DraftHead, coverage
 
 # A rejected draft token costs one draft forward, nothing else: the gate stops a draft only where the router
 # calls the token more likely unconverged than not, never at a quality target's stricter threshold (those are
 # for exits whose tokens are emitted).
 GATE_THRESHOLD = 0.5
+WARN_STACKLEVEL = 4  # a fallback warning names the user's generate call: -> generate.py's wrapper, _run, here
 PLAIN_TIMING_EVERY = 16  # drafting rounds between plain steps that keep the plain-step time current
 _ESTIMATES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, int | None], DraftEstimates]] = \
     weakref.WeakKeyDictionary()
@@ -100,47 +104,6 @@ def draft_estimates(handle: TideHandle, layer: int, vocab: int | None) -> DraftE
             prior *= coverage(handle.router, vocab)
         per_draft[layer, vocab] = DraftEstimates.start(draft_cost(handle.adapter, layer, vocab), prior)
     return per_draft[layer, vocab]
-
-
-# -- statistics -------------------------------------------------------------------------------------------
-@dataclass
-class SpeculativeStats:
-    """Counters of one speculative call (all rows), published as `ExitStats.speculative` (a dict).
-
-    `as_dict` adds the measured per-token acceptance, and the optimum it implies with the measured costs:
-    `optimal_draft_length` and `optimal_speedup` (E over plain steps, the best any draft-length policy can
-    expect at that acceptance and cost).
-    """
-
-    draft_layer: int
-    expected_speedup: float | None = None  # `draft_plan`: the optimum E from calibration (None: no metrics)
-    draft_vocab: int | None = None  # drafts' logits cover this many most frequent tokens (None: all)
-    rounds: int = 0  # verification forwards that checked at least one drafted token
-    plain_steps: int = 0  # verification forwards without candidates (prefill, closed gate, drafting loses, ...)
-    gate_skips: int = 0  # rounds not drafted because the router called the previous token unconverged
-    plan_skips: int = 0  # rounds not drafted because the estimates said drafting loses
-    probes: int = 0  # one-token drafts while the estimates said drafting loses
-    planned: int = 0  # draft tokens the policy planned, summed over drafted rounds
-    drafted: int = 0  # tokens proposed to the verifier
-    accepted: int = 0  # proposed tokens the verifier kept
-    trials: int = 0  # proposed tokens the verifier checked (up to and including the first rejected one)
-    draft_forwards: int = 0  # forwards through the first `draft_layer` layers
-    tail_forwards: int = 0  # the last draft token through the first layers, without the head (for reuse)
-    reused: int = 0  # verification forwards that ran only the layers after `draft_layer`
-    gate_stops: int = 0  # drafts cut short because the router said "not converged"
-    draft_cost: float = 0.0  # c at the end of the call: a draft forward's time over a plain step's
-    verify_costs: dict[int, float] = field(default_factory=dict)  # measured V(w) at the end of the call
-    fallback: str | None = None  # why stock generate ran instead, if it did
-
-    def as_dict(self) -> dict[str, Any]:
-        acceptance = self.accepted / self.trials if self.trials else 0.0
-        k, gain = best_draft_length(acceptance, self.draft_cost, interpolated_verify(self.verify_costs))
-        return {**self.__dict__,
-                "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
-                "acceptance_per_token": acceptance,
-                "mean_draft_length": self.drafted / self.rounds if self.rounds else 0.0,
-                "mean_planned_length": self.planned / self.rounds if self.rounds else 0.0,
-                "optimal_draft_length": k, "optimal_speedup": gain}
 
 
 # -- the candidate generator ------------------------------------------------------------------------------
@@ -340,11 +303,14 @@ def generate(handle: TideHandle, original: Callable, model: nn.Module, args: tup
     for token); `session.stats.speculative` gets the counters of this call. `config`: the call's settings as
     generate merges them."""
     inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
-    batch = inputs.shape[0] if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 else 0
+    embeds = kwargs.get("inputs_embeds")
+    batch = inputs.shape[0] if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 else \
+        embeds.shape[0] if inputs is None and isinstance(embeds, torch.Tensor) and embeds.dim() == 3 else 0
     layer = resolve_draft_layer(handle)
     vocab, expected = draft_plan(handle.router, handle.adapter, layer)
     stats = SpeculativeStats(layer, expected, vocab)
-    stats.fallback = "no 2-D input_ids" if batch == 0 else fallback_reason(model, args, kwargs, batch, config)
+    stats.fallback = fallback_reason(model, args, kwargs, batch, config)
+    warn_fallback(handle, stats.fallback, stacklevel=WARN_STACKLEVEL)
     try:
         if stats.fallback is not None and (config.assistant_early_exit is not None or kwargs.get("assistant_model")
                                            is not None or config.prompt_lookup_num_tokens is not None):
@@ -358,12 +324,17 @@ def generate(handle: TideHandle, original: Callable, model: nn.Module, args: tup
                                               TideLogitsProcessor(handle, session)])
             return original(model, *args, **{**kwargs, "logits_processor": processors})
         with handle.disabled():  # the router runs only in the gate hook; verification is the stock model
-            key = "inputs" if "inputs" in kwargs or args else "input_ids"
-            kwargs = {k: v for k, v in kwargs.items() if k != "inputs"} | {key: inputs}
+            width = 0  # placeholder prompt columns to cut (a prompt given as embeddings only)
+            if inputs is None:
+                kwargs, width = with_placeholder_ids(kwargs, config)
+            else:
+                key = "inputs" if "inputs" in kwargs or args else "input_ids"
+                kwargs = {k: v for k, v in kwargs.items() if k != "inputs"} | {key: inputs}
             head = None if vocab is None else DraftHead(handle.adapter, handle.router, vocab)  # one slice per call
-            rows = [_generate_row(handle, original, model, kwargs if batch == 1 else row_kwargs(kwargs, i, batch),
-                                  stats, head, session, config) for i in range(batch)]
-            return rows[0] if batch == 1 else stack_rows(rows, config)
+            rows = [without_prompt(_generate_row(handle, original, model, kwargs if batch == 1 else
+                                                 row_kwargs(kwargs, i, batch), stats, head, session, config), width)
+                    for i in range(batch)]
+            return rows[0] if batch == 1 else stack_outputs(rows, config)
     finally:
         estimates = draft_estimates(handle, layer, vocab)
         stats.draft_cost, stats.verify_costs = estimates.cost, estimates.verify_costs

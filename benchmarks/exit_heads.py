@@ -5,7 +5,7 @@ the text, then measures on the last ones, which the fit never saw, for every che
 exit logits with the final logits, the mean KL(final || exit), and the perplexity change if *every* token
 exited there. Writes a JSON and prints a table.
 
-    python benchmarks/exit_heads.py --out results/smollm2-cpu/exit-heads.json
+    python benchmarks/exit_heads.py --out docs/results/smollm2-cpu/exit-heads.json
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The README's family x mode table, cell by cell, on tiny random models of each family.
+"""The family x mode table of docs/reference/architectures.md, cell by cell, on tiny random models of each family.
 
 A supported cell generates stock's greedy tokens at exit_threshold 1.0 and with a router that never exits (its
 hooks and replaced forwards in place), and, with a router that always exits at the first checkpoint, runs with
@@ -33,7 +33,7 @@ _SPECIAL = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=E
 _LLAMA_LIKE = dict(_SPECIAL, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 
-# family (the README's row) -> its tiny config
+# family (the table's row) -> its tiny config
 FAMILIES: dict[str, Callable[[], Any]] = {
     "llama": lambda: transformers.LlamaConfig(**_LLAMA_LIKE),
     "mistral": lambda: transformers.MistralConfig(**_LLAMA_LIKE, sliding_window=None),

@@ -1,4 +1,4 @@
-"""The README's results section is exactly what the committed JSON generates."""
+"""The docs' results page is exactly what the committed JSON generates."""
 
 from __future__ import annotations
 
@@ -11,15 +11,17 @@ from tide_hf.errors import TideArgumentError, TideDataError
 from tide_hf.eval.report import BEGIN, END, SECTIONS, render, section_markers, update
 
 ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PAGE = DOCS / "results.md"
 
 
 @pytest.mark.parametrize("folder", sorted(SECTIONS))
-def test_readme_results_equal_the_committed_json(folder: str) -> None:
+def test_results_page_equals_the_committed_json(folder: str) -> None:
     begin, end = SECTIONS[folder]
-    text = (ROOT / "README.md").read_text()
+    text = PAGE.read_text()
     section = text.split(begin, 1)[1].split(end, 1)[0]
-    assert section == "\n" + render(ROOT / folder, ROOT / "README.md"), \
-        f"README results are stale: run `python -m tide_hf.eval.report {folder} README.md`"
+    assert section == "\n" + render(DOCS / folder, PAGE), \
+        f"docs/results.md is stale: run `python -m tide_hf.eval.report docs/{folder} docs/results.md`"
 
 
 def test_update_rewrites_only_the_marked_section(tmp_path: Path) -> None:
@@ -49,9 +51,9 @@ def test_a_readme_outside_the_results_tree_links_its_plots_with_dotdot(tmp_path:
     """`Path.relative_to` raised for a README that is not above the results folder."""
     docs = tmp_path / "docs"
     docs.mkdir()
-    text = render(ROOT / "results" / "smollm2-cpu", docs / "README.md")
+    text = render(DOCS / "results" / "smollm2-cpu", docs / "README.md")
     link = text.split("![convergence.png](", 1)[1].split(")", 1)[0]
-    assert link.startswith("../") and (docs / link).resolve() == ROOT / "results" / "smollm2-cpu" / "convergence.png"
+    assert link.startswith("../") and (docs / link).resolve() == DOCS / "results" / "smollm2-cpu" / "convergence.png"
 
 
 def test_bad_results_are_named_and_the_readme_is_left_as_it_was(tmp_path: Path) -> None:
@@ -61,16 +63,16 @@ def test_bad_results_are_named_and_the_readme_is_left_as_it_was(tmp_path: Path) 
     import sys
 
     readme = tmp_path / "README.md"
-    text = (ROOT / "README.md").read_text()
+    text = PAGE.read_text()
     readme.write_text(text)
     (tmp_path / "empty").mkdir()
     (tmp_path / "results" / "h100").mkdir(parents=True)
     (tmp_path / "results" / "h100" / "bench.json").write_text("{not json")
     (tmp_path / "results" / "smollm2-cpu").mkdir()
     (tmp_path / "results" / "smollm2-cpu" / "calibrate-x.json").write_text("{}")
-    cases = [(["results/smollm2-cppu"], "no section in"), (["empty", "README.md"], "no section in"),
+    cases = [(["results/smollm2-cppu", "README.md"], "no section in"), (["empty", "README.md"], "no section in"),
              ([str(tmp_path / "results" / "h100"), "README.md"], "h100/bench.json is not valid JSON"),
-             (["results/smollm2-cpu"], "calibrate-x.json holds {}, not a result")]
+             (["results/smollm2-cpu", "README.md"], "calibrate-x.json holds {}, not a result")]
     for argv, message in cases:
         out = subprocess.run([sys.executable, "-m", "tide_hf.eval.report", *argv], cwd=tmp_path, capture_output=True,
                              text=True)
@@ -103,16 +105,17 @@ def test_rendering_the_readme_loads_no_torch(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    readme = tmp_path / "README.md"
-    readme.write_text((ROOT / "README.md").read_text())
-    shutil.copytree(ROOT / "results" / "smollm2-cpu", tmp_path / "results" / "smollm2-cpu")
+    readme = tmp_path / "docs" / "results.md"
+    readme.parent.mkdir()
+    readme.write_text(PAGE.read_text())
+    shutil.copytree(DOCS / "results" / "smollm2-cpu", tmp_path / "docs" / "results" / "smollm2-cpu")
     code = ("import json, runpy, sys\nsys.argv = ['report', *sys.argv[1:]]\ntry:\n"
             "    runpy.run_module('tide_hf.eval.report', run_name='__main__')\nexcept SystemExit as e:\n"
             "    assert not e.code, e.code\nprint(json.dumps(sorted(m for m in ('torch', 'transformers') if m in "
             "sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
-    assert readme.read_text() == (ROOT / "README.md").read_text()  # rendered, equal to the committed one
+    assert readme.read_text() == PAGE.read_text()  # rendered, equal to the committed one
 
 
 def test_the_quality_target_table_shows_the_efficiency_on_held_out_text_too() -> None:

@@ -81,7 +81,7 @@ def bare_forward_seconds(args: argparse.Namespace) -> float:
 
 def write_calibration_results(args: argparse.Namespace, router: Any, wall: float, peak_gb: float,
                                bare: float | None) -> None:
-    """The run's figures as JSON (the README's calibration table is generated from it)."""
+    """The run's figures as JSON (the results page's calibration table is generated from it)."""
     cfg = router.config
     secs = cfg.calibration_seconds
     Path(args.results).parent.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ EXIT_HEADS, CALIBRATED_EXIT_HEAD = ("lens", "linear"), "linear"  # config's, wit
 CONTINUATIONS = ("greedy", "sample")  # config's, without importing transformers
 CPU = "on a 2-core CPU"
 # eval.synthetic's SHAPES and CONFIGS, without importing torch (tests/test_cli.py checks they agree)
-SYNTHETIC_SHAPES = ("llama3-8b", "tiny")
+SYNTHETIC_SHAPES = ("llama3-8b", "qwen2-0.5b", "tiny")
 SYNTHETIC_CONFIGS = ("stock", "exits-off", "select-scored", "select-exit", "skip-recompute", "skip-propagate",
                      "truncated")
 # the demo's calibration: fast (labelling every kept token dominates, hence the token cap), its routers still exit

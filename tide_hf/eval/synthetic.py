@@ -38,6 +38,9 @@ SHAPES: dict[str, dict[str, Any]] = {
     "llama3-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                   "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
                   "rope_theta": 500000.0, "max_position_embeddings": 8192},
+    "qwen2-0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+                   "num_key_value_heads": 2, "vocab_size": 151936, "rope_theta": 1000000.0,
+                   "max_position_embeddings": 32768, "tie_word_embeddings": True},  # a large vocabulary, a small body
     "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4,
              "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512},  # CPU smoke test
 }

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from report import format_exit_heads  # benchmarks/report.py, beside this script
 
 from tide_hf.assets import default_dataset, load_model
 from tide_hf.calibration import load_texts, make_samples, pad_token_id
 from tide_hf.calibration.heads import fit_exit_heads
 from tide_hf.calibration.labels import LABEL_CHUNK_ROWS, FinalDistribution, collect
 from tide_hf.calibration.pipeline import model_config
-from tide_hf.eval.report import format_exit_heads
 from tide_hf.modeling import TideRouter, get_adapter
 
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import ByteTokenizer, make_documents, make_tiny_llama
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # benchmarks/report.py: `import report`
 
 
 @pytest.fixture

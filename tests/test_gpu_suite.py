@@ -52,7 +52,7 @@ def test_dry_run_exercises_every_section(dry_run) -> None:
 
 
 def test_the_report_renders_the_suite(dry_run, tmp_path) -> None:
-    from tide_hf.eval.report import render
+    from report import render  # benchmarks/report.py (conftest puts benchmarks/ on the path)
 
     out, result = dry_run
     text = render(out, tmp_path / "README.md")

@@ -6,13 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
+from report import BEGIN, END, SECTIONS, render, section_markers, update  # benchmarks/report.py (conftest)
 
 from tide_hf.errors import TideArgumentError, TideDataError
-from tide_hf.eval.report import BEGIN, END, SECTIONS, render, section_markers, update
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PAGE = DOCS / "results.md"
+SCRIPT = ROOT / "benchmarks" / "report.py"
 
 
 @pytest.mark.parametrize("folder", sorted(SECTIONS))
@@ -21,7 +22,7 @@ def test_results_page_equals_the_committed_json(folder: str) -> None:
     text = PAGE.read_text()
     section = text.split(begin, 1)[1].split(end, 1)[0]
     assert section == "\n" + render(DOCS / folder, PAGE), \
-        f"docs/results.md is stale: run `python -m tide_hf.eval.report docs/{folder} docs/results.md`"
+        f"docs/results.md is stale: run `python benchmarks/report.py docs/{folder} docs/results.md`"
 
 
 def test_update_rewrites_only_the_marked_section(tmp_path: Path) -> None:
@@ -74,8 +75,7 @@ def test_bad_results_are_named_and_the_readme_is_left_as_it_was(tmp_path: Path) 
              ([str(tmp_path / "results" / "h100"), "README.md"], "h100/bench.json is not valid JSON"),
              (["results/smollm2-cpu", "README.md"], "calibrate-x.json holds {}, not a result")]
     for argv, message in cases:
-        out = subprocess.run([sys.executable, "-m", "tide_hf.eval.report", *argv], cwd=tmp_path, capture_output=True,
-                             text=True)
+        out = subprocess.run([sys.executable, str(SCRIPT), *argv], cwd=tmp_path, capture_output=True, text=True)
         assert out.returncode == 1 and message in out.stderr and "Traceback" not in out.stderr, (argv, out.stderr)
         assert readme.read_text() == text
     (tmp_path / "results" / "smollm2-cpu" / "calibrate-x.json").write_text('{"label": "top1"}')
@@ -110,7 +110,7 @@ def test_rendering_the_readme_loads_no_torch(tmp_path: Path) -> None:
     readme.write_text(PAGE.read_text())
     shutil.copytree(DOCS / "results" / "smollm2-cpu", tmp_path / "docs" / "results" / "smollm2-cpu")
     code = ("import json, runpy, sys\nsys.argv = ['report', *sys.argv[1:]]\ntry:\n"
-            "    runpy.run_module('tide_hf.eval.report', run_name='__main__')\nexcept SystemExit as e:\n"
+            f"    runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\nexcept SystemExit as e:\n"
             "    assert not e.code, e.code\nprint(json.dumps(sorted(m for m in ('torch', 'transformers') if m in "
             "sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)

@@ -28,7 +28,6 @@ from tide_hf import TideRouter, TideRouterConfig
 from tide_hf.compat import CACHE_KWARG
 from tide_hf.errors import TideUnsupportedError
 from tide_hf.eval.easy import make_near_identity
-from tide_hf.integrations import speculative as spec_module
 from tide_hf.integrations.draft import (
     DEFAULT_ACCEPTANCE,
     MAX_DRAFT_TOKENS,
@@ -42,6 +41,7 @@ from tide_hf.integrations.draft import (
     interpolated_verify,
     linear_verify,
 )
+from tide_hf.integrations.sources import ContextLookup
 from tide_hf.integrations.speculative import draft_estimates
 
 NUM_LAYERS = 9  # router checkpoints [4, 8]
@@ -57,6 +57,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def early_exit_only(monkeypatch):
+    """No lookup drafts (no n-gram of the context ever matches): tests of the early-exit source alone."""
+    monkeypatch.setattr(ContextLookup, "draft", lambda *_: None)
 
 
 # -- helpers ------------------------------------------------------------------------------------------
@@ -141,13 +147,13 @@ def test_greedy_identical_to_stock(kind, gate):
         for i in range(3):  # batch 1, unpadded prompt
             out, stats = speculative(model, router, ids[i:i + 1, -int(mask[i].sum()):], **call)
             assert torch.equal(out, stock_rows[i])
-            drafted += stats.speculative["drafted"]
+            drafted += stats.speculative["sources"]["early_exit"]["drafted"]
         out, stats = speculative(model, router, ids, attention_mask=mask, **call)  # left-padded batch of 3
         assert torch.equal(out, stock_batch)
         assert stats.decode.tokens == 3 * (NEW - 1) and stats.prefill.tokens == int(mask.sum())
         assert stats.speculative["fallback"] is None
     assert snapshot(model) == before
-    assert (drafted > 0) == (gate != "never")
+    assert (drafted > 0) == (gate != "never")  # early-exit drafts (lookup drafts need no gate)
 
 
 def test_batch_rows_finishing_early_are_padded_like_stock():
@@ -166,7 +172,7 @@ def test_batch_rows_finishing_early_are_padded_like_stock():
 
 
 # -- speculation really happens, and pays in forwards -------------------------------------------------
-def test_drafts_are_accepted_and_save_full_forwards():
+def test_drafts_are_accepted_and_save_full_forwards(early_exit_only):
     model = make_model("shallow")
     router = make_router(model, "always")
     ids, mask = prompts(0)
@@ -193,7 +199,7 @@ def test_drafts_are_accepted_and_save_full_forwards():
     assert spec["mean_draft_length"] == pytest.approx(spec["drafted"] / spec["rounds"])
 
 
-def test_drafts_come_from_the_exit_head_and_stay_lossless():
+def test_drafts_come_from_the_exit_head_and_stay_lossless(early_exit_only):
     """A router with random exit heads drafts through them: on the shallow model, whose layer-4 lens already
     predicts the final tokens, its drafts are rejected far more often, and the output is still stock's."""
     model = make_model("shallow")
@@ -224,7 +230,7 @@ def test_sampling_returns_valid_tokens():
 
 
 # -- the gate and the drafting policy -------------------------------------------------------------------
-def test_closed_gate_drafts_nothing():
+def test_closed_gate_drafts_nothing(early_exit_only):
     model = make_model("shallow")
     router = make_router(model, "never")
     ids, mask = prompts(0)
@@ -336,7 +342,7 @@ def test_policy_drafts_the_optimal_length_when_drafts_are_right(frozen_costs):
     assert full[0] == spec["rounds"] + spec["plain_steps"] <= 64 // 4
 
 
-def test_policy_falls_back_while_drafts_lose_and_probes(frozen_costs):
+def test_policy_falls_back_while_drafts_lose_and_probes(frozen_costs, early_exit_only):
     model = make_model("random")
     router = make_router(model, "always")
     est = frozen_costs(model, router, cost=0.5, slope=0.1)
@@ -482,10 +488,10 @@ def test_smollm2_greedy_identical_to_stock(monkeypatch):
     before = snapshot(model)
     stock = {t: model.generate(**tok(t, return_tensors="pt"), max_new_tokens=24, do_sample=False) for t in texts}
     # 1. the default draft layer and policy; 2. drafting every round at layer 28 (~half the drafts right)
-    plan = spec_module.DraftEstimates.plan
+    plan = DraftEstimates.plan
     for options, planner in ((dict(exit_threshold=0.5), plan),
                              (dict(exit_threshold=0.0, draft_layer=28), lambda _self, room: (min(room, 4), 1.0))):
-        monkeypatch.setattr(spec_module.DraftEstimates, "plan", planner)
+        monkeypatch.setattr(DraftEstimates, "plan", planner)
         handle = tide_hf.attach(model, router, mode="speculative", **options)
         totals = {"drafted": 0, "accepted": 0, "draft_forwards": 0}
         try:
@@ -723,7 +729,7 @@ def test_settings_assisted_decoding_changes_run_stock(monkeypatch):
 
     from tide_hf.assets import smollm2_path
 
-    monkeypatch.setattr(spec_module.DraftEstimates, "plan", lambda _self, room: (min(room, 4), 1.0))
+    monkeypatch.setattr(DraftEstimates, "plan", lambda _self, room: (min(room, 4), 1.0))
     model = make_model("shallow")
     router = make_router(model, "always")
     tok = AutoTokenizer.from_pretrained(smollm2_path())
@@ -757,10 +763,10 @@ def test_settings_assisted_decoding_changes_run_stock(monkeypatch):
     assert stats.speculative["fallback"] is None and stats.speculative["drafted"] > 0  # the control drafts
 
 
-def test_draft_ending_in_eos_counts_as_accepted(monkeypatch):
+def test_draft_ending_in_eos_counts_as_accepted(monkeypatch, early_exit_only):
     """Stock reports a fully matched draft whose last token is EOS one short (it emits that EOS as the
     verification's own token); the statistics and the policy's acceptance must count it accepted."""
-    monkeypatch.setattr(spec_module.DraftEstimates, "plan", lambda _self, room: (min(room, 4), 1.0))
+    monkeypatch.setattr(DraftEstimates, "plan", lambda _self, room: (min(room, 4), 1.0))
     model = make_model("shallow")
     router = make_router(model, "always")
 

@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
+from transformers import AutoTokenizer
 
-from ..integrations.draft import best_draft_length, interpolated_verify
+from ..integrations.draft import EARLY_EXIT, best_draft_length, interpolated_verify
 from ..modeling import TideRouter
 from ..runtime import Patches, TideHandle, attach
 from .measure import generate, left_pad, match_rate, perplexity
@@ -146,10 +147,31 @@ def mixed_exits(model: Any, router: TideRouter, batches: list[dict], chunks: lis
 
 
 SPECULATIVE_COUNTERS = ("rounds", "plain_steps", "probes", "planned", "drafted", "accepted", "trials")
+LOOKUP_PEER_TOKENS = 10  # prompt lookup's draft length as peer (transformers' recommended setting)
+# The input-grounded task: the answer is in the prompt, as in summarizing, answering from or editing a document
+GROUNDED_REQUEST = "Repeat the following passage word for word:\n\n{passage}"
 
 
-def speculative(model: Any, router: TideRouter, batches: list[dict], batched: dict, new_tokens: int, reps: int,
-                assisted_layer: int | None = None, lookup_tokens: int | None = None) -> dict:
+def grounded_prompts(tokenizer: Any, passages: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Chat prompts (the model's template) asking to repeat each held-out passage: text the answer copies from
+    its context, where drafts from the context can pay, beside open prose where they rarely do."""
+    prompts = []
+    for ids in passages:
+        request = GROUNDED_REQUEST.format(passage=tokenizer.decode(ids, skip_special_tokens=True))
+        text = tokenizer.apply_chat_template([{"role": "user", "content": request}], add_generation_prompt=True,
+                                             tokenize=False)
+        prompts.append(torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return prompts
+
+
+def source_counts(totals: dict[str, dict[str, int]], spec: dict) -> dict[str, dict[str, int]]:
+    """`totals` plus one call's round counters per draft source (`last_stats.speculative["sources"]`)."""
+    return {name: {k: totals.get(name, {}).get(k, 0) + v for k, v in counts.items() if k != "acceptance_per_token"}
+            for name, counts in spec["sources"].items()}
+
+
+def speculative(model: Any, router: TideRouter, batches: list[dict], batched: dict | None, new_tokens: int,
+                reps: int, assisted_layer: int | None = None, lookup_tokens: int | None = None) -> dict:
     """Lossless mode vs stock and vs transformers' `assistant_early_exit`, interleaved prompt by prompt.
 
     Speed ratios are medians over repetitions of (stock seconds / method seconds) on all prompts. Beside
@@ -158,6 +180,8 @@ def speculative(model: Any, router: TideRouter, batches: list[dict], batched: di
     measured draft and verify costs (`realized_over_optimum` = speed ratio / E). `assistant_early_exit`
     drafts at `assisted_layer` (default: the draft layer speculative mode chose). `lookup_tokens`: also
     transformers' prompt lookup (`prompt_lookup_num_tokens`), the built-in lossless peer that needs no model.
+    `sources`: the rounds, drafts and acceptance per draft source (lookup, early exit). `batched`: prompts
+    decoded as one batch, checked token-identical to stock's batch (None: not checked).
     """
     handle = attach(model, router, mode="speculative")
     try:
@@ -173,6 +197,7 @@ def speculative(model: Any, router: TideRouter, batches: list[dict], batched: di
         seconds = {name: [0.0] * reps for name in runs}
         tokens: dict[str, list[torch.Tensor]] = {name: [] for name in runs}
         counters = dict.fromkeys(SPECULATIVE_COUNTERS, 0)
+        sources: dict[str, dict[str, int]] = {}
         for rep in tqdm(range(reps), desc="speculative vs stock", leave=False):
             for b in batches:
                 for name, kwargs in runs.items():
@@ -181,9 +206,11 @@ def speculative(model: Any, router: TideRouter, batches: list[dict], batched: di
                     tokens[name].append(out)
                     if name == "speculative":
                         counters = {k: v + handle.last_stats.speculative[k] for k, v in counters.items()}
-        batch_identical = torch.equal(generate(model, batched, new_tokens, tide=False)[0],
-                                      generate(model, batched, new_tokens, tide=True)[0])
-        costs = {k: handle.last_stats.speculative[k] for k in ("draft_cost", "verify_costs")}  # the latest
+                        sources = source_counts(sources, handle.last_stats.speculative)
+        batch_identical = None if batched is None else torch.equal(generate(model, batched, new_tokens, tide=False)[0],
+                                                                   generate(model, batched, new_tokens, tide=True)[0])
+        costs = {k: handle.last_stats.speculative[k]  # the latest
+                 for k in ("draft_cost", "verify_costs", "lookup_cost", "lookup_verify_costs")}
     finally:
         handle.detach()
     stock = torch.cat(tokens["stock"])
@@ -194,12 +221,15 @@ def speculative(model: Any, router: TideRouter, batches: list[dict], batched: di
               {"lookup_tokens": lookup_tokens, "lookup_speed_ratio": ratio["lookup"],
                "lookup_divergence": divergence["lookup"]})
     acceptance = counters["accepted"] / counters["trials"] if counters["trials"] else 0.0
-    optimal_k, optimum = best_draft_length(acceptance, costs["draft_cost"], interpolated_verify(costs["verify_costs"]))
+    for counts in sources.values():
+        counts["acceptance_per_token"] = counts["accepted"] / counts["trials"] if counts["trials"] else 0.0
+    early = sources.get(EARLY_EXIT, {}).get("acceptance_per_token", 0.0)  # the optimum of early exit's drafts
+    optimal_k, optimum = best_draft_length(early, costs["draft_cost"], interpolated_verify(costs["verify_costs"]))
     rounds = counters["rounds"]
     return {"draft_layer": layer, "draft_vocab": vocab, "assisted_layer": assisted_layer, "prompts": len(batches),
             "reps": reps,
             "identical_all_prompts": divergence["speculative"] == 0.0, "identical_batched": batch_identical,
-            "batched_rows": int(batched["input_ids"].shape[0]),
+            "batched_rows": 0 if batched is None else int(batched["input_ids"].shape[0]),
             "speed_ratio": ratio["speculative"], "assisted_speed_ratio": ratio["assisted"],
             "divergence": divergence["speculative"], "assisted_divergence": divergence["assisted"],
             "acceptance_rate": counters["accepted"] / counters["drafted"] if counters["drafted"] else 0.0,
@@ -207,12 +237,14 @@ def speculative(model: Any, router: TideRouter, batches: list[dict], batched: di
             "mean_draft_length": counters["drafted"] / rounds if rounds else 0.0,
             "mean_planned_length": counters["planned"] / rounds if rounds else 0.0,
             **costs, "optimal_draft_length": optimal_k, "optimal_speedup": optimum,
-            "realized_over_optimum": ratio["speculative"] / optimum, **lookup, **counters}
+            "realized_over_optimum": ratio["speculative"] / optimum, **lookup, **counters, "sources": sources}
 
 
 def run_modes(model: Any, router: TideRouter, prompts: list[torch.Tensor], chunks: list[torch.Tensor], pad_id: int,
               args: Any) -> dict:
-    """Forced and mixed exits in skip mode, and the lossless speculative mode (the `modes` bench JSON)."""
+    """Forced and mixed exits in skip mode, and the lossless speculative mode beside prompt lookup and
+    `assistant_early_exit`, on the held-out prose and (`["speculative"]["grounded"]`) on chat prompts asking to
+    repeat those passages (the `modes` bench JSON)."""
     kv_policies = ["propagate", "recompute"]
     one = left_pad(prompts[:1], pad_id)
     forced = forced_exits(model, router, one, args.depths, kv_policies, args.new_tokens, args.reps)
@@ -220,5 +252,9 @@ def run_modes(model: Any, router: TideRouter, prompts: list[torch.Tensor], chunk
     mixed = mixed_exits(model, router, batches, chunks, forced["ideal_fit"], args.thresholds, kv_policies,
                         args.new_tokens, args.quality_batch_size)
     spec = speculative(model, router, batches, left_pad(prompts[: args.quality_batch_size], pad_id),
-                       args.new_tokens, args.reps)
+                       args.new_tokens, args.reps, lookup_tokens=LOOKUP_PEER_TOKENS)
+    tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)  # the bench's own (run_modes takes none)
+    grounded = [left_pad([p], pad_id) for p in grounded_prompts(tokenizer, prompts)]
+    spec["grounded"] = speculative(model, router, grounded, None, args.new_tokens, args.reps,
+                                   lookup_tokens=LOOKUP_PEER_TOKENS)
     return {"forced": forced, "mixed": mixed, "speculative": spec}

@@ -1,5 +1,5 @@
 """Markdown tables of the result JSON that `tide-hf analyze` / `tide-hf bench` write: kept apart from the
-measurements (no torch, no model code), so `python -m tide_hf.eval.report` renders the README in a moment."""
+measurements (no torch, no model code), so `python benchmarks/report.py` renders the results page in a moment."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ def percent(share: float) -> str:
 
 
 def format_table(result: dict) -> str:
-    """Markdown tables of a bench result (the README shows these)."""
+    """Markdown tables of a bench result (the results page shows these)."""
     lines = ["| batch | stock tok/s | TIDE (exits off) tok/s | ratio |", "|---|---|---|---|"]
     for r in result["overhead"]:
         lines.append(f"| {r['batch_size']} | {r['stock_tok_s']:.1f} | {r['tide_tok_s']:.1f} | {r['ratio']:.3f} |")
@@ -74,29 +74,43 @@ def format_batches(result: dict) -> str:
 
 
 def format_speculative(spec: dict) -> str:
-    """Markdown table of the speculative section (results written before the drafting policy lack its
-    columns: shown as "-"), and prompt lookup's figures where they were measured."""
-    def cell(key: str, fmt: str) -> str:
-        return "-" if spec.get(key) is None else format(spec[key], fmt)
+    """Markdown table of the speculative section, a row per workload (open prose; `grounded`: prompts asking to
+    repeat a passage, where measured), each lossless peer's speed beside ours and our acceptance per draft
+    source. Results written before a column existed (the drafting policy, prompt lookup, draft sources) show
+    "-" there."""
+    def cell(row: dict, key: str, fmt: str) -> str:
+        return "-" if row.get(key) is None else format(row[key], fmt)
 
+    def source(row: dict, name: str, key: str, fmt: str) -> str:
+        counts = (row.get("sources") or {}).get(name)
+        return "-" if counts is None else format(counts[key], fmt)
+
+    def line(name: str, row: dict) -> str:
+        divergence = (cell(row, "divergence", ".1%") if "divergence" in row
+                      else ("0" if row["identical_all_prompts"] else "> 0"))
+        batched = "-" if row.get("identical_batched") is None else \
+            f"{row['identical_batched']} ({row['batched_rows']} rows)"
+        return (f"| {name}: {row['prompts']} prompts x {row['reps']} reps | "
+                f"{row['draft_layer']} ({row.get('draft_vocab') or 'all'}) | {row['speed_ratio']:.3f} | "
+                f"{cell(row, 'lookup_speed_ratio', '.3f')} | "
+                f"{cell(row, 'assisted_speed_ratio', '.3f')} (layer {row.get('assisted_layer', '-')}) | "
+                f"{source(row, 'early_exit', 'acceptance_per_token', '.1%')} / "
+                f"{source(row, 'lookup', 'acceptance_per_token', '.1%')} | "
+                f"{source(row, 'early_exit', 'rounds', 'd')} / {source(row, 'lookup', 'rounds', 'd')} | "
+                f"{cell(row, 'acceptance_per_token', '.1%')} | {row['mean_draft_length']:.2f} "
+                f"({cell(row, 'mean_planned_length', '.2f')}) | {cell(row, 'optimal_draft_length', 'd')} | "
+                f"{cell(row, 'optimal_speedup', '.3f')} | {cell(row, 'realized_over_optimum', '.2f')} | "
+                f"{divergence} / {cell(row, 'assisted_divergence', '.1%')} / {cell(row, 'lookup_divergence', '.1%')}"
+                f" | {batched} |")
+
+    rows = [("open prose", spec)] + ([("grounded", spec["grounded"])] if spec.get("grounded") else [])
+    lookup = next((r["lookup_tokens"] for _, r in rows if r.get("lookup_tokens") is not None), "-")
     return "\n".join([
-        "| speculative | draft layer (vocabulary) | speed vs stock | `assistant_early_exit` speed | "
-        "acceptance per token | "
-        "mean draft length (planned) | optimal length | optimum E | realized / optimum | "
-        "divergence (ours / assisted) | identical (batched) |", "|---|---|---|---|---|---|---|---|---|---|---|",
-        f"| {spec['prompts']} prompts x {spec['reps']} reps | "
-        f"{spec['draft_layer']} ({spec.get('draft_vocab') or 'all'}) | "
-        f"{spec['speed_ratio']:.3f} | "
-        f"{cell('assisted_speed_ratio', '.3f')} (layer {spec.get('assisted_layer', '-')}) | "
-        f"{cell('acceptance_per_token', '.1%')} | {spec['mean_draft_length']:.2f} "
-        f"({cell('mean_planned_length', '.2f')}) | {cell('optimal_draft_length', 'd')} | "
-        f"{cell('optimal_speedup', '.3f')} | {cell('realized_over_optimum', '.2f')} | "
-        f"{cell('divergence', '.1%') if 'divergence' in spec else ('0' if spec['identical_all_prompts'] else '> 0')}"
-        f" / {cell('assisted_divergence', '.1%')} | "
-        f"{spec['identical_batched']} ({spec['batched_rows']} rows) |"]
-        + ([] if "lookup_speed_ratio" not in spec else [
-            "", f"Prompt lookup (`prompt_lookup_num_tokens={spec['lookup_tokens']}`), same prompts: "
-            f"{spec['lookup_speed_ratio']:.3f}x stock, divergence {spec['lookup_divergence']:.1%}."]))
+        f"| speculative | draft layer (vocabulary) | speed vs stock | prompt lookup ({lookup} tokens) speed | "
+        "`assistant_early_exit` speed | acceptance per token (early exit / lookup) | rounds (early exit / lookup) "
+        "| acceptance per token (all) | mean draft length (planned) | optimal early-exit length | optimum E | "
+        "realized / optimum | divergence (ours / assisted / lookup) | identical (batched) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", *(line(name, row) for name, row in rows)])
 
 
 def format_baselines(result: dict) -> str:

@@ -33,6 +33,9 @@ from ..modeling import ModelAdapter, TideRouter
 from ..modeling.depth import layers_config, layers_owner
 from .vocab import coverage, sliceable, vocab_sizes
 
+EARLY_EXIT, LOOKUP = "early_exit", "lookup"  # draft sources: the first layers; n-gram matches of the context
+DRAFT_SOURCES = (EARLY_EXIT, LOOKUP)
+SOURCE_COUNTERS = ("rounds", "planned", "probes", "drafted", "accepted", "trials")  # kept per draft source
 MAX_DRAFT_TOKENS = 8  # longest draft per round (the router gate and the plan usually stop earlier)
 DEFAULT_DRAFT_FRACTION = 0.5  # without calibration metrics: the checkpoint nearest this fraction of depth
 DEFAULT_ACCEPTANCE = 0.5  # prior per-token acceptance without calibration metrics
@@ -163,10 +166,12 @@ class DraftEstimates:
     verify_s: dict[int, float] = field(default_factory=dict)  # width -> running seconds of its verification
     warm: set[str] = field(default_factory=set)  # timings whose first (one-time-cost) sample was dropped
 
+    max_draft: int = MAX_DRAFT_TOKENS  # longest draft a round of this source may plan
+
     @classmethod
-    def start(cls, prior_cost: float, acceptance: float | None) -> DraftEstimates:
+    def start(cls, prior_cost: float, acceptance: float | None, max_draft: int = MAX_DRAFT_TOKENS) -> DraftEstimates:
         a = DEFAULT_ACCEPTANCE if acceptance is None else acceptance
-        return cls(prior_cost, a * PRIOR_TRIALS, PRIOR_TRIALS)
+        return cls(prior_cost, a * PRIOR_TRIALS, PRIOR_TRIALS, max_draft=max_draft)
 
     @property
     def acceptance(self) -> float:
@@ -190,7 +195,7 @@ class DraftEstimates:
 
     def plan(self, room: int) -> tuple[int, float]:
         """The draft length maximizing E with the current estimates, at most `room` tokens."""
-        return best_draft_length(self.acceptance, self.cost, self.verify, min(room, MAX_DRAFT_TOKENS))
+        return best_draft_length(self.acceptance, self.cost, self.verify, min(room, self.max_draft))
 
     def probe_interval(self) -> int:
         """Plain steps between one-token probes while drafting loses: a probe round costs c + V(2) plain steps
@@ -228,9 +233,10 @@ class DraftEstimates:
 class SpeculativeStats:
     """Counters of one speculative call (all rows), published as `ExitStats.speculative` (a dict).
 
-    `as_dict` adds the measured per-token acceptance, and the optimum it implies with the measured costs:
-    `optimal_draft_length` and `optimal_speedup` (E over plain steps, the best any draft-length policy can
-    expect at that acceptance and cost).
+    Round counters sum over the draft sources (`sources.py`: lookup and early exit), `sources` splits them.
+    `as_dict` adds the measured per-token acceptance (overall and per source), and the optimum early exit's
+    acceptance implies with its measured costs: `optimal_draft_length` and `optimal_speedup` (E over plain
+    steps, the best any draft-length policy can expect at that acceptance and cost).
     """
 
     draft_layer: int
@@ -238,7 +244,7 @@ class SpeculativeStats:
     draft_vocab: int | None = None  # drafts' logits cover this many most frequent tokens (None: all)
     rounds: int = 0  # verification forwards that checked at least one drafted token
     plain_steps: int = 0  # verification forwards without candidates (prefill, closed gate, drafting loses, ...)
-    gate_skips: int = 0  # rounds not drafted because the router called the previous token unconverged
+    gate_skips: int = 0  # rounds early exit could not draft: the router called the previous token unconverged
     plan_skips: int = 0  # rounds not drafted because the estimates said drafting loses
     probes: int = 0  # one-token drafts while the estimates said drafting loses
     planned: int = 0  # draft tokens the policy planned, summed over drafted rounds
@@ -251,13 +257,37 @@ class SpeculativeStats:
     gate_stops: int = 0  # drafts cut short because the router said "not converged"
     draft_cost: float = 0.0  # c at the end of the call: a draft forward's time over a plain step's
     verify_costs: dict[int, float] = field(default_factory=dict)  # measured V(w) at the end of the call
+    lookup_cost: float = 0.0  # c of lookup drafts (matching time over a plain step's), at the end of the call
+    lookup_verify_costs: dict[int, float] = field(default_factory=dict)  # their V(w): every layer verifies
     # why stock generate ran instead (`rows.fallback_reason`), set on every call: None when it drafted
     fallback: str | None = None
+    # per draft source (`DRAFT_SOURCES`): its share of the round counters above, which sum over the sources
+    sources: dict[str, dict[str, int]] = field(
+        default_factory=lambda: {name: dict.fromkeys(SOURCE_COUNTERS, 0) for name in DRAFT_SOURCES})
+
+    def count_round(self, source: str, proposed: int, accepted: int) -> None:
+        """A verified round of `proposed` drafts from `source`, `accepted` of them kept."""
+        trials = accepted + (accepted < proposed)
+        for counts in (self.__dict__, self.sources[source]):
+            counts["rounds"] += 1
+            counts["drafted"] += proposed
+            counts["accepted"] += accepted
+            counts["trials"] += trials
+
+    def count_plan(self, source: str, planned: int, probe: bool) -> None:
+        """A round drafting from `source`, `planned` tokens planned (`probe`: a one-token probe)."""
+        for counts in (self.__dict__, self.sources[source]):
+            counts["planned"] += planned
+            counts["probes"] += probe
 
     def as_dict(self) -> dict[str, Any]:
         acceptance = self.accepted / self.trials if self.trials else 0.0
-        k, gain = best_draft_length(acceptance, self.draft_cost, interpolated_verify(self.verify_costs))
-        return {**self.__dict__,
+        early = self.sources[EARLY_EXIT]  # the optimum is early exit's: c and V below are its measured costs
+        early_acceptance = early["accepted"] / early["trials"] if early["trials"] else 0.0
+        k, gain = best_draft_length(early_acceptance, self.draft_cost, interpolated_verify(self.verify_costs))
+        sources = {name: {**counts, "acceptance_per_token": counts["accepted"] / counts["trials"]
+                          if counts["trials"] else 0.0} for name, counts in self.sources.items()}
+        return {**self.__dict__, "sources": sources,
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
                 "acceptance_per_token": acceptance,
                 "mean_draft_length": self.drafted / self.rounds if self.rounds else 0.0,

@@ -21,7 +21,10 @@ via `_get_candidate_generator`, replaced on the model instance for the duration 
   argmax of expected tokens per unit of time from the measured per-token acceptance and the measured
   costs of a draft forward and of verifying k + 1 tokens. While the estimates say drafting loses it takes
   plain steps, probing with one-token drafts often enough to notice when drafting would pay again, at a
-  bounded cost (`PROBE_LOSS`). The estimates live as long as the model and carry over between calls.
+  bounded cost (`PROBE_LOSS`). The estimates live as long as the model and carry over between calls;
+* a round may draft from the context instead (`sources.py`): the continuation of an earlier occurrence of
+  its last n-gram (transformers' prompt lookup matcher), free to make, verified by every layer; the policy
+  drafts from the source whose optimum, by its own measured acceptance and costs, is highest.
 
 Lossless means: every emitted token is the argmax (greedy) or the accepted sample (sampling) of the full
 model's logits computed in a verification forward; drafts only decide how many positions one
@@ -47,7 +50,6 @@ from __future__ import annotations
 
 import copy
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -61,21 +63,21 @@ from ..compat import CANDIDATE_GENERATOR_FACTORY, eos_token_tensor, extend_model
 from ..errors import TideConcurrencyError, TideUnsupportedError
 from ..modeling import layer_output
 from ..runtime import Patches, Session, TideHandle
-from .draft import (
-    DraftEstimates,
-    SpeculativeStats,
-    choose_draft_layer,
-    draft_body,
-    draft_cost,
-    draft_plan,
-    prior_acceptance,
-)
+from .draft import EARLY_EXIT, LOOKUP, SpeculativeStats, draft_body, draft_plan
 from .embeds import with_placeholder_ids, without_prompt
 from .outputs import stack_outputs
 from .processor import TideLogitsProcessor
 from .reuse import DraftReuse, install_reuse
 from .rows import count_full_depth, fallback_reason, row_kwargs, warn_fallback
-from .vocab import DraftHead, coverage
+from .sources import (
+    LOOKUP_MAX_TOKENS,
+    ContextLookup,
+    SourcePolicy,
+    draft_estimates,
+    lookup_estimates,
+    resolve_draft_layer,
+)
+from .vocab import DraftHead
 
 # A rejected draft token costs one draft forward, nothing else: the gate stops a draft only where the router
 # calls the token more likely unconverged than not, never at a quality target's stricter threshold (those are
@@ -83,27 +85,6 @@ from .vocab import DraftHead, coverage
 GATE_THRESHOLD = 0.5
 WARN_STACKLEVEL = 4  # a fallback warning names the user's generate call: -> generate.py's wrapper, _run, here
 PLAIN_TIMING_EVERY = 16  # drafting rounds between plain steps that keep the plain-step time current
-_ESTIMATES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, int | None], DraftEstimates]] = \
-    weakref.WeakKeyDictionary()
-
-
-def resolve_draft_layer(handle: TideHandle) -> int:
-    """`options.draft_layer`, or `choose_draft_layer` (attach checked that it is a router checkpoint and that one
-    is at or after `min_layers`: `TideOptions.validate`)."""
-    layer = handle.options.draft_layer
-    return layer if layer is not None else choose_draft_layer(handle.router, handle.adapter, handle.checkpoints)
-
-
-def draft_estimates(handle: TideHandle, layer: int, vocab: int | None) -> DraftEstimates:
-    """The running estimates of drafting at `layer` over `vocab` tokens (None: all) of this model (made from the
-    router's priors once)."""
-    per_draft = _ESTIMATES.setdefault(handle.model, {})
-    if (layer, vocab) not in per_draft:
-        prior = prior_acceptance(handle.router, layer)
-        if prior is not None:
-            prior *= coverage(handle.router, vocab)
-        per_draft[layer, vocab] = DraftEstimates.start(draft_cost(handle.adapter, layer, vocab), prior)
-    return per_draft[layer, vocab]
 
 
 # -- the candidate generator ------------------------------------------------------------------------------
@@ -117,6 +98,9 @@ class TideCandidateGenerator(CandidateGenerator):
         self.model = handle.model
         self.body, self.config = draft_body(self.model, handle.adapter.layers)
         self.estimates = draft_estimates(handle, self.layer, stats.draft_vocab)
+        self.lookup_estimates = lookup_estimates(handle)
+        self.policy = SourcePolicy({EARLY_EXIT: self.estimates, LOOKUP: self.lookup_estimates})
+        self.lookup = ContextLookup(eos_token_tensor(generation_config), generation_config.max_length)
         self.cache, self.kwargs = split_cache(model_kwargs)  # the cache stock verifies with, for the whole call
         self.processors = logits_processor
         self.do_sample = bool(generation_config.do_sample)
@@ -132,10 +116,10 @@ class TideCandidateGenerator(CandidateGenerator):
         self.pregate = False  # the router's verdict on the last token the verifier emitted
         self.round_start: float | None = None
         self.prefill = True  # the open round is the prefill (not a plain step's time)
-        # (proposed, draft forwards, their seconds, whether the verification is a timing sample) of the open round
-        self.last: tuple[int, int, float, bool] | None = None
+        # (source, proposed, draft forwards, their seconds, whether the verification is a timing sample) of the
+        # open round
+        self.last: tuple[str, int, int, float, bool] | None = None
         self.ended, self.draft_end = False, None  # whether the last round's draft ended with an EOS id; its last token
-        self.declined = 0  # rounds the plan declined since the last drafted one
         self.since_plain = 0  # rounds since the last plain step (timed: drafting rounds leave no plain time)
 
     # -- hooks (registered by `_patched` for the call) --
@@ -167,22 +151,27 @@ class TideCandidateGenerator(CandidateGenerator):
         room = self.max_length - input_ids.shape[1] - 1  # tokens one round may draft, the verifier's own aside
         if self.cache.get_seq_length() != input_ids.shape[1] - 1 or room < 1:  # the prefill, or no room left
             return input_ids, None
-        if not self.pregate:
-            self.stats.gate_skips += 1
-            return input_ids, None
+        rooms = {EARLY_EXIT: room} if self.pregate else {}
+        self.stats.gate_skips += not self.pregate
         self.since_plain += 1
         if self.estimates.plain_s is None or self.since_plain > PLAIN_TIMING_EVERY:  # time a plain step: the cost
             return input_ids, None  # unit of every estimate (never a loss against plain decoding)
-        k, _ = self.estimates.plan(room)
-        if k == 0:  # drafting loses by the estimates: plain steps, and now and then a one-token probe
-            self.declined += 1
-            if self.declined < self.estimates.probe_interval():
-                self.stats.plan_skips += 1
-                return input_ids, None
-            k = 1
-            self.stats.probes += 1
-        self.declined = 0
-        self.stats.planned += k
+        found = None  # the ids are scanned only where a lookup draft could pay, or its probe is due
+        if self.policy.worth_looking(LOOKUP, min(room, LOOKUP_MAX_TOKENS)):
+            found = self.lookup.draft(input_ids, room)
+        if found is not None:
+            rooms[LOOKUP] = found.shape[1]
+        if not rooms:
+            return input_ids, None
+        source, k, probe = self.policy.choose(rooms)
+        if source is None:  # drafting loses by the estimates: a plain step
+            self.stats.plan_skips += 1
+            return input_ids, None
+        self.stats.count_plan(source, k, probe)
+        if source == LOOKUP:  # the verification runs every layer: nothing to reuse, no gate to ask
+            self.last, self.window = (LOOKUP, k, k, time.perf_counter() - now, True), k + 1
+            self.ended = False  # (lookup drafts stop before an EOS id)
+            return torch.cat([input_ids, found[:, :k]], dim=-1), None
         return self._draft(input_ids, k, now)
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
@@ -190,17 +179,14 @@ class TideCandidateGenerator(CandidateGenerator):
         verdicts = self.window_scores  # the token just emitted was predicted at window position `matches`
         if verdicts is not None:
             self.pregate = bool(verdicts[0, min(matches, verdicts.shape[1] - 1)] >= self.threshold)
-        if self.last is None or self.last[0] == 0:
+        if self.last is None or self.last[1] == 0:
             self.stats.plain_steps += 1
             return
-        proposed = self.last[0]
+        source, proposed = self.last[:2]
         if self.ended and matches == proposed - 1 and bool(input_ids[0, -1] == self.draft_end):
             matches = proposed  # stock counts a matched final EOS one short: it emits it as the verifier's own token
-        self.stats.rounds += 1
-        self.stats.drafted += proposed
-        self.stats.accepted += matches
-        self.stats.trials += matches + (matches < proposed)
-        self.estimates.observe_round(proposed, matches)
+        self.stats.count_round(source, proposed, matches)
+        self.policy.estimates[source].observe_round(proposed, matches)
 
     # -- internals --
     def _draft(self, input_ids: torch.LongTensor, room: int, start: float) -> tuple[torch.LongTensor, Tensor | None]:
@@ -236,7 +222,7 @@ class TideCandidateGenerator(CandidateGenerator):
         self.stats.draft_forwards += forwards
         self.stats.tail_forwards += tail
         # a verification whose first position the last draft forward ran is cheaper than the model's v(k + 1)
-        self.last, self.window = (proposed, forwards, draft_seconds, tail or not reuse), proposed + 1
+        self.last, self.window = (EARLY_EXIT, proposed, forwards, draft_seconds, tail or not reuse), proposed + 1
         self.draft_end = ids[0, -1]
         self.ended = proposed > 0 and self.eos is not None and bool(torch.isin(self.draft_end, self.eos.to(ids.device)))
         if proposed == 0:
@@ -265,18 +251,24 @@ class TideCandidateGenerator(CandidateGenerator):
             self.prefill = False
             return
         if self.last is None:
-            self.estimates.observe_plain(seconds)
+            self._observe_plain(seconds)
             self.since_plain = 0
             return
-        proposed, forwards, draft_seconds, timed = self.last
-        self.estimates.observe_draft(draft_seconds / forwards)
+        source, proposed, forwards, draft_seconds, timed = self.last
+        estimates = self.policy.estimates[source]
+        estimates.observe_draft(draft_seconds / forwards)
         if not timed:  # the last draft forward did the verification's first layers: not the modelled cost
             return
         verify = seconds - draft_seconds
         if proposed == 0:  # the gate shut at the first draft forward: the verification was a plain step
-            self.estimates.observe_plain(verify)
+            self._observe_plain(verify)
         else:
-            self.estimates.observe_verify(verify, proposed + 1)
+            estimates.observe_verify(verify, proposed + 1)
+
+    def _observe_plain(self, seconds: float) -> None:
+        """A plain step's time: the unit of every source's costs."""
+        for estimates in self.policy.estimates.values():
+            estimates.observe_plain(seconds)
 
 
 @contextmanager
@@ -338,6 +330,8 @@ def generate(handle: TideHandle, original: Callable, model: nn.Module, args: tup
     finally:
         estimates = draft_estimates(handle, layer, vocab)
         stats.draft_cost, stats.verify_costs = estimates.cost, estimates.verify_costs
+        lookup = lookup_estimates(handle)
+        stats.lookup_cost, stats.lookup_verify_costs = lookup.cost, lookup.verify_costs
         session.stats.speculative = stats.as_dict()
 
 

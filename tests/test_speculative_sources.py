@@ -1,0 +1,167 @@
+"""Speculative mode's draft sources (`tide_hf.integrations.sources`): n-gram matches of the context (prompt
+lookup) beside early exit, one cost model choosing per round.
+
+References: stock generate on the same model (greedy token identity at batch 1 and per row of a batch of 8),
+the speculative-decoding optimum of each source's estimates, and transformers' own prompt lookup matcher.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_speculative import make_model, make_router, speculative
+
+from tide_hf.integrations.draft import EARLY_EXIT, LOOKUP, DraftEstimates, best_draft_length, interpolated_verify
+from tide_hf.integrations.sources import LOOKUP_MAX_TOKENS, ContextLookup, SourcePolicy
+
+REPEATS = 4  # copies of a random phrase in a prompt: the continuation repeats it, lookup drafts pay
+PHRASE = 9  # tokens per phrase
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def repeating(seed: int, rows: int = 1) -> torch.Tensor:
+    """Prompts made of a random phrase said `REPEATS` times (tokens from 3 up: no BOS/EOS), one per row."""
+    gen = torch.Generator().manual_seed(seed)
+    phrases = torch.randint(3, 256, (rows, PHRASE), generator=gen)
+    return phrases.repeat(1, REPEATS)
+
+
+def estimates(acceptance: float, cost: float, verify: dict[int, float], max_draft: int) -> DraftEstimates:
+    """Estimates with fixed acceptance and costs (plain step 1 s)."""
+    est = DraftEstimates.start(cost, acceptance, max_draft=max_draft)
+    est.plain_s, est.draft_s = 1.0, cost
+    est.verify_s = dict(verify)
+    return est
+
+
+# -- the choice ----------------------------------------------------------------------------------------
+def test_policy_drafts_from_the_source_with_the_best_optimum():
+    flat = {w: 1.45 for w in range(2, LOOKUP_MAX_TOKENS + 2)}  # a CPU-like verification
+    early, lookup = estimates(0.8, 0.4, flat, 8), estimates(0.9, 0.0, flat, LOOKUP_MAX_TOKENS)
+    policy = SourcePolicy({EARLY_EXIT: early, LOOKUP: lookup})
+    gains = {name: best_draft_length(est.acceptance, est.cost, interpolated_verify(flat), est.max_draft)
+             for name, est in policy.estimates.items()}
+    assert gains[LOOKUP][1] > gains[EARLY_EXIT][1] > 1.0  # precondition: both pay, lookup more
+    assert policy.choose({EARLY_EXIT: 50, LOOKUP: 50}) == (LOOKUP, gains[LOOKUP][0], False)
+    assert policy.choose({EARLY_EXIT: 50}) == (EARLY_EXIT, gains[EARLY_EXIT][0], False)  # no match: early exit
+    k, _ = best_draft_length(0.9, 0.0, interpolated_verify(flat), 3)
+    assert policy.choose({EARLY_EXIT: 50, LOOKUP: 3})[1:] == (k, False)  # a short match caps the lookup draft
+    for _ in range(40):  # lookup drafts keep failing: its estimate falls below a plain step
+        lookup.observe_round(proposed=LOOKUP_MAX_TOKENS, accepted=0)
+    assert policy.choose({EARLY_EXIT: 50, LOOKUP: 50})[0] == EARLY_EXIT
+
+
+def test_policy_takes_plain_steps_and_probes_while_no_source_pays():
+    flat = {w: 1.45 for w in range(2, LOOKUP_MAX_TOKENS + 2)}
+    lookup = estimates(0.05, 0.0, flat, LOOKUP_MAX_TOKENS)
+    policy = SourcePolicy({EARLY_EXIT: estimates(0.05, 0.4, flat, 8), LOOKUP: lookup})
+    interval = lookup.probe_interval()
+    assert interval > 1
+    choices = [policy.choose({LOOKUP: 50}) for _ in range(3 * interval)]
+    assert choices.count((LOOKUP, 1, True)) == 3  # one one-token probe per interval of plain steps
+    assert choices.count((None, 0, False)) == 3 * (interval - 1)
+
+
+def test_the_context_is_scanned_only_where_a_lookup_draft_could_pay_or_its_probe_is_due():
+    """The scan and the choice keep one count: rounds not scanned count as declined, so the probe still comes
+    once per interval, as it does when every round is scanned (the test above)."""
+    flat = {w: 1.45 for w in range(2, LOOKUP_MAX_TOKENS + 2)}
+    losing = estimates(0.05, 0.0, flat, LOOKUP_MAX_TOKENS)
+    policy = SourcePolicy({EARLY_EXIT: estimates(0.05, 0.4, flat, 8), LOOKUP: losing})
+    interval = losing.probe_interval()
+    rounds = [policy.worth_looking(LOOKUP, LOOKUP_MAX_TOKENS) and policy.choose({LOOKUP: LOOKUP_MAX_TOKENS})
+              for _ in range(3 * interval)]
+    assert rounds.count((LOOKUP, 1, True)) == 3 and rounds.count(False) == 3 * (interval - 1)
+    paying = SourcePolicy({LOOKUP: estimates(0.9, 0.0, flat, LOOKUP_MAX_TOKENS)})
+    assert all(paying.worth_looking(LOOKUP, LOOKUP_MAX_TOKENS) for _ in range(3 * interval))
+
+
+def test_lookup_is_transformers_prompt_lookup():
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 5, 6, 7]])
+    lookup = ContextLookup(None, max_length=100)
+    assert torch.equal(lookup.draft(ids, 2), torch.tensor([[8, 9]]))  # after "5 6 7": "8 9 ..."
+    assert lookup.draft(torch.tensor([[5, 6, 7, 8]]), 4) is None  # nothing occurs twice
+    eos = ContextLookup(torch.tensor([9]), max_length=100)
+    assert torch.equal(eos.draft(ids, 4), torch.tensor([[8]]))  # a draft stops before an EOS id
+
+
+# -- lossless, with drafts from the context -------------------------------------------------------------
+@pytest.mark.parametrize("gate", ["never", "always"])
+def test_greedy_identical_to_stock_with_lookup_drafts(gate):
+    """A closed gate leaves lookup alone; an open one lets both sources compete. Either way stock's tokens."""
+    model = make_model("random" if gate == "never" else "shallow")
+    router = make_router(model, gate)
+    totals = dict.fromkeys((EARLY_EXIT, LOOKUP), 0)
+    for seed in range(3):
+        ids = repeating(seed)
+        with torch.no_grad():
+            stock = model.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=None)
+        out, stats = speculative(model, router, ids, max_new_tokens=32, do_sample=False, eos_token_id=None)
+        assert torch.equal(out, stock)
+        sources = stats.speculative["sources"]
+        for name in totals:
+            totals[name] += sources[name]["accepted"]
+        assert sum(s["drafted"] for s in sources.values()) == stats.speculative["drafted"]
+    assert totals[LOOKUP] > 0  # the repeated phrase is drafted from the context
+    assert (totals[EARLY_EXIT] > 0) == (gate == "always")
+
+
+def test_batch_of_8_identical_per_row():
+    model = make_model("shallow")
+    router = make_router(model, "mixed")
+    ids = repeating(5, rows=8)
+    mask = torch.ones_like(ids)
+    for row in range(8):  # left padding of different widths
+        mask[row, : row % 4] = 0
+        ids[row, : row % 4] = 0
+    call = {"max_new_tokens": 24, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+    with torch.no_grad():
+        stock = model.generate(ids, attention_mask=mask, **call)
+    out, stats = speculative(model, router, ids, attention_mask=mask, **call)
+    for row in range(8):
+        assert torch.equal(out[row], stock[row]), row
+    assert stats.speculative["sources"][LOOKUP]["rounds"] > 0 and stats.speculative["fallback"] is None
+
+
+def test_sampling_with_lookup_drafts_returns_valid_tokens():
+    model = make_model("random")
+    router = make_router(model, "never")  # lookup drafts only: rounds without draft logits
+    ids = repeating(2)
+    torch.manual_seed(0)
+    out, stats = speculative(model, router, ids, max_new_tokens=24, do_sample=True, top_k=4, temperature=0.3,
+                             eos_token_id=None)
+    assert out.shape == (1, ids.shape[1] + 24) and torch.equal(out[:, : ids.shape[1]], ids)
+    assert ((out >= 0) & (out < model.config.vocab_size)).all()
+    assert stats.speculative["sources"][LOOKUP]["rounds"] > 0
+
+
+def test_smollm2_grounded_prompt_identical_to_stock():
+    """SmolLM2 asked to repeat a passage (an input-grounded chat prompt): lookup drafts, stock's tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tide_hf.assets import smollm2_path
+    from tide_hf.eval.modes import grounded_prompts
+
+    try:
+        path = smollm2_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    passage = torch.tensor(tok("We the people of the United States, in order to form a more perfect union, "
+                               "establish justice, insure domestic tranquility, provide for the common defense, "
+                               "promote the general welfare, and secure the blessings of liberty.")["input_ids"])
+    ids = grounded_prompts(tok, [passage])[0][None]
+    with torch.no_grad():
+        stock = model.generate(ids, max_new_tokens=32, do_sample=False)
+    out, stats = speculative(model, make_router(model, "always", prior=False), ids, max_new_tokens=32,
+                             do_sample=False, draft_layer=None)
+    assert torch.equal(out, stock)
+    assert stats.speculative["sources"][LOOKUP]["accepted"] > 0

@@ -9,21 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_speculative import make_model, make_router, speculative
+from test_speculative import make_model, make_router, one_thread, speculative  # noqa: F401 (autouse fixture)
 
 from tide_hf.integrations.draft import EARLY_EXIT, LOOKUP, DraftEstimates, best_draft_length, interpolated_verify
 from tide_hf.integrations.sources import LOOKUP_MAX_TOKENS, ContextLookup, SourcePolicy
 
 REPEATS = 4  # copies of a random phrase in a prompt: the continuation repeats it, lookup drafts pay
 PHRASE = 9  # tokens per phrase
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def repeating(seed: int, rows: int = 1) -> torch.Tensor:

@@ -145,7 +145,7 @@ def run(args: Any) -> dict:
     if args.modes:
         from .modes import run_modes
 
-        result.update(run_modes(model, router, prompts, chunks, pad_id, args))
+        result.update(run_modes(model, tokenizer, router, prompts, chunks, pad_id, args))
         return write_result(out, "modes", result, format_modes)
     result["overhead"] = overhead(model, router, prompts, pad_id, args.batch_sizes, args.new_tokens, args.reps)
     result["quality"] = quality(model, routers, args.thresholds, prompts, chunks, pad_id, args.quality_batch_size,

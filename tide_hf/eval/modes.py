@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer
 
 from ..integrations.draft import EARLY_EXIT, best_draft_length, interpolated_verify
 from ..modeling import TideRouter
@@ -240,11 +239,11 @@ def speculative(model: Any, router: TideRouter, batches: list[dict], batched: di
             "realized_over_optimum": ratio["speculative"] / optimum, **lookup, **counters, "sources": sources}
 
 
-def run_modes(model: Any, router: TideRouter, prompts: list[torch.Tensor], chunks: list[torch.Tensor], pad_id: int,
-              args: Any) -> dict:
+def run_modes(model: Any, tokenizer: Any, router: TideRouter, prompts: list[torch.Tensor], chunks: list[torch.Tensor],
+              pad_id: int, args: Any) -> dict:
     """Forced and mixed exits in skip mode, and the lossless speculative mode beside prompt lookup and
     `assistant_early_exit`, on the held-out prose and (`["speculative"]["grounded"]`) on chat prompts asking to
-    repeat those passages (the `modes` bench JSON)."""
+    repeat those passages, written with `tokenizer`'s chat template (the `modes` bench JSON)."""
     kv_policies = ["propagate", "recompute"]
     one = left_pad(prompts[:1], pad_id)
     forced = forced_exits(model, router, one, args.depths, kv_policies, args.new_tokens, args.reps)
@@ -253,7 +252,6 @@ def run_modes(model: Any, router: TideRouter, prompts: list[torch.Tensor], chunk
                         args.new_tokens, args.quality_batch_size)
     spec = speculative(model, router, batches, left_pad(prompts[: args.quality_batch_size], pad_id),
                        args.new_tokens, args.reps, lookup_tokens=LOOKUP_PEER_TOKENS)
-    tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)  # the bench's own (run_modes takes none)
     grounded = [left_pad([p], pad_id) for p in grounded_prompts(tokenizer, prompts)]
     spec["grounded"] = speculative(model, router, grounded, None, args.new_tokens, args.reps,
                                    lookup_tokens=LOOKUP_PEER_TOKENS)

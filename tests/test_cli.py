@@ -304,3 +304,19 @@ def test_a_flag_the_routers_kind_never_reads_is_refused(tmp_path, monkeypatch, p
     (tmp_path / "r" / "config.json").write_text(json.dumps({"exit_paths": {"agreement": {}} if paths else {}}))
     with pytest.raises(SystemExit, match=f"tide-hf {argv[0]}: {flag} does not apply to ./r, a router with"):
         main([argv[0], "--router", "./r", *argv[1:]])
+
+
+def test_env_prints_what_a_bug_report_needs(capsys) -> None:
+    """`tide-hf env`: the versions this process runs, the kernel backend of each device, the cache folders."""
+    import torch
+    import transformers
+
+    from tide_hf.assets import cache_dir
+    from tide_hf.cli import main
+    from tide_hf.kernels import active_backend
+
+    main(["env"])
+    lines = capsys.readouterr().out.splitlines()
+    assert f"torch: {torch.__version__}" in lines and f"transformers: {transformers.__version__}" in lines
+    assert f"kernels cpu: {active_backend('cpu')}" in lines
+    assert f"tide_hf_cache: {cache_dir()}" in lines

@@ -33,6 +33,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
     run(args)
 
 
+def cmd_env(args: argparse.Namespace) -> None:
+    from ..eval.environment import run
+
+    run(args)
+
+
 def cmd_analyze(args: argparse.Namespace) -> None:
     from ..eval.analyze import run
 
@@ -40,7 +46,7 @@ def cmd_analyze(args: argparse.Namespace) -> None:
 
 
 INTERRUPTED = 130  # a shell's status for a command stopped by SIGINT (128 + 2)
-COMMANDS = {"calibrate": cmd_calibrate, "demo": cmd_demo, "bench": cmd_bench, "analyze": cmd_analyze}
+COMMANDS = {"calibrate": cmd_calibrate, "demo": cmd_demo, "bench": cmd_bench, "analyze": cmd_analyze, "env": cmd_env}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from ..errors import TideError
 from .batches import KV_POLICIES
+from .environment import versions
 from .synthetic import (
     FIRST_TEXT_ID,
     ROWS_LABEL,
@@ -291,21 +292,6 @@ def goals(result: dict) -> list[dict]:
     return out
 
 
-def _versions() -> dict[str, str | None]:
-    """What the figures were measured with; tide_hf run from a checkout without installing reads as such."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    import accelerate
-    import transformers
-
-    try:
-        tide_hf = version("tide_hf")
-    except PackageNotFoundError:
-        tide_hf = "a source checkout (not installed)"
-    return {"torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
-            "accelerate": accelerate.__version__, "tide_hf": tide_hf, "python": platform.python_version()}
-
-
 def run_suite(out: Path, dry_run: bool, command: str) -> dict:
     """Run every section of the plan (`DRY_RUN` on the CPU, else `GPU`), rewriting `out`/gpu.json and gpu.md
     after each; `TideError` at the end naming the sections that failed (their errors are in the JSON)."""
@@ -317,7 +303,7 @@ def run_suite(out: Path, dry_run: bool, command: str) -> dict:
         raise TideError("tide-hf bench gpu: no CUDA device here; `--dry-run` runs the suite's code on the CPU")
     started = time.perf_counter()
     device = torch.cuda.get_device_name() if plan.device == "cuda" else platform.processor() or "cpu"
-    result: dict[str, Any] = {"device": device, "dry_run": dry_run, "command": command, "versions": _versions(),
+    result: dict[str, Any] = {"device": device, "dry_run": dry_run, "command": command, "versions": versions(),
                               "kernels_backend": active_backend(torch.device(plan.device)), "plan": asdict(plan),
                               "seconds": {}, "errors": {}}
 

@@ -150,7 +150,7 @@ def test_models_mixing_attention_kinds_keep_the_whole_step_compile() -> None:
     model = Gemma2ForCausalLM(Gemma2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=9,
                                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                            sliding_window=6, pad_token_id=0)).eval()
-    assert not SegmentedDecoding.supported(model.model.layers)
+    assert SegmentedDecoding.unsupported(model.model.layers) is not None
     ids, mask = left_padded()
     router = mixed_router(model, ids, mask, quantiles=MIXED)
     config = compiled()

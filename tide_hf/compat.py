@@ -11,6 +11,8 @@ does. Calibration records the Hub revision a model was loaded
 from (`config._commit_hash`). transformers 5.24 renamed the KV cache's keyword, generate's model kwarg and the
 outputs' field from `past_key_values` to `cache` (the old name still works, with a warning; generate also
 takes `cache_params`): `cache_in`, `split_cache` and `with_cache` read and write it by any of these names.
+The GPU suite's dry run compiles on the CPU, which transformers allows only with `CompileConfig._compile_all_devices`
+(`compile_anywhere`).
 Should transformers rename any of these, this module is the one to change.
 """
 
@@ -112,3 +114,10 @@ def traceable_output_capture() -> Iterator[None]:
         yield
     finally:
         collector.global_var, collector.compiling = None, False
+
+
+def compile_anywhere(config: Any) -> Any:
+    """`config` (a `CompileConfig`) allowed to compile on any device: transformers compiles only on accelerators
+    unless its private `_compile_all_devices` is set. Returns `config`."""
+    config._compile_all_devices = True
+    return config

@@ -5,9 +5,10 @@ everything on a random-weight Llama-3-8B shape in bf16 (no download): every mode
 and the truncated model, eager and compiled static cache, with forced exits for every row or half the rows;
 the fused kernels against the device's copy bandwidth; calibration against a bare forward over the same
 tokens; speculative mode on a model whose deep layers are near-identity, against stock, transformers'
-`assistant_early_exit` and prompt lookup. Sections run in order of cost, each caught on its own: a failing
-section is recorded with its error, the others still run, and the files are rewritten after every section,
-so a run cut short still brings back what it measured. The command exits non-zero when a section failed.
+`assistant_early_exit` and prompt lookup. Sections run in a fixed order (`SECTIONS`), the compiled one last, and
+each is caught on its own: a failing section is recorded with its error, the others still run, and the files are
+rewritten after every section, so a run cut short still brings back what it measured. The command exits non-zero
+when a section failed.
 
 `--dry-run` runs every section's code on a tiny shape on the CPU in about a minute (`DRY_RUN`), so the device
 call can only fail on the device; `tests/test_gpu_suite.py` runs it in CI on the current and the floor versions.
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ..compat import compile_anywhere
 from ..errors import TideError
 from .batches import KV_POLICIES
 from .environment import versions
@@ -94,6 +96,7 @@ class Goal:
     read: Callable[[dict], float | None]
     at_least: float | None = None
     at_most: float | None = None
+    fmt: str = ".3f"  # how the figure is written (a ratio; ".1f" for microseconds)
 
 
 def _depth(plan: SuitePlan) -> int:
@@ -111,9 +114,7 @@ def _compile_config(plan: SuitePlan) -> Any:
         return None
     from transformers import CompileConfig
 
-    config = CompileConfig(backend=plan.compile_backend, mode=None)
-    config._compile_all_devices = True  # transformers compiles only on accelerators unless told
-    return config
+    return compile_anywhere(CompileConfig(backend=plan.compile_backend, mode=None))
 
 
 def eager_section(plan: SuitePlan, model: Any, save: Callable[[dict], None]) -> dict:
@@ -270,7 +271,7 @@ GOALS = (
     Goal("fused kernel: share of copy bandwidth at >= 4096 rows", "kernels",
          lambda r: _kernel(r, "copy_share", rows_at_least=4096), at_least=0.5),
     Goal("fused kernel: device us per call at <= 256 rows", "kernels",
-         lambda r: _kernel(r, "kernel_us", rows_at_most=256), at_most=10.0),
+         lambda r: _kernel(r, "kernel_us", rows_at_most=256), at_most=10.0, fmt=".1f"),
     Goal("calibration time / bare forward", "calibration",
          lambda r: r.get("calibration", {}).get("total_over_bare"), at_most=1.5),
     Goal("speculative vs stock on the easy model", "speculative",
@@ -288,7 +289,7 @@ def goals(result: dict) -> list[dict]:
         met = None if figure is None else ((goal.at_least is None or figure >= goal.at_least)
                                           and (goal.at_most is None or figure <= goal.at_most))
         out.append({"goal": goal.name, "section": goal.section, "figure": figure, "at_least": goal.at_least,
-                    "at_most": goal.at_most, "met": met})
+                    "at_most": goal.at_most, "met": met, "format": goal.fmt})
     return out
 
 

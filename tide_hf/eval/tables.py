@@ -230,9 +230,7 @@ def format_synthetic(result: dict) -> str:
 
 
 def _goal_figure(goal: dict) -> str:
-    if goal["figure"] is None:
-        return "not measured"
-    return f"{goal['figure']:.1f}" if goal["at_most"] is not None and goal["at_most"] > 2 else f"{goal['figure']:.3f}"
+    return "not measured" if goal["figure"] is None else format(goal["figure"], goal["format"])
 
 
 def format_gpu_suite(result: dict) -> str:

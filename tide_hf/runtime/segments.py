@@ -55,11 +55,6 @@ class SegmentedDecoding:
     """Compiled skip-mode decoding steps: segment graphs chosen per step by the exit decisions."""
 
     @staticmethod
-    def supported(layers: nn.ModuleList) -> bool:
-        """Whether skip mode's compiled steps can run as segments (`unsupported` says why not)."""
-        return SegmentedDecoding.unsupported(layers) is None
-
-    @staticmethod
     def unsupported(layers: nn.ModuleList) -> str | None:
         """Why segments cannot run `layers` (None: they can). Segments call the layers' own forwards with the
         first layer's arguments; a dispatched model (accelerate's device hooks around each layer) and one mixing

@@ -10,7 +10,10 @@ import pytest
 import torch
 from helpers import ByteTokenizer, make_documents, make_tiny_llama
 
+import tide_hf
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # benchmarks/report.py: `import report`
+tide_hf.enable_generate_keyword()  # the documented call behind generate(tide=...) (`import tide_hf` patches nothing)
 
 
 @pytest.fixture

@@ -244,11 +244,11 @@ if __name__ == "__main__":
     _worker(sys.argv[1], sys.argv[2])
 
 
-@pytest.mark.parametrize("order", ["import tide_hf\nfrom transformers import AutoConfig, AutoModel",
-                                   "from transformers import AutoConfig, AutoModel\nimport tide_hf"])
-def test_auto_classes_read_a_router_after_a_bare_import(tmp_path: Path, order: str) -> None:
-    """`import tide_hf` alone (no tide_hf API touched) registers the router with the Auto classes, whichever
-    is imported first; a fresh process, since this one has registered them long ago."""
+@pytest.mark.parametrize("order", ["from tide_hf import TideRouter\nfrom transformers import AutoConfig, AutoModel",
+                                   "from transformers import AutoConfig, AutoModel\nfrom tide_hf import TideRouter"])
+def test_auto_classes_read_a_router_once_the_router_class_is_imported(tmp_path: Path, order: str) -> None:
+    """Importing `TideRouter` registers it with the Auto classes, whichever is imported first; a fresh process,
+    since this one has registered them long ago."""
     from helpers import make_model, new_router
 
     new_router(make_model()).save_pretrained(tmp_path / "router")

@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from helpers import constant_router, hooks, left_padded, make_model
 from transformers import GenerationMixin, GPT2Config
 
 import tide_hf
-from tide_hf.integrations import install, uninstall
+from tide_hf.integrations import disable_generate_keyword, enable_generate_keyword
 from tide_hf.runtime import Patches
 
 
@@ -117,19 +120,20 @@ def test_class_descriptors_are_restored() -> None:
 
 
 def test_uninstall_under_another_wrapper_passes_through() -> None:
-    """Another library wrapped `generate` after tide_hf: `uninstall()` cannot unwrap theirs, so tide_hf's wrapper
-    stays inside it and must pass through (stock refuses `tide=`, an attached router runs no exits in generate's
-    statistics), and `install()` again must count a call once (two nested wrappers reset each other's stats)."""
+    """Another library wrapped `generate` after tide_hf: `disable_generate_keyword()` cannot unwrap theirs, so
+    tide_hf's wrapper stays inside it and must pass through (stock refuses `tide=`, an attached router runs no exits
+    in generate's statistics), and `enable_generate_keyword()` again must count a call once (two nested wrappers
+    reset each other's stats)."""
     model = make_model()
     ids, mask = left_padded()
     router = constant_router(model, 30.0)
     call = {"input_ids": ids, "attention_mask": mask, "max_new_tokens": 3, "do_sample": False}
-    with tide_hf.attach(model, router, exit_threshold=0.5) as handle:
+    with tide_hf.attach(model, router, exit_threshold=0.5, mode="select") as handle:
         model.generate(**call)
         expected = handle.last_stats
-    uninstall()
+    disable_generate_keyword()
     stock = GenerationMixin.generate
-    install()
+    enable_generate_keyword()
     inner = GenerationMixin.generate
 
     def theirs(self, *args, **kwargs):  # e.g. a tracing library's wrapper
@@ -137,19 +141,19 @@ def test_uninstall_under_another_wrapper_passes_through() -> None:
 
     try:
         GenerationMixin.generate = theirs
-        uninstall()
+        disable_generate_keyword()
         assert GenerationMixin.generate is theirs
         with pytest.raises((TypeError, ValueError), match="tide"):
             model.generate(**call, tide=router)
-        install()
-        with tide_hf.attach(model, router, exit_threshold=0.5) as handle:
+        enable_generate_keyword()
+        with tide_hf.attach(model, router, exit_threshold=0.5, mode="select") as handle:
             model.generate(**call)
             assert handle.last_stats.prefill.tokens == expected.prefill.tokens > 0
             assert handle.last_stats.decode.exits == expected.decode.exits != {}
     finally:
-        uninstall()
+        disable_generate_keyword()
         GenerationMixin.generate = stock
-        install()
+        enable_generate_keyword()
 
 
 def test_generate_keyword_can_be_uninstalled_and_installed_again() -> None:
@@ -157,13 +161,51 @@ def test_generate_keyword_can_be_uninstalled_and_installed_again() -> None:
     ids, mask = left_padded()
     wrapped = GenerationMixin.generate
     try:
-        uninstall()
+        disable_generate_keyword()
         assert GenerationMixin.generate is not wrapped and "tide" not in GenerationMixin.generate.__code__.co_varnames
         with pytest.raises((TypeError, ValueError)):  # stock generate rejects the unknown keyword
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, tide=True)
     finally:
-        install()
+        enable_generate_keyword()
     assert GenerationMixin.generate is not None and GenerationMixin.generate.__wrapped__ is not None
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
                          tide=constant_router(model, 30.0))
     assert out.shape == (3, ids.shape[1] + 2)
+
+
+IMPORT_CHECK = """
+import sys
+{first}
+import transformers.generation.utils as g
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+before = (list(sys.meta_path), g.GenerationMixin.generate, g.GenerationMixin.init_continuous_batching)
+{second}
+after = (list(sys.meta_path), g.GenerationMixin.generate, g.GenerationMixin.init_continuous_batching)
+print(before == after, "tide_router" in CONFIG_MAPPING, len(tide_hf.__all__))
+tide_hf.enable_generate_keyword()
+print(g.GenerationMixin.generate is before[1])
+"""
+
+
+@pytest.mark.parametrize("tide_first", [True, False])
+def test_import_changes_nothing_in_transformers(tide_first: bool) -> None:
+    """`import tide_hf` (before or after transformers) leaves `sys.meta_path`, `generate`, continuous batching and
+    the Auto mapping as they were; `enable_generate_keyword()` is what wraps `generate`. A fresh process: this one
+    enabled the keyword long ago."""
+    first, second = ("import tide_hf", "") if tide_first else ("", "import tide_hf")
+    script = IMPORT_CHECK.format(first=first, second=second)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["True", "False", str(len(tide_hf.__all__)), "False"]
+    assert len(tide_hf.__all__) <= 13 and "__version__" in tide_hf.__all__
+
+
+def test_every_error_class_is_in_the_errors_room() -> None:
+    """The top level keeps the base class only; every error class stays importable from `tide_hf.errors`."""
+    import inspect
+
+    import tide_hf.errors as errors
+
+    classes = [c for _, c in inspect.getmembers(errors, inspect.isclass) if issubclass(c, errors.TideError)]
+    assert len(classes) >= 10 and all(c.__module__ == errors.__name__ for c in classes)
+    assert tide_hf.TideError is errors.TideError

@@ -20,6 +20,7 @@ LABEL_KINDS = ("cosine", "top1", "kl", "top1_kl")
 EXIT_HEADS = ("lens", "linear")
 CALIBRATED_EXIT_HEAD = "linear"  # what calibrate() makes unless told otherwise (the class default reads old files)
 MODES = ("select", "skip", "speculative")
+AUTO_MODE = "auto"  # attach's default: skip mode where the model allows it, else select mode
 KV_POLICIES = ("propagate", "recompute")
 # Calibration text after each sample's prompt: the corpus itself (None) or the model's own continuation.
 CONTINUATIONS = ("greedy", "sample")

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from ..calibration import load_texts, make_samples, pad_right
 from ..modeling import ModelAdapter, TideRouter, check_head, get_adapter
-from ..runtime import Patches, TideHandle, attach
+from ..runtime import Patches, TideHandle, attach_with
 from .measure import generate, left_pad, match_rate, perplexity
 from .modes import truncated
 from .tables import percent
@@ -168,7 +168,7 @@ def run_baselines(model: Any, tokenizer: Any, router: TideRouter, dataset: str, 
 
 @contextmanager
 def _attached(model: Any, router: TideRouter, cls: type[TideHandle], **options: Any) -> Iterator[TideHandle]:
-    handle = attach(model, router, mode="skip", kv="recompute", handle_class=cls, **options)
+    handle = attach_with(cls, model, router, mode="skip", kv="recompute", **options)
     try:
         yield handle
     finally:

@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..modeling import TideRouter
-from ..runtime import attach
+from ..runtime import TideHandle, attach, attach_with
 from .measure import generate, left_pad
 from .modes import forced_rows, truncated
 
@@ -60,10 +60,11 @@ def _ideal(stock_s: float, truncated_s: float, depth: int, num_layers: int, exec
     return truncated_s + per_layer * (executed - depth)
 
 
-def _skip_call(model: Any, router: TideRouter, batch: dict, new_tokens: int, stats: dict, **options: Any) -> Any:
+def _skip_call(model: Any, router: TideRouter, batch: dict, new_tokens: int, stats: dict,
+               handle_class: type[TideHandle] = TideHandle, **options: Any) -> Any:
     """A timed skip-mode generate call (seconds of the call only), its mean executed depth left in `stats`."""
     def run() -> float:
-        handle = attach(model, router, mode="skip", **options)
+        handle = attach_with(handle_class, model, router, mode="skip", **options)
         try:
             seconds = generate(model, batch, new_tokens, tide=True)[1]
             stats["decode"] = handle.last_stats.decode.mean_executed

@@ -11,6 +11,7 @@ import torch
 
 from ..calibration import held_out_texts, load_texts, pad_right
 from ..errors import TideArgumentError, TideDataError
+from ..integrations import enable_generate_keyword
 from ..modeling import TideRouter
 from ..runtime import PhaseStats, get_handle, last_stats
 
@@ -53,7 +54,10 @@ def evaluation_text(tokenizer: Any, dataset: str, routers: TideRouter | list[Tid
 
 @torch.no_grad()
 def generate(model: Any, batch: dict, new_tokens: int, **kwargs: Any) -> tuple[torch.Tensor, float]:
-    """Greedy continuation (new tokens only) and wall seconds."""
+    """Greedy continuation (new tokens only) and wall seconds (a `tide=` keyword in `kwargs` is taught to stock
+    generate first)."""
+    if "tide" in kwargs:
+        enable_generate_keyword()
     started = time.perf_counter()
     out = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs)
     return out[:, batch["input_ids"].shape[1]:], time.perf_counter() - started

@@ -30,7 +30,7 @@ from ..config import CLOSED, TideRouterConfig, default_checkpoints
 from ..errors import TideArgumentError
 from ..modeling import TideRouter
 from ..modeling.fingerprint import model_fingerprint
-from ..runtime import attach
+from ..runtime import attach, attach_with
 from .measure import check_exit_depths
 from .modes import forced_rows, truncated
 
@@ -110,8 +110,8 @@ def row_configurations(model: Any, depth: int, batch_size: int
     handle_class = forced_rows(torch.arange(batch_size) % 2 == 0)
     router = constant_router(model, -CONSTANT_LOGIT)  # its scores are replaced by the forced ones
     return {f"rows-{kv}": (f"{ROWS_LABEL} {depth}, kv={kv}",
-                           lambda kv=kv: attach(model, router, exit_threshold=THRESHOLD, min_layers=depth, mode="skip",
-                                                kv=kv, handle_class=handle_class))
+                           lambda kv=kv: attach_with(handle_class, model, router, exit_threshold=THRESHOLD,
+                                                     min_layers=depth, mode="skip", kv=kv))
             for kv in ("propagate", "recompute")}
 
 

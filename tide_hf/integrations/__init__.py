@@ -3,8 +3,9 @@ speculative candidates stock assisted decoding verifies; `tide_hf.compat` holds 
 
 from __future__ import annotations
 
-from .generate import install, resolve_router, uninstall
+from .generate import disable_generate_keyword, enable_generate_keyword, resolve_router
 from .processor import TideLogitsProcessor
 from .rows import SpeculativeFallbackWarning
 
-__all__ = ["SpeculativeFallbackWarning", "TideLogitsProcessor", "install", "resolve_router", "uninstall"]
+__all__ = ["SpeculativeFallbackWarning", "TideLogitsProcessor", "disable_generate_keyword", "enable_generate_keyword",
+           "resolve_router"]

@@ -6,7 +6,7 @@ batch, skip mode's K/V policies and speculative mode's drafts work on generate's
 belong to the calling thread's generate call; none of this holds there, so the attached model would decode
 with exits nobody accounts for (select / skip mode) or silently without drafting (speculative mode). The
 entry every continuous-batching path takes, `init_continuous_batching`, refuses instead, before any work
-(`install` wraps it beside `generate`).
+(`enable_generate_keyword` wraps it beside `generate`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The `tide=` keyword of stock `model.generate()`, which `pipeline("text-generation")` forwards as is.
 
-`import tide_hf` wraps `GenerationMixin.generate` once (`install`; `uninstall` puts the original back).
-Without `tide=` (and without an attached router) the wrapper calls the original generate with the same
-arguments: stock behaviour is unchanged.
+`enable_generate_keyword()` wraps `GenerationMixin.generate` once (`disable_generate_keyword` puts the original
+back); `import tide_hf` does not. Without `tide=` (and without an attached router) the wrapper calls the original
+generate with the same arguments: stock behaviour is unchanged.
 
     tide=True          use the router attached with `tide_hf.attach` (error if none)
     tide=False         run stock generate even though a router is attached
@@ -39,7 +39,6 @@ _SAME_ROUTER: weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, tupl
     weakref.WeakKeyDictionary()
 _INSTALLED = Patches()  # the wrapped `GenerationMixin.generate`, while installed
 _CURRENT: list[Any] = [None]  # the wrapper installed now: an older one another library still wraps passes through
-TRAMPOLINE_FLAG = "__tide_trampoline__"  # `import tide_hf`'s placeholder wrapper (see tide_hf/__init__.py)
 BATCHING_ENTRY = "init_continuous_batching"  # the method every continuous-batching path starts with
 
 
@@ -159,12 +158,19 @@ def same_router(a: TideRouter, b: TideRouter) -> bool:
     return known[1]
 
 
-def install() -> None:
-    """Wrap `GenerationMixin.generate` to understand `tide=`, and its continuous batching to refuse an attached
-    router (`batching.py`) (idempotent; `uninstall` reverts both)."""
+def enable_generate_keyword() -> None:
+    """Teach stock `generate()` (and so `pipeline("text-generation")`) the `tide=` keyword.
+
+    Wraps `GenerationMixin.generate`, and its continuous batching to refuse an attached router (`batching.py`),
+    for every model in the process; idempotent; `disable_generate_keyword` reverts both. `attach` alone needs
+    neither: an attached model's plain `generate()` already runs TIDE.
+
+    Example:
+        >>> import tide_hf
+        >>> tide_hf.enable_generate_keyword()  # then model.generate(**inputs, tide=router)
+    """
     if _INSTALLED:
         return
-    _drop_trampoline()
     _INSTALLED.set_attr(GenerationMixin, BATCHING_ENTRY, guarded(getattr(GenerationMixin, BATCHING_ENTRY)))
     original = GenerationMixin.generate
 
@@ -198,17 +204,8 @@ def install() -> None:
     _CURRENT[0] = generate
 
 
-def _drop_trampoline() -> None:
-    """Replace the placeholders that `import tide_hf` put on `generate` and continuous batching (where still
-    there) by the stock methods."""
-    for name in ("generate", BATCHING_ENTRY):
-        method = getattr(GenerationMixin, name, None)
-        if getattr(method, TRAMPOLINE_FLAG, False):
-            setattr(GenerationMixin, name, method.__wrapped__)
-
-
-def uninstall() -> None:
-    """Put stock `GenerationMixin.generate` back (`install` wraps it again)."""
+def disable_generate_keyword() -> None:
+    """Put stock `GenerationMixin.generate` and continuous batching back (`enable_generate_keyword` wraps them
+    again)."""
     _INSTALLED.restore()
     _CURRENT[0] = None
-    _drop_trampoline()

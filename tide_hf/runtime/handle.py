@@ -6,9 +6,8 @@ position, the first checkpoint whose score reaches that checkpoint's threshold (
 target's per-checkpoint thresholds, or the global `exit_threshold`). A hook on the last layer then
 replaces the output of the positions that exited by their exit state (the router's exit head on the
 checkpoint's state, or that state itself), so the model's own final norm and LM head produce the exit
-logits, and every stock logits processor (repetition penalty, temperature, top-k/p...) and every stock
-decoding strategy acts on them. Nothing is asked of the model beyond its layers' outputs: no
-`output_hidden_states`, no second forward.
+logits, and every stock logits processor and decoding strategy acts on them. Nothing is asked of the model
+beyond its layers' outputs: no `output_hidden_states`, no second forward.
 """
 
 from __future__ import annotations
@@ -30,8 +29,8 @@ from ..kernels import norm_router_scores
 from ..modeling import ModelAdapter, TideRouter, check_model, get_adapter, layer_output
 from .compiled import install_compiled_call
 from .kv import KVRecompute
-from .modes import check_mode
-from .options import TideOptions
+from .modes import resolve_mode
+from .options import TideConfig, TideOptions
 from .pairing import WeightsWatch, place_routers, refuse_pickling
 from .patching import Patches
 from .segments import SegmentedDecoding
@@ -44,8 +43,7 @@ from .turns import Turns
 # model alive forever. The model's own hooks keep its handle alive while the model lives.
 _HANDLES: weakref.WeakKeyDictionary[nn.Module, weakref.ref[TideHandle]] = weakref.WeakKeyDictionary()
 _LAST_STATS: weakref.WeakKeyDictionary[nn.Module, ExitStats] = weakref.WeakKeyDictionary()
-# Per-call attaches (`generate(tide=router)`) running now, per model: handle id -> handle. Each acts in its own
-# thread only, so concurrent calls neither see nor detach each other.
+# Per-call attaches (`generate(tide=router)`) running now, per model: handle id -> handle (each acts in its thread)
 _CALL_HANDLES: weakref.WeakKeyDictionary[nn.Module, dict[int, TideHandle]] = weakref.WeakKeyDictionary()
 _REGISTRY_LOCK = threading.RLock()
 
@@ -303,30 +301,41 @@ class TideHandle:
             _CALL_HANDLES.get(self.model, {}).pop(id(self), None)
 
 
-def attach(
-    model: nn.Module, router: TideRouter | str | os.PathLike, *,
-    min_agreement: float | None = None, max_perplexity_increase: float | None = None, confidence: float | None = None,
-    exit_threshold: float | None = None, min_layers: int | None = None,
-    mode: str = "select", kv: str | None = None, draft_layer: int | None = None,
-    ignore_fingerprint: bool = False, handle_class: type[TideHandle] = TideHandle,
-) -> TideHandle:
-    """Attach `router` (a `TideRouter`, or its folder / Hub id) to `model`; stock `generate()`, `pipeline()` and
-    plain forwards then use TIDE.
+def attach(model: nn.Module, router: TideRouter | str | os.PathLike, config: TideConfig | None = None, *,
+           ignore_fingerprint: bool = False, **options: Any) -> TideHandle:
+    """Attach `router` to `model`: its plain forwards, stock `generate()` and `pipeline()` then use TIDE.
 
-    How eagerly tokens exit, in order of precedence: an explicit global `exit_threshold`; else a quality target,
-    `min_agreement` (top-1 agreement with the full model, e.g. 0.97) and/or `max_perplexity_increase` (e.g. 0.05
-    for +5 %), met with probability `confidence` by per-checkpoint thresholds from the router's calibrated exit
-    paths (`tide_hf.modeling.targets`); else the router's default target (`config.min_agreement`); else, for
-    routers calibrated before exit paths existed, the router's global `exit_threshold`. `min_layers` defaults to
-    the router's; `mode`, `kv` (skip mode only; None: "propagate") and `draft_layer` (speculative mode only):
-    see `TideOptions`. `handle_class`: a `TideHandle` subclass scoring checkpoints differently (the bench's
-    softmax-confidence baseline). Everything is checked before the model is touched: options in range, the
-    router made for this model, and in speculative mode with a draft vocabulary the adapter's head against the
-    model's own logits (`check_head`, one tiny forward).
+    Everything is checked before the model is touched; `handle.detach()` puts it back exactly as it was.
+
+    Args:
+        model: a transformers causal LM (`AutoModelForCausalLM`), eager or under accelerate's hooks.
+        router: a `TideRouter`, or its folder, or its Hub repo id.
+        config: what to serve (`TideConfig`; None: its defaults, skip mode at the router's quality target).
+        ignore_fingerprint: attach even if the model's weights differ from those the router was calibrated on.
+        **options: `TideConfig` fields as keywords, laid over `config` (`attach(model, router, mode="select")`).
+
+    Returns:
+        The `TideHandle`: `handle.last_stats` after each call, `handle.detach()`.
+
+    Raises:
+        TideArgumentError: an option out of range, or a router already attached to `model`.
+        TideCompatibilityError: the router was calibrated for another model.
+        TideUnsupportedError: the mode cannot run on this model (the message names the way out).
+
+    Example:
+        >>> with tide_hf.attach(model, router, min_agreement=0.97) as handle:  # doctest: +SKIP
+        ...     model.generate(**inputs)
     """
+    return attach_with(TideHandle, model, router, config, ignore_fingerprint=ignore_fingerprint, **options)
+
+
+def attach_with(handle_class: type[TideHandle], model: nn.Module, router: TideRouter | str | os.PathLike,
+                config: TideConfig | None = None, *, ignore_fingerprint: bool = False, **options: Any) -> TideHandle:
+    """`attach` with a `TideHandle` subclass that scores checkpoints differently (the bench's baselines)."""
     check_model(model)
     if not (isinstance(handle_class, type) and issubclass(handle_class, TideHandle)):
         raise TideArgumentTypeError(f"handle_class must be a TideHandle subclass, got {handle_class!r}")
+    request = TideConfig.merged(config, options)
     if isinstance(router, (str, os.PathLike)):
         router = TideRouter.from_pretrained(router)  # checked as it loads
     elif isinstance(router, TideRouter):
@@ -340,9 +349,7 @@ def attach(
         if _CALL_HANDLES.get(model):
             raise TideConcurrencyError(
                 "a generate(tide=<router>) call is running on this model (in another thread); attach after it ends")
-        handle = _build(model, router, min_agreement=min_agreement, max_perplexity_increase=max_perplexity_increase,
-                        confidence=confidence, exit_threshold=exit_threshold, min_layers=min_layers, mode=mode, kv=kv,
-                        draft_layer=draft_layer, ignore_fingerprint=ignore_fingerprint, handle_class=handle_class)
+        handle = _build(model, router, request, ignore_fingerprint=ignore_fingerprint, handle_class=handle_class)
         _HANDLES[model] = weakref.ref(handle)
     return handle
 
@@ -356,25 +363,18 @@ def attach_for_call(model: nn.Module, router: TideRouter) -> TideHandle:
     with _REGISTRY_LOCK:
         if get_handle(model) is not None:
             raise TideArgumentError("a different TIDE router is already attached to this model; use tide=True, "
-                             "or detach it before passing another router")
-        handle = _build(model, router, owner=threading.get_ident())
+                                    "or detach it before passing another router")
+        handle = _build(model, router, TideConfig(), owner=threading.get_ident())
         _CALL_HANDLES.setdefault(model, {})[id(handle)] = handle
     return handle
 
 
-def _build(model: nn.Module, router: TideRouter, *, min_agreement: float | None = None,
-           max_perplexity_increase: float | None = None, confidence: float | None = None,
-           exit_threshold: float | None = None, min_layers: int | None = None, mode: str = "select",
-           kv: str | None = None, draft_layer: int | None = None, ignore_fingerprint: bool = False,
+def _build(model: nn.Module, router: TideRouter, request: TideConfig, *, ignore_fingerprint: bool = False,
            handle_class: type[TideHandle] = TideHandle, owner: int | None = None) -> TideHandle:
     """Check everything, then hook the model (the caller holds the registry lock and registers the handle)."""
     adapter = get_adapter(model)
     router.check_compatible(model, ignore_fingerprint=ignore_fingerprint, adapter=adapter)
-    options = TideOptions.resolve(router.config, min_agreement=min_agreement, confidence=confidence,
-                                  max_perplexity_increase=max_perplexity_increase, exit_threshold=exit_threshold,
-                                  min_layers=min_layers, mode=mode, kv=kv, draft_layer=draft_layer)
-    options.validate(adapter.num_layers, router.checkpoint_layers)
-    plan = check_mode(model, adapter, options, router)
+    options, plan = resolve_mode(model, adapter, router, request)
     return handle_class(model, router, options, adapter, owner=owner, skip_plan=plan,
                         ignore_fingerprint=ignore_fingerprint)
 

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
+
 from torch import nn
 
 from ..compat import is_stateful
-from ..config import CLOSED
+from ..config import AUTO_MODE, CLOSED
 from ..errors import TideUnsupportedError
 from ..modeling import ModelAdapter, TideRouter, check_head, text_config
 from ..modeling.depth import check_depth_follows_config
 from .kv import propagate_support
-from .options import TideOptions
+from .options import TideConfig, TideOptions, mode_kv
 from .skip import LayerSkipper, SkipPlan
 
 
@@ -37,3 +40,28 @@ def check_mode(model: nn.Module, adapter: ModelAdapter, options: TideOptions, ro
     if options.mode == "speculative" and router.config.draft_vocab_coverage:
         check_head(model, adapter)
     return None
+
+
+class ModeFallbackWarning(UserWarning):
+    """attach's default mode ("auto") runs select mode on a model whose layers skip mode cannot serve."""
+
+
+def resolve_mode(model: nn.Module, adapter: ModelAdapter, router: TideRouter, request: TideConfig
+                 ) -> tuple[TideOptions, SkipPlan | None]:
+    """The options `request` resolves to on this router and model, checked (`check_mode`), and skip mode's plan.
+
+    Mode "auto" is skip mode where `check_mode` accepts it, else select mode with a `ModeFallbackWarning` that
+    names the reason."""
+    fields = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)}
+    if request.mode != AUTO_MODE:
+        options = TideOptions.resolve(router.config, **fields)
+        options.validate(adapter.num_layers, router.checkpoint_layers)
+        return options, check_mode(model, adapter, options, router)
+    options = TideOptions.resolve(router.config, **{**fields, "mode": "skip"})
+    options.validate(adapter.num_layers, router.checkpoint_layers)
+    try:
+        return options, check_mode(model, adapter, options, router)
+    except TideUnsupportedError as err:
+        warnings.warn(f"tide_hf: attach runs mode='select' (every layer; no compute saved) on {type(model).__name__}:"
+                      f" skip mode cannot serve it ({err})", ModeFallbackWarning, stacklevel=4)
+        return dataclasses.replace(options, mode="select", kv=mode_kv("select", None, None)), None

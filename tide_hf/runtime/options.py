@@ -1,20 +1,84 @@
-"""`TideOptions`: the serving options of one attach, checked against the model before any hook is placed."""
+"""What attach serves: `TideConfig` (what the user asks for) and `TideOptions` (that request resolved against the
+router: per-checkpoint thresholds for its quality target), checked against the model before any hook is placed."""
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import DEFAULT_EXIT_THRESHOLD, KV_POLICIES, MODES, check_int, check_min_layers, check_threshold
-from ..errors import TideArgumentError
+from ..config import (
+    AUTO_MODE,
+    DEFAULT_EXIT_THRESHOLD,
+    FIELD_NAME_CUTOFF,
+    KV_POLICIES,
+    MODES,
+    check_int,
+    check_min_layers,
+    check_threshold,
+)
+from ..errors import TideArgumentError, TideArgumentTypeError
 from ..modeling.targets import check_served, select
+
+
+@dataclass(frozen=True)
+class TideConfig:
+    """What `attach` serves: which mode, and how eagerly tokens exit. Every field's None means the router's own
+    setting (its default quality target, its `min_layers`).
+
+    Args:
+        mode: "auto" (the default): "skip" where the model's layers allow it, else "select" (warned). "skip":
+            a token that exits stops computing; its later layers' cache follows `kv`. "select": every layer runs
+            and the exit state feeds the head (the paper's system; saves no compute). "speculative": early-exit
+            and context drafts, verified at full depth (the same tokens as stock).
+        min_agreement: quality target, top-1 agreement with the full model (e.g. 0.97).
+        max_perplexity_increase: quality target, relative perplexity increase (e.g. 0.05 for +5 %).
+        confidence: probability with which the quality target holds (Learn-then-Test; None: the router's).
+        exit_threshold: one global router score at which tokens exit, instead of a quality target.
+        min_layers: no token exits before this many layers.
+        kv: skip mode: how the skipped layers' cache is filled, "propagate" (the exit state's keys and values,
+            the default) or "recompute" (computed at the next step).
+        draft_layer: speculative mode: the checkpoint drafts are made at (None: chosen from the router's
+            calibration figures).
+
+    Example:
+        >>> import tide_hf
+        >>> config = tide_hf.TideConfig(min_agreement=0.97)
+        >>> config.mode
+        'auto'
+    """
+
+    mode: str = AUTO_MODE
+    min_agreement: float | None = None
+    max_perplexity_increase: float | None = None
+    confidence: float | None = None
+    exit_threshold: float | None = None
+    min_layers: int | None = None
+    kv: str | None = None
+    draft_layer: int | None = None
+
+    @classmethod
+    def merged(cls, config: TideConfig | None, options: dict[str, Any]) -> TideConfig:
+        """`config` (None: the defaults) with the keyword shorthands `options` laid over it; an unknown keyword is
+        named with the field it most resembles."""
+        if config is not None and not isinstance(config, TideConfig):
+            raise TideArgumentTypeError(f"config must be a TideConfig, got {type(config).__name__}")
+        fields = [f.name for f in dataclasses.fields(cls)]
+        for name in options:
+            if name not in fields:
+                close = difflib.get_close_matches(name, fields, n=1, cutoff=FIELD_NAME_CUTOFF)
+                hint = f"; did you mean {close[0]!r}" if close else ""
+                raise TideArgumentTypeError(f"attach() got an unknown option {name!r}{hint} (TideConfig's fields: "
+                                            f"{', '.join(fields)})")
+        return dataclasses.replace(config or cls(), **options)
 
 
 def mode_kv(mode: Any, kv: str | None, draft_layer: int | None) -> str:
     """The cache policy of an attach (`kv=None`: "propagate"), refusing an option the mode never reads (it was
     accepted and ignored): `kv` says how skip mode fills the cache of the layers it skips, `draft_layer` where
     speculative mode drafts."""
-    if kv is not None and mode != "skip":
+    if kv is not None and mode not in ("skip", AUTO_MODE):
         raise TideArgumentError(f"kv={kv!r} applies to mode='skip' only (how the cache of the layers it skips is "
                                 f"filled); mode={mode!r} runs them")
     if draft_layer is not None and mode != "speculative":

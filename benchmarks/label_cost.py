@@ -1,7 +1,7 @@
 """Calibration's cost against a bare forward on a large-vocabulary shape with random weights, on this machine.
 
 Labelling computes the exit logits of every kept token at every checkpoint, a vocabulary-wide matmul each, while
-the model's body does not depend on the vocabulary. This times `tide_hf.calibrate_tokens` with its default
+the model's body does not depend on the vocabulary. This times `tide_hf.calibration.calibrate_tokens` with its default
 settings on random token ids against stock forwards (logits included) over the same tokens, timed before and
 after it, on a synthetic shape (default: Qwen2-0.5B's, hidden 896, 24 layers, a 151,936-token vocabulary),
 with the calibration section of `tide-hf bench gpu`.

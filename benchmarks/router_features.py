@@ -117,7 +117,7 @@ def main() -> None:
     adapter = get_adapter(model)
     total = sum(len(s) for s in samples)
     cfg = TideRouterConfig(hidden_size=model.config.hidden_size, num_hidden_layers=adapter.num_layers,
-                           label="top1_kl", max_train_tokens=int(args.keep * total), seed=0)
+                           label="top1_kl", max_train_tokens=int(args.keep * total), seed=0, exit_head="lens")
     layers = list(cfg.checkpoint_layers)
     # the same kept-token draw as collect()'s
     gen = torch.Generator().manual_seed(cfg.seed)

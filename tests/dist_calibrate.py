@@ -15,8 +15,7 @@ from helpers import ByteTokenizer, make_tiny_llama
 from safetensors.torch import save_file
 
 import tide_hf
-from tide_hf import load_texts
-from tide_hf.calibration import distributed, make_samples
+from tide_hf.calibration import distributed, load_texts, make_samples
 from tide_hf.calibration.labels import collect
 from tide_hf.modeling import get_adapter
 

@@ -63,7 +63,7 @@ def new_router(model, seed: int = 0, **config) -> TideRouter:
     return TideRouter(TideRouterConfig(
         hidden_size=model.config.hidden_size, num_hidden_layers=model.config.num_hidden_layers,
         router_bottleneck_dim=16, base_architecture=type(model).__name__,
-        base_fingerprint=tide_hf.model_fingerprint(model), **config))
+        base_fingerprint=tide_hf.modeling.model_fingerprint(model), **{"exit_head": "lens", **config}))
 
 
 def positions(mask: torch.Tensor) -> torch.Tensor:

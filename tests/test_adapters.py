@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 import tide_hf
 import tide_hf.modeling.adapters as adapters_mod
-from tide_hf import ModelAdapter, TideCompatibilityError, get_adapter, register_adapter
-from tide_hf.modeling import layer_output
+from tide_hf.errors import TideCompatibilityError
+from tide_hf.modeling import ModelAdapter, get_adapter, layer_output, register_adapter
 from tide_hf.modeling.head import check_head
 
 VOCAB = 160
@@ -367,13 +367,13 @@ def test_encoder_decoder_models_are_refused_before_any_change(decoder_layers: in
         vocab_size=VOCAB, d_model=48, d_ff=96, num_layers=2 * LAYERS, num_decoder_layers=decoder_layers, num_heads=4,
         d_kv=12, decoder_start_token_id=0, **IDS)).eval()
     router = tide_hf.TideRouter(tide_hf.TideRouterConfig(hidden_size=48, num_hidden_layers=2 * LAYERS,
-                                                         router_bottleneck_dim=8))  # fits the encoder
+                                                         router_bottleneck_dim=8, exit_head="lens"))  # fits the encoder
     before = module_state(model)
     message = r"T5ForConditionalGeneration .* encoder-decoder model: tide_hf supports decoder-only causal LMs"
     with pytest.raises(TideCompatibilityError, match=message):
         get_adapter(model)
     with pytest.raises(TideCompatibilityError, match=message):
-        tide_hf.attach(model, router, exit_threshold=0.5, ignore_fingerprint=True)
+        tide_hf.attach(model, router, exit_threshold=0.5, ignore_fingerprint=True, mode="select")
     after = module_state(model)
     assert after[1:] == before[1:] and all(torch.equal(before[0][k], after[0][k]) for k in before[0])
 

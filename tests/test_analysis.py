@@ -72,11 +72,12 @@ def test_convergence_matches_truncated_models_and_hidden_states() -> None:
 
 
 @pytest.mark.parametrize("change,error,message", [
-    ({"checkpoint_interval": 9}, tide_hf.TideArgumentError, "checkpoint_interval=9 leaves no checkpoint"),
-    ({"seq_len": 10_000}, tide_hf.TideArgumentError, "longer than the model's context"),
-    ({"convergence_threshold": float("nan")}, tide_hf.TideArgumentError, "convergence_threshold must be a finite"),
-    ({"convergence_threshold": 2.0}, tide_hf.TideArgumentError, "convergence_threshold must be a finite"),
-    ({"texts": [""]}, tide_hf.TideDataError, "no text to analyze"),
+    ({"checkpoint_interval": 9}, tide_hf.errors.TideArgumentError, "checkpoint_interval=9 leaves no checkpoint"),
+    ({"seq_len": 10_000}, tide_hf.errors.TideArgumentError, "longer than the model's context"),
+    ({"convergence_threshold": float("nan")}, tide_hf.errors.TideArgumentError,
+     "convergence_threshold must be a finite"),
+    ({"convergence_threshold": 2.0}, tide_hf.errors.TideArgumentError, "convergence_threshold must be a finite"),
+    ({"texts": [""]}, tide_hf.errors.TideDataError, "no text to analyze"),
 ])
 def test_convergence_refuses_what_it_cannot_measure(change, error, message) -> None:
     """An interval past the last layer (was an IndexError deep in the oracle), samples beyond the positions (ran
@@ -102,7 +103,7 @@ def test_router_efficiency_agrees_with_tide_attached() -> None:
     seqs = [model.generate(input_ids=p[None], max_new_tokens=10, do_sample=False)[0] for p in prompts]
     for t, row in zip(thresholds, res["router"]):
         agree, layers, count = 0.0, 0.0, 0
-        handle = tide_hf.attach(model, router, exit_threshold=t)
+        handle = tide_hf.attach(model, router, exit_threshold=t, mode="select")
         try:
             for s in seqs:
                 with torch.no_grad():
@@ -172,7 +173,7 @@ def test_confidence_exit_uses_the_top_probability_of_the_exit_logits() -> None:
             with truncated(model, k):
                 exits[k] = model(input_ids=ids).logits[0]
     t = float(torch.softmax(exits[4], -1).amax(-1).median())  # half the positions exit at 4
-    handle = tide_hf.attach(model, router, exit_threshold=t, handle_class=ConfidenceHandle)
+    handle = tide_hf.runtime.attach_with(ConfidenceHandle, model, router, exit_threshold=t, mode="select")
     try:
         with torch.no_grad():
             ours = model(input_ids=ids).logits[0]
@@ -221,12 +222,12 @@ def test_analyze_refuses_a_router_that_read_every_document_and_results_into_a_ro
     monkeypatch.setattr(analyze, "load_model", lambda *_: (model, tok))
     args = build_parser().parse_args(["analyze", "--router", str(tmp_path / "router"), "--dataset", str(doc),
                                       "--output", str(tmp_path / "out")])
-    with pytest.raises(tide_hf.TideDataError, match=r"calibration read every document \(1\) of"):
+    with pytest.raises(tide_hf.errors.TideDataError, match=r"calibration read every document \(1\) of"):
         analyze.run(args)
-    for command, run in (("analyze", analyze.run), ("bench", bench.run)):
-        args = build_parser().parse_args([command, "--router", str(tmp_path / "router"), "--output",
+    for command, run in ((["analyze"], analyze.run), (["bench", "overhead"], bench.run)):
+        args = build_parser().parse_args([*command, "--router", str(tmp_path / "router"), "--output",
                                           str(tmp_path / "router")])
-        with pytest.raises(tide_hf.TideArgumentError, match="holds a model or a TIDE router"):
+        with pytest.raises(tide_hf.errors.TideArgumentError, match="holds a model or a TIDE router"):
             run(args)
     assert sorted(p.name for p in (tmp_path / "router").iterdir()) == ["README.md", "config.json", "model.safetensors"]
 
@@ -258,7 +259,7 @@ def test_analyze_keeps_files_it_did_not_write_and_refuses_before_its_forward_pas
     router.save_pretrained(tmp_path / "router")
     args = build_parser().parse_args(["analyze", "--router", str(tmp_path / "router"), "--output",
                                       str(tmp_path / "out"), "--prompt-len", "200", "--new-tokens", "8", *small])
-    with pytest.raises(tide_hf.TideDataError, match="no held-out document is longer than --prompt-len 200"):
+    with pytest.raises(tide_hf.errors.TideDataError, match="no held-out document is longer than --prompt-len 200"):
         analyze.run(args)
     assert not (tmp_path / "out").exists()
 
@@ -270,7 +271,7 @@ def test_analyze_keeps_files_it_did_not_write_and_refuses_before_its_forward_pas
     analyze.run(build_parser().parse_args(["analyze", "--output", str(theirs), *small]))
     assert (theirs / "efficiency.png").read_bytes() == b"the user's own plot"
     # results inside the text folder would be read back as text (its next read failed on a mix of file kinds)
-    with pytest.raises(tide_hf.TideArgumentError, match="is inside the text folder"):
+    with pytest.raises(tide_hf.errors.TideArgumentError, match="is inside the text folder"):
         analyze.run(build_parser().parse_args(["analyze", "--output", str(docs / "out"), *small]))
     assert not (docs / "out").exists()
     # an interrupted run leaves the earlier run's files whole (it wrote its plots first: new plots, old tables)

@@ -24,7 +24,7 @@ from helpers import (
 )
 
 import tide_hf
-from tide_hf import TideCompatibilityError
+from tide_hf.errors import TideCompatibilityError
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -66,13 +66,14 @@ def test_threshold_one_is_identity_even_for_a_saturated_router():
     stock = model(ids, attention_mask=mask, position_ids=pos).logits
     router = constant_router(model, 30.0)  # score == 1.0 exactly: exits if threshold 1.0 were not special
     assert torch.sigmoid(torch.tensor(30.0)).item() == 1.0
-    handle = tide_hf.attach(model, router, exit_threshold=1.0)
+    handle = tide_hf.attach(model, router, exit_threshold=1.0, mode="select")
     try:
         assert torch.equal(model(ids, attention_mask=mask, position_ids=pos).logits, stock)
         assert handle.last_stats.prefill.exits == Counter({NUM_LAYERS: int(mask.sum())})
     finally:
         handle.detach()
-    handle = tide_hf.attach(model, router, exit_threshold=0.99)  # control: the same router does exit below 1.0
+    handle = tide_hf.attach(model, router, exit_threshold=0.99,
+                            mode="select")  # control: the same router does exit below 1.0
     try:
         assert not torch.allclose(model(ids, attention_mask=mask, position_ids=pos).logits, stock)
     finally:
@@ -84,7 +85,7 @@ def test_never_exit_router_leaves_logits_unchanged():
     model = make_model()
     ids, mask, pos = batch()
     stock = model(ids, attention_mask=mask, position_ids=pos).logits
-    with_handle = tide_hf.attach(model, constant_router(model, -30.0), exit_threshold=0.5)
+    with_handle = tide_hf.attach(model, constant_router(model, -30.0), exit_threshold=0.5, mode="select")
     try:
         assert torch.equal(model(ids, attention_mask=mask, position_ids=pos).logits, stock)
         assert_phase(with_handle.last_stats.prefill, torch.full((int(mask.sum()),), NUM_LAYERS))
@@ -100,7 +101,8 @@ def test_always_exit_equals_head_on_checkpoint_hidden_state(min_layers, exit_at)
     ids, mask, pos = batch()
     hidden = model(ids, attention_mask=mask, position_ids=pos, output_hidden_states=True).hidden_states
     expected = model.lm_head(model.model.norm(hidden[exit_at]))
-    handle = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, min_layers=min_layers)
+    handle = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, min_layers=min_layers,
+                            mode="select")
     try:
         got = model(ids, attention_mask=mask, position_ids=pos).logits
         assert torch.equal(got, expected)
@@ -115,7 +117,8 @@ def test_min_layers_past_every_checkpoint_disables_exits():
     model = make_model()
     ids, mask, pos = batch()
     stock = model(ids, attention_mask=mask, position_ids=pos).logits
-    handle = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, min_layers=NUM_LAYERS)
+    handle = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, min_layers=NUM_LAYERS,
+                            mode="select")
     try:
         assert torch.equal(model(ids, attention_mask=mask, position_ids=pos).logits, stock)
     finally:
@@ -136,7 +139,7 @@ def test_mixed_router_matches_per_position_reference(exit_head: str):
         _, lens = reference(model, mixed_router(model, ids, mask), ids, mask, threshold=0.5, min_layers=4)
         exited = valid & (exit_layer < NUM_LAYERS)
         assert (expected[exited] - lens[exited]).abs().max() > 0.1
-    handle = tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4)
+    handle = tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="select")
     try:
         got = model(ids, attention_mask=mask, position_ids=pos).logits
         assert torch.equal(got[valid], expected[valid])
@@ -153,7 +156,7 @@ def test_decisions_are_per_row_not_batch_global():
     exit_layer, _ = reference(model, router, ids, mask, threshold=0.5, min_layers=4)
     last = exit_layer[:, -1]  # decision of each row's last prompt token
     assert len(set(last.tolist())) > 1, "rows must get different decisions for the test to mean anything"
-    handle = tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4)
+    handle = tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="select")
     try:
         batched = model(ids, attention_mask=mask, position_ids=pos).logits
         batch_stats = handle.last_stats.prefill.exits
@@ -174,7 +177,7 @@ def test_inputs_embeds_forward_exits_like_input_ids():
     model = make_model()
     ids, mask, pos = batch()
     router = mixed_router(model, ids, mask)
-    handle = tide_hf.attach(model, router, exit_threshold=0.5)
+    handle = tide_hf.attach(model, router, exit_threshold=0.5, mode="select")
     try:
         by_ids = model(ids, attention_mask=mask, position_ids=pos).logits
         stats_ids = handle.last_stats.as_dict()
@@ -197,7 +200,7 @@ def test_detach_restores_the_model_exactly():
     stock = model(ids, attention_mask=mask, position_ids=pos).logits
     stock_gen = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
 
-    handle = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5)
+    handle = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, mode="select")
     assert tide_hf.get_handle(model) is handle
     assert hooks(model) != before_hooks
     assert not torch.equal(model(ids, attention_mask=mask, position_ids=pos).logits, stock)
@@ -215,12 +218,12 @@ def test_detach_restores_the_model_exactly():
     assert hook_count(model) == 0
 
     # module-level detach, detach without a router (no-op), and attaching again all work
-    handle = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5)
+    handle = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, mode="select")
     tide_hf.detach(model)
     tide_hf.detach(model)
     handle.detach()
     assert hook_count(model) == 0 and tide_hf.get_handle(model) is None
-    tide_hf.attach(model, constant_router(model, 30.0)).detach()
+    tide_hf.attach(model, constant_router(model, 30.0), mode="select").detach()
     assert hook_count(model) == 0
 
 
@@ -229,7 +232,7 @@ def test_attached_model_can_be_garbage_collected_and_handle_lives_with_it():
     import weakref
 
     model = make_model()
-    handle = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5)
+    handle = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, mode="select")
     handle_ref = weakref.ref(handle)
     del handle
     gc.collect()
@@ -268,7 +271,7 @@ def test_router_of_another_model_is_refused(other, differs):
     model = make_model()
     router = new_router(make_model(**other))
     with pytest.raises(TideCompatibilityError) as err:
-        tide_hf.attach(model, router)
+        tide_hf.attach(model, router, mode="select")
     for text in differs:
         assert text in str(err.value)
     assert hook_count(model) == 0 and tide_hf.get_handle(model) is None
@@ -278,19 +281,19 @@ def test_router_for_other_weights_needs_ignore_fingerprint():
     model = make_model(seed=0)
     router = constant_router(make_model(seed=1), 30.0)
     with pytest.raises(TideCompatibilityError, match="fingerprint"):
-        tide_hf.attach(model, router)
+        tide_hf.attach(model, router, mode="select")
     assert hook_count(model) == 0
-    tide_hf.attach(model, router, ignore_fingerprint=True).detach()
+    tide_hf.attach(model, router, ignore_fingerprint=True, mode="select").detach()
     assert hook_count(model) == 0
 
 
 def test_attaching_twice_is_refused_and_keeps_the_first_router():
     model = make_model()
-    first = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5)
+    first = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, mode="select")
     try:
         attached = hooks(model)
         with pytest.raises(ValueError, match="already has a TIDE router"):
-            tide_hf.attach(model, constant_router(model, -30.0))
+            tide_hf.attach(model, constant_router(model, -30.0), mode="select")
         assert hooks(model) == attached and tide_hf.get_handle(model) is first
     finally:
         first.detach()
@@ -302,7 +305,7 @@ def test_attaching_twice_is_refused_and_keeps_the_first_router():
 def test_each_plain_forward_has_its_own_stats():
     model = make_model()
     ids, mask, pos = batch()
-    handle = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5)
+    handle = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, mode="select")
     try:
         model(ids, attention_mask=mask, position_ids=pos)
         first = handle.last_stats
@@ -319,8 +322,8 @@ def test_each_plain_forward_has_its_own_stats():
 def test_two_attached_models_keep_separate_stats():
     model_a, model_b = make_model(seed=0), make_model(seed=1)
     ids, mask, pos = batch()
-    handle_a = tide_hf.attach(model_a, constant_router(model_a, 30.0), exit_threshold=0.5, min_layers=5)
-    handle_b = tide_hf.attach(model_b, constant_router(model_b, -30.0), exit_threshold=0.5)
+    handle_a = tide_hf.attach(model_a, constant_router(model_a, 30.0), exit_threshold=0.5, min_layers=5, mode="select")
+    handle_b = tide_hf.attach(model_b, constant_router(model_b, -30.0), exit_threshold=0.5, mode="select")
     try:
         model_a(ids, attention_mask=mask, position_ids=pos)
         model_b(ids[:1])
@@ -339,7 +342,7 @@ def test_summary_and_plot(tmp_path):
     ids, mask, pos = batch()
     router = mixed_router(model, ids, mask)
     exit_layer, _ = reference(model, router, ids, mask, threshold=0.5, min_layers=4)
-    handle = tide_hf.attach(model, router, exit_threshold=0.5)
+    handle = tide_hf.attach(model, router, exit_threshold=0.5, mode="select")
     try:
         model(ids, attention_mask=mask, position_ids=pos)
         stats = handle.last_stats
@@ -361,6 +364,6 @@ def test_summary_and_plot(tmp_path):
     for bad, message in (("exits", "ending in .png"), ("x.jpg", "ending in .png"), ("", "ending in .png"),
                          ("dir.png", "is a folder"), ("missing/x.png", "not an existing folder")):
         (tmp_path / "dir.png").mkdir(exist_ok=True)
-        with pytest.raises(tide_hf.TideArgumentError, match=message):
+        with pytest.raises(tide_hf.errors.TideArgumentError, match=message):
             stats.plot(tmp_path / bad if bad else bad)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.png", "exits.png"]

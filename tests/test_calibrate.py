@@ -11,19 +11,12 @@ import torch
 import torch.nn.functional as F
 from helpers import make_tiny_llama
 
-from tide_hf import (
-    TideCompatibilityError,
-    TideDataError,
-    TideRouter,
-    TideRouterConfig,
-    calibrate,
-    calibrate_tokens,
-    get_adapter,
-    model_fingerprint,
-)
-from tide_hf.calibration import make_samples
+from tide_hf import TideRouter, TideRouterConfig, calibrate
+from tide_hf.calibration import calibrate_tokens, make_samples
 from tide_hf.calibration.labels import collect, label
 from tide_hf.calibration.training import auc
+from tide_hf.errors import TideCompatibilityError, TideDataError
+from tide_hf.modeling import get_adapter, model_fingerprint
 
 FAST = dict(seq_len=32, num_epochs=3, router_bottleneck_dim=16, progress=False)
 METRIC_KEYS = {"positive_rate", "predicted_rate", "precision", "recall", "auc", "best_epoch", "val_loss",
@@ -184,7 +177,7 @@ def ragged_samples() -> list[torch.Tensor]:
 
 
 def test_collect_labels_match_independent_forward(tiny_llama, ragged_samples) -> None:
-    cfg = TideRouterConfig(hidden_size=32, num_hidden_layers=9, label="top1", max_train_tokens=10**6)
+    cfg = TideRouterConfig(hidden_size=32, num_hidden_layers=9, label="top1", max_train_tokens=10**6, exit_head="lens")
     data = collect_labelled(tiny_llama, ragged_samples, cfg, 3)
     total = sum(len(s) for s in ragged_samples)
     # every real token kept, in order; no padding token (batches of 3 ragged samples are right-padded)
@@ -215,7 +208,7 @@ def test_collect_labels_match_independent_forward(tiny_llama, ragged_samples) ->
 
 
 def test_collect_kl_label_computes_kl_for_every_token(tiny_llama, ragged_samples) -> None:
-    cfg = TideRouterConfig(hidden_size=32, num_hidden_layers=9, label="kl", max_train_tokens=10**6)
+    cfg = TideRouterConfig(hidden_size=32, num_hidden_layers=9, label="kl", max_train_tokens=10**6, exit_head="lens")
     data = collect_labelled(tiny_llama, ragged_samples, cfg, 3)
     assert bool(data.labelled["kl"].all()) and bool(data.labelled["top1"].all())
     ref = reference(tiny_llama, ragged_samples, [4])
@@ -241,14 +234,15 @@ def test_labels_are_measured_on_the_logits_the_model_serves(family: str, ragged_
             if param.dim() == 1:
                 param.copy_(torch.randn_like(param) * 0.5 + 1.0)
         model.lm_head.weight.mul_(5.0)
-    cfg = TideRouterConfig(hidden_size=32, num_hidden_layers=9, label="kl", max_train_tokens=10**6)
+    cfg = TideRouterConfig(hidden_size=32, num_hidden_layers=9, label="kl", max_train_tokens=10**6, exit_head="lens")
     data = collect_labelled(model, ragged_samples, cfg, 3)
     scale = 4.0  # both configs multiply the head's logits by 4
     kl, nll, unscaled = [], [], []
     with torch.no_grad():
         for s in ragged_samples:
             final = model(input_ids=s[None]).logits[0]
-            with tide_hf.attach(model, TideRouter(cfg), exit_threshold=0.0, min_layers=4, ignore_fingerprint=True):
+            with tide_hf.attach(model, TideRouter(cfg), exit_threshold=0.0, min_layers=4, ignore_fingerprint=True,
+                                mode="select"):
                 served = model(input_ids=s[None]).logits[0]
             for out, factor in ((kl, 1.0), (unscaled, scale)):  # the model's logits / without its scale
                 p, q = (final / factor).log_softmax(-1), (served / factor).log_softmax(-1)
@@ -269,7 +263,8 @@ def reference_normed_final_cosine(model, samples: list[torch.Tensor], layer: int
 
 def test_collect_subsample_keeps_only_real_tokens(tiny_llama, ragged_samples) -> None:
     total = sum(len(s) for s in ragged_samples)
-    cfg = TideRouterConfig(hidden_size=32, num_hidden_layers=9, label="top1", max_train_tokens=total // 3)
+    cfg = TideRouterConfig(hidden_size=32, num_hidden_layers=9, label="top1", max_train_tokens=total // 3,
+                           exit_head="lens")
     data = collect_labelled(tiny_llama, ragged_samples, cfg, 4)
     n = data.is_val.numel()
     assert 0 < n < total
@@ -299,7 +294,8 @@ def test_memory_bound_does_not_scale_with_samples(tiny_llama, byte_tokenizer, te
     # the unbounded run keeps everything: the bound is what makes the difference
     samples = make_samples(byte_tokenizer, [p.read_text() for p in sorted(text_folder.iterdir())],
                                          64, 32, seed=0)
-    cfg = TideRouterConfig(hidden_size=32, num_hidden_layers=9, label="cosine", max_train_tokens=budget)
+    cfg = TideRouterConfig(hidden_size=32, num_hidden_layers=9, label="cosine", max_train_tokens=budget,
+                           exit_head="lens")
     data = collect_labelled(tiny_llama, samples, cfg, 8)
     assert sum(len(s) for s in samples) > 10 * budget
     assert data.features[4].shape[0] == data.features[8].shape[0] == data.is_val.numel() <= 1.4 * budget
@@ -412,7 +408,7 @@ def test_the_silent_label_warning_names_checkpoints_silent_on_the_training_token
                 "label_rates": {"cosine": cosine, "top1": 0.4, "kl": 0.2, "top1_kl": 0.1}}
 
     cfg = TideRouterConfig(hidden_size=32, num_hidden_layers=9, label="cosine", metrics={
-        "4": metrics(None, 0.0, 0.0), "8": metrics(None, 0.0, 0.14)})  # 8: silent in training only
+        "4": metrics(None, 0.0, 0.0), "8": metrics(None, 0.0, 0.14)}, exit_head="lens")  # 8: silent in training only
     with pytest.warns(UserWarning, match=r"no positive training token at EVERY checkpoint"):
         warn_if_silent(cfg)
     cfg.metrics["4"] = metrics(3, 0.2, 0.3)  # trained: fires

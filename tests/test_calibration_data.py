@@ -97,7 +97,7 @@ def test_samples_longer_than_the_context_are_refused_before_any_work(tmp_path: P
         tide_hf.calibrate(gpt2, ByteTokenizer(), missing, num_samples=4, seq_len=100)
     llama = make_tiny_llama()  # max_position_embeddings=256
     with pytest.raises(TideArgumentError, match="a sample of 300 tokens is longer than the model's context"):
-        tide_hf.calibrate_tokens(llama, [torch.randint(3, 256, (300,)), torch.randint(3, 256, (20,))])
+        tide_hf.calibration.calibrate_tokens(llama, [torch.randint(3, 256, (300,)), torch.randint(3, 256, (20,))])
     with pytest.raises(TideArgumentError, match="seq_len=257"):
         tide_hf.calibrate(llama, ByteTokenizer(), missing, num_samples=4, seq_len=257)
 
@@ -121,7 +121,7 @@ def test_a_huge_document_is_tokenized_only_as_far_as_the_samples_reach() -> None
         texts = [*DOCS[:place], huge, *DOCS[place:]]
         tok = CountingTokenizer()
         samples = make_samples(tok, texts, 40, 32, seed=0)
-        cfg = tide_hf.TideRouterConfig(hidden_size=8, num_hidden_layers=9, num_samples=40, seq_len=32)
+        cfg = tide_hf.TideRouterConfig(hidden_size=8, num_hidden_layers=9, num_samples=40, seq_len=32, exit_head="lens")
         held_out = held_out_texts(tok, texts, cfg)
         assert max(tok.lengths) < len(huge) // 20
         expected, used = [], []  # the old way: every document tokenized whole, in the seeded order
@@ -165,7 +165,7 @@ def test_evaluation_samples_spread_over_the_documents_evenly() -> None:
 def test_too_little_text_is_named_as_the_cause() -> None:
     """Two short documents give two samples: the error must say the text ran out (it said "raise num_samples=2",
     already below the 64 asked for)."""
-    with pytest.warns(UserWarning), pytest.raises(tide_hf.TideArgumentError, match="give it more text"):
+    with pytest.warns(UserWarning), pytest.raises(tide_hf.errors.TideArgumentError, match="give it more text"):
         tide_hf.calibrate(make_tiny_llama(), ByteTokenizer(), ["First document.", "Second document."],
                           num_samples=64, seq_len=16, progress=False)
 

@@ -33,10 +33,11 @@ def test_propagate_follows_weights_changed_while_attached(change):
     else:
         changed.load_state_dict(make_model(seed=3).state_dict())
     router = mixed_router(changed, ids, mask, quantiles=(0.3, 0.3))  # some steps skip, some run deep layers
-    with tide_hf.attach(changed, router, exit_threshold=0.5, mode="skip", ignore_fingerprint=True) as handle:
+    with tide_hf.attach(changed, router, exit_threshold=0.5, mode="skip", ignore_fingerprint=True,
+                        kv="propagate") as handle:
         expected = generate(changed, ids, mask, return_dict_in_generate=True)
         assert handle._skipper.fused is not None and handle.last_stats.decode.mean_executed < 9
-    with tide_hf.attach(model, router, exit_threshold=0.5, mode="skip", ignore_fingerprint=True):
+    with tide_hf.attach(model, router, exit_threshold=0.5, mode="skip", ignore_fingerprint=True, kv="propagate"):
         generate(model, ids, mask)  # folded from the weights of the attach
         if change == "dtype":
             model.to(torch.float64)
@@ -63,11 +64,11 @@ def test_router_scores_follow_a_cast_of_the_final_norm_while_attached():
     router = new_router(model)
     states = (torch.randn(4096, 64, generator=torch.Generator().manual_seed(1)) * 4).to(torch.bfloat16)
     ids = torch.tensor([[5, 6, 7]])
-    with torch.no_grad(), tide_hf.attach(model, router, exit_threshold=0.5) as handle:
+    with torch.no_grad(), tide_hf.attach(model, router, exit_threshold=0.5, mode="select") as handle:
         model.to(torch.bfloat16)
         model(ids)  # the first call after the cast
         served = handle.score(4, states)
-    with torch.no_grad(), tide_hf.attach(model, router, exit_threshold=0.5) as fresh:
+    with torch.no_grad(), tide_hf.attach(model, router, exit_threshold=0.5, mode="select") as fresh:
         expected = fresh.score(4, states)
         by_hand = torch.sigmoid(router.logit(4, model.model.norm(states).float()))
     torch.testing.assert_close(expected, by_hand, rtol=0, atol=1e-6)  # the fresh attach reproduces the norm
@@ -128,7 +129,7 @@ def test_accelerate_hook_removed_before_detach_leaves_no_wrapper():
     stock = generate(model, ids, mask)
     layer = model.model.layers[6]
     add_hook_to_module(layer, Counter())
-    handle = tide_hf.attach(model, constant_router(model, -30.0), exit_threshold=0.5, mode="skip")
+    handle = tide_hf.attach(model, constant_router(model, -30.0), exit_threshold=0.5, mode="skip", kv="propagate")
     remove_hook_from_module(layer)
     handle.detach()
     assert "_old_forward" not in vars(layer) and layer.forward.__func__ is type(layer).forward
@@ -146,9 +147,9 @@ def test_pre_hook_registered_after_attach_that_changes_inputs_is_named():
                                               kwargs["attention_mask"]], 1)
         return (), kwargs
 
-    with tide_hf.attach(model, mixed_router(model, ids, mask), exit_threshold=0.5):
+    with tide_hf.attach(model, mixed_router(model, ids, mask), exit_threshold=0.5, mode="select"):
         hook = model.register_forward_pre_hook(prefix, with_kwargs=True)
-        with pytest.raises(tide_hf.TideUnsupportedError, match="pre-hook registered on the model after attach"):
+        with pytest.raises(tide_hf.errors.TideUnsupportedError, match="pre-hook registered on the model after attach"):
             model(ids, attention_mask=mask)
         hook.remove()
 
@@ -163,7 +164,7 @@ def test_propagate_attach_in_training_with_gradient_checkpointing():
     model.model.layers[2].eval()  # a mixed state, restored as found
     modes = {name: module.training for name, module in model.named_modules()}
     router = mixed_router(model, ids, mask)
-    handle = tide_hf.attach(model, router, exit_threshold=0.5, mode="skip")
+    handle = tide_hf.attach(model, router, exit_threshold=0.5, mode="skip", kv="propagate")
     assert {name: module.training for name, module in model.named_modules()} == modes
     handle.detach()
 

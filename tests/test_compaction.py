@@ -38,8 +38,8 @@ def generate_forced(model, rows: torch.Tensor, ids, mask, cache: str, kv: str = 
                     seen: list[int] | None = None):
     """Greedy tokens with the rows where `rows` is True exiting at `EXIT_AT` in every step, and the stats; the
     rows each layer ran added to `seen` (counted after attach: its probe forward runs the layers too)."""
-    handle = tide_hf.attach(model, router_for(model, 0.0), exit_threshold=0.5, min_layers=EXIT_AT, mode="skip",
-                            kv=kv, handle_class=forced_rows(rows))
+    handle = tide_hf.runtime.attach_with(forced_rows(rows), model, router_for(model, 0.0), exit_threshold=0.5,
+                                         min_layers=EXIT_AT, mode="skip", kv=kv)
     if seen is not None:
         rows_per_layer(model, seen)
     try:
@@ -139,7 +139,7 @@ def test_prefill_positions_that_exit_stop_and_match_the_same_positions_fed_one_b
     model = make()
     router = state_router(model)
     ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(3))
-    handle = tide_hf.attach(model, router, exit_threshold=0.7, mode="skip")  # exits at both checkpoints
+    handle = tide_hf.attach(model, router, exit_threshold=0.7, mode="skip", kv="propagate")  # exits at both checkpoints
     seen = rows_per_layer(model)  # (after attach: its probe forward runs the layers too)
     try:
         with torch.no_grad():
@@ -165,7 +165,7 @@ def test_a_batch_of_rows_exiting_on_their_own_gives_each_row_its_tokens_alone():
     model = make()
     ids, mask = prompts()
     router = state_router(model)
-    handle = tide_hf.attach(model, router, exit_threshold=0.5, mode="skip")
+    handle = tide_hf.attach(model, router, exit_threshold=0.5, mode="skip", kv="propagate")
     try:
         batched = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
         stats = handle.last_stats

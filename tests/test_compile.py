@@ -49,7 +49,7 @@ def syncs_per_step(model, ids, mask) -> float:
 def test_select_mode_adds_no_host_sync_per_step(setup) -> None:
     model, ids, mask, router = setup
     stock = syncs_per_step(model, ids, mask)
-    with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4) as handle:
+    with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="select") as handle:
         select = syncs_per_step(model, ids, mask)
         assert 0 < handle.last_stats.decode.exit_rate < 1  # the steps really mixed exits and full depth
     assert stock > 0  # the profiler sees stock's own stopping-criteria syncs
@@ -59,7 +59,7 @@ def test_select_mode_adds_no_host_sync_per_step(setup) -> None:
 def test_skip_mode_reads_one_flag_per_checkpoint(setup) -> None:
     model, ids, mask, router = setup
     stock = syncs_per_step(model, ids, mask)
-    with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="skip") as handle:
+    with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="skip", kv="propagate") as handle:
         skip = syncs_per_step(model, ids, mask)
     # each checkpoint reached costs one read (its `is_nonzero` runs `item` / `_local_scalar_dense` inside)
     per_read = len([op for op in SYNC_OPS if op != "aten::nonzero"])
@@ -69,7 +69,7 @@ def test_skip_mode_reads_one_flag_per_checkpoint(setup) -> None:
 def test_stats_match_a_host_count(setup) -> None:
     """The device-side counters give what counting the reference exit layers on the host gives."""
     model, ids, mask, router = setup
-    with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4) as handle:
+    with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="select") as handle:
         model(input_ids=ids, attention_mask=mask)
         prefill = handle.last_stats.prefill
     from helpers import reference
@@ -119,7 +119,7 @@ def compiled(backend: str = "aot_eager") -> CompileConfig:
 
 def test_select_mode_compiles_without_graph_breaks(setup) -> None:
     model, ids, mask, router = setup
-    with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4) as handle:
+    with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="select") as handle:
         eager = generate(model, ids, mask, 32)
         torch._dynamo.reset()
         counters.clear()
@@ -141,7 +141,7 @@ def test_select_mode_from_embeddings_compiles_one_step_graph(setup) -> None:
     embeds = model.get_input_embeddings()(ids).detach()
     settings = dict(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False,
                     pad_token_id=0, cache_implementation="static")
-    with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4):
+    with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="select"):
         eager = model.generate(**settings)
         torch._dynamo.reset()
         counters.clear()
@@ -160,7 +160,7 @@ def test_compiled_decoding_sees_attach_and_detach() -> None:
     torch._dynamo.reset()
     stock = generate(model, ids, mask, 8)
     assert torch.equal(generate(model, ids, mask, 8, cache_implementation="static", compile_config=config), stock)
-    with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4):
+    with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="select"):
         eager = generate(model, ids, mask, 8)
         assert not torch.equal(eager, stock)
         assert torch.equal(generate(model, ids, mask, 8, cache_implementation="static", compile_config=config), eager)

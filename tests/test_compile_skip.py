@@ -129,7 +129,7 @@ def test_dynamic_compile_configs_get_segment_graphs_too() -> None:
     router = mixed_router(model, ids, mask, quantiles=MIXED)
     config = compiled()
     config.dynamic = True
-    with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="skip"):
+    with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="skip", kv="propagate"):
         eager = generate(model, ids, mask, 8, **static())
         torch._dynamo.reset()
         counters.clear()
@@ -155,7 +155,7 @@ def test_models_mixing_attention_kinds_keep_the_whole_step_compile() -> None:
     router = mixed_router(model, ids, mask, quantiles=MIXED)
     config = compiled()
     config.fullgraph = False
-    with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="skip") as handle:
+    with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="skip", kv="propagate") as handle:
         eager = generate(model, ids, mask, 12, **static())
         assert len(handle.last_stats.decode.executed) > 1  # the steps skipped at different depths
         skipped = [layer.forward for layer in model.model.layers[4:]]  # replaced after the first checkpoint
@@ -226,6 +226,7 @@ def test_fullgraph_is_refused_on_layers_under_accelerate_hooks() -> None:
     model = make_model()
     for layer in model.model.layers:
         add_hook_to_module(layer, ModelHook())
-    with tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, min_layers=4, mode="skip"):
+    with tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, min_layers=4, mode="skip",
+                        kv="propagate"):
         with pytest.raises(TideUnsupportedError, match=r"fullgraph=True.*accelerate's device hooks"):
             model.get_compiled_call(compiled())

@@ -8,10 +8,11 @@ import pytest
 import torch
 from helpers import make_tiny_llama
 
-from tide_hf import TideArgumentError, TideRouter, TideRouterConfig
+from tide_hf import TideRouter, TideRouterConfig
 from tide_hf.calibration import calibrate_tokens
 from tide_hf.calibration import continuations as cont
 from tide_hf.calibration.continuations import continue_samples
+from tide_hf.errors import TideArgumentError
 
 PROMPT = 6
 FAST = dict(num_epochs=2, router_bottleneck_dim=8, label="top1", progress=False)
@@ -65,7 +66,7 @@ def test_continuations_of_a_model_with_a_router_attached_are_stock(model) -> Non
     import tide_hf
 
     samples = corpus()
-    with tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5):
+    with tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, mode="select"):
         written, _ = continue_samples(model, samples, config("greedy"), batch_size=3, pad_id=0, progress=False)
     for s, w in zip(samples, written):
         assert torch.equal(w, s if len(s) <= PROMPT else stock_greedy(model, s))

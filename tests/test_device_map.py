@@ -104,14 +104,14 @@ def accelerate_state(model) -> dict:
 
 
 def test_fingerprint_reads_offloaded_weights(reference, dispatched) -> None:
-    assert tide_hf.model_fingerprint(dispatched) == tide_hf.model_fingerprint(reference)
+    assert tide_hf.modeling.model_fingerprint(dispatched) == tide_hf.modeling.model_fingerprint(reference)
     tide_hf.TideRouter.check_compatible(new_router(reference), dispatched)  # no ignore_fingerprint needed
 
 
 def test_routers_and_norm_sit_on_the_execution_device(reference, dispatched) -> None:
     router = mixed_router(reference)
     before = {k: v.clone() for k, v in router.state_dict().items()}
-    handle = tide_hf.attach(dispatched, router)
+    handle = tide_hf.attach(dispatched, router, mode="select")
     try:
         assert all(p.device == torch.device("cpu") for p in router.parameters())  # not meta, where layers 4, 8 are
         assert all(torch.equal(before[k], v) for k, v in router.state_dict().items())
@@ -167,7 +167,7 @@ def test_skip_mode_patches_accelerates_saved_forward(reference, dispatched) -> N
     wrapped = [layer for layer in dispatched.model.layers[4:] if hasattr(layer, "_hf_hook")]
     assert wrapped or dispatched.device.type == "meta"  # cpu_offload hooks only the modules owning weights
     before = [(layer.__dict__["forward"], layer.__dict__["_old_forward"]) for layer in wrapped]
-    handle = tide_hf.attach(dispatched, mixed_router(reference), mode="skip")
+    handle = tide_hf.attach(dispatched, mixed_router(reference), mode="skip", kv="propagate")
     try:
         for layer, (forward, old_forward) in zip(wrapped, before):
             assert layer.__dict__["forward"] is forward and layer.__dict__["_old_forward"] is not old_forward
@@ -226,7 +226,7 @@ def test_offloaded_weights_brought_in_per_forward_are_not_a_change_of_weights(mo
     offloaded = cpu_offload(copy.deepcopy(model), execution_device="cpu")
     checks = []
     monkeypatch.setattr(pairing, "same_weights", lambda *a, **k: checks.append(a) or True)
-    with tide_hf.attach(offloaded, router, exit_threshold=0.5):
+    with tide_hf.attach(offloaded, router, exit_threshold=0.5, mode="select"):
         for _ in range(3):
             offloaded.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=3, do_sample=False)
     assert checks == []

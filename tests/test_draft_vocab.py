@@ -17,9 +17,10 @@ from helpers import make_tiny_llama, new_router
 from torch import nn
 
 import tide_hf
-from tide_hf import TideRouter, TideRouterFileError
+from tide_hf import TideRouter
 from tide_hf.calibration import calibrate_tokens
 from tide_hf.calibration.vocab import candidate_sizes
+from tide_hf.errors import TideRouterFileError
 from tide_hf.eval.easy import make_near_identity
 from tide_hf.integrations.draft import MAX_DRAFT_TOKENS, draft_plan
 from tide_hf.integrations.speculative import draft_estimates

@@ -8,9 +8,10 @@ import transformers as tf
 from helpers import make_tiny_llama, new_router
 
 import tide_hf
-from tide_hf import TideRouter, TideRouterFileError
+from tide_hf import TideRouter
 from tide_hf.calibration.heads import fit_exit_heads
 from tide_hf.calibration.labels import Collected, collect, label
+from tide_hf.errors import TideRouterFileError
 
 LAYERS = [4, 8]
 HIDDEN = 32
@@ -97,14 +98,14 @@ def test_lens_router_has_no_heads_and_fits_nothing() -> None:
     assert router.config.exit_head == "lens" and len(router.exit_heads) == 0
     assert fit_exit_heads(router, synthetic(), device=torch.device("cpu"), scale_free=True) is None
     hidden = torch.randn(3, HIDDEN)
-    assert router.exit_state(tide_hf.get_adapter(make_tiny_llama()), 4, hidden) is hidden
+    assert router.exit_state(tide_hf.modeling.get_adapter(make_tiny_llama()), 4, hidden) is hidden
 
 
 @torch.no_grad()
 def test_training_tokens_are_labelled_by_the_head_that_did_not_see_them() -> None:
     """Labels of a training token come from the other block's head, held-out ones from the router's own head."""
     model = make_tiny_llama()
-    adapter = tide_hf.get_adapter(model)
+    adapter = tide_hf.modeling.get_adapter(model)
     data = synthetic()
     router = new_router(model, exit_head="linear", checkpoint_layers=LAYERS)
     crossfit = fit_exit_heads(router, data, device=torch.device("cpu"), scale_free=True)
@@ -180,8 +181,8 @@ def test_exits_of_a_model_without_final_norm_are_served_at_the_models_scale() ->
         last_norm.bias.mul_(4.0)
     gen = torch.Generator().manual_seed(0)
     samples = [torch.randint(3, 256, (24,), generator=gen) for _ in range(30)]
-    router = tide_hf.calibrate_tokens(model, samples, num_epochs=1, max_train_tokens=10**6, progress=False)
-    adapter = tide_hf.get_adapter(model)
+    router = tide_hf.calibration.calibrate_tokens(model, samples, num_epochs=1, max_train_tokens=10**6, progress=False)
+    adapter = tide_hf.modeling.get_adapter(model)
     data = collect(model, adapter, samples, router.config, batch_size=8, pad_id=0, progress=False)
     weights = lstsq_solution(data, 4, torch.nonzero(~data.is_val).squeeze(1), router.config.exit_head_ridge,
                              unit_rms=False).float()
@@ -190,7 +191,7 @@ def test_exits_of_a_model_without_final_norm_are_served_at_the_models_scale() ->
     with torch.no_grad():
         state = data.features[4][rows] @ weights[:-1] + weights[-1]
         want = model.lm_head(model.model.decoder.project_out(state))
-        with tide_hf.attach(model, router, exit_threshold=0.0, min_layers=4):
+        with tide_hf.attach(model, router, exit_threshold=0.0, min_layers=4, mode="select"):
             served = model(input_ids=ids[None]).logits[0]
         stock = model(input_ids=ids[None]).logits[0]
     torch.testing.assert_close(served, want, atol=1e-3 * float(want.abs().max()), rtol=1e-3)

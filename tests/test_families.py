@@ -92,7 +92,7 @@ def generate(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
                           min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
 
 
-def attach(model: torch.nn.Module, logit: float | None, threshold: float, mode: str) -> tide_hf.TideHandle:
+def attach(model: torch.nn.Module, logit: float | None, threshold: float, mode: str) -> tide_hf.runtime.TideHandle:
     """Attach a router scoring sigmoid(`logit`) everywhere (None: a random router) at checkpoints 2 and 4."""
     router = new_router(model, checkpoint_interval=2) if logit is None else \
         constant_router(model, logit, checkpoint_interval=2)

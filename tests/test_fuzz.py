@@ -81,7 +81,7 @@ def test_fuzz_router_config(model, config) -> None:
         return
     router = tide_hf.TideRouter(cfg)
     assert all(1 <= k < 9 for k in router.checkpoint_layers)
-    with tide_hf.attach(model, router) as handle:  # a valid config serves
+    with tide_hf.attach(model, router, mode="select") as handle:  # a valid config serves
         with torch.no_grad():
             model(torch.randint(3, 256, (1, 4)))
         assert handle.last_stats.prefill.tokens == 4

@@ -19,7 +19,7 @@ from transformers import LlamaForCausalLM, StoppingCriteria, StoppingCriteriaLis
 from transformers.generation.streamers import BaseStreamer
 
 import tide_hf
-from tide_hf import TideCompatibilityError
+from tide_hf.errors import TideCompatibilityError
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 NEW = 8  # new tokens per generate call
@@ -90,7 +90,8 @@ def test_threshold_one_generate_is_stock(name):
     ids, mask = batch()
     options = {**DECODING[name], "output_scores": True, "return_dict_in_generate": True}
     stock = generate(model, ids, mask, **options)
-    handle = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=1.0)  # score 1.0 everywhere
+    handle = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=1.0,
+                            mode="select")  # score 1.0 everywhere
     try:
         for tide in (None, True):
             out = generate(model, ids, mask, tide=tide, **options)
@@ -109,7 +110,7 @@ def test_tide_false_on_attached_model_is_stock(name):
     model = make_model()
     ids, mask = batch()
     stock = generate(model, ids, mask, **DECODING[name])
-    handle = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5)
+    handle = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, mode="select")
     try:
         tide_out = generate(model, ids, mask, **DECODING[name])
         tide_stats = handle.last_stats
@@ -129,7 +130,8 @@ def test_always_exit_generate_equals_truncated_model(name, min_layers, exit_at):
     ids, mask = batch()
     expected = generate(truncated(model, exit_at), ids, mask, **DECODING[name])
     assert not torch.equal(expected, generate(model, ids, mask, **DECODING[name]))
-    handle = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, min_layers=min_layers)
+    handle = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, min_layers=min_layers,
+                            mode="select")
     try:
         assert torch.equal(generate(model, ids, mask, **DECODING[name]), expected)
         stats = handle.last_stats
@@ -145,7 +147,7 @@ def test_mixed_generate_matches_teacher_forced_reference():
     model.generation_config.eos_token_id = None
     ids, mask = batch(seed=2, lengths=(6, 4, 5))
     router = mixed_router(model, ids, mask)
-    handle = tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4)
+    handle = tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="select")
     try:
         out = generate(model, ids, mask)
         stats = handle.last_stats
@@ -164,7 +166,7 @@ def test_decisions_are_per_row_in_generate():
     model.generation_config.eos_token_id = None
     ids, mask = batch(seed=3, lengths=(8, 6, 4, 7))
     router = mixed_router(model, ids, mask)
-    handle = tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4)
+    handle = tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="select")
     try:
         batched = generate(model, ids, mask)
         batch_stats = handle.last_stats
@@ -191,7 +193,7 @@ def test_rows_that_produced_eos_stop_being_counted():
     model.generation_config.eos_token_id = None
     ids, mask = batch(seed=4, lengths=(6, 6, 4))
     router = mixed_router(model, ids, mask)
-    handle = tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4)
+    handle = tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="select")
     try:
         free = generate(model, ids, mask)  # no EOS: every row runs NEW steps
         new = free[:, ids.shape[1]:].tolist()
@@ -223,7 +225,7 @@ def test_consecutive_calls_have_independent_stats():
     model = make_model()
     model.generation_config.eos_token_id = None
     ids, mask = batch()
-    handle = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5)
+    handle = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, mode="select")
     try:
         generate(model, ids, mask)
         first = handle.last_stats
@@ -244,8 +246,8 @@ def test_two_attached_models_keep_separate_generate_stats():
     for model in (model_a, model_b):
         model.generation_config.eos_token_id = None
     ids, mask = batch()
-    handle_a = tide_hf.attach(model_a, constant_router(model_a, 30.0), exit_threshold=0.5, min_layers=5)
-    handle_b = tide_hf.attach(model_b, constant_router(model_b, -30.0), exit_threshold=0.5)
+    handle_a = tide_hf.attach(model_a, constant_router(model_a, 30.0), exit_threshold=0.5, min_layers=5, mode="select")
+    handle_b = tide_hf.attach(model_b, constant_router(model_b, -30.0), exit_threshold=0.5, mode="select")
     try:
         generate(model_a, ids, mask)
         generate(model_b, ids[:1], mask[:1], max_new_tokens=2)
@@ -285,7 +287,7 @@ def test_threads_on_two_models_get_their_own_stats():
     handles, expected = [], []
     for model, (ids, mask) in zip(models, inputs):
         model.generation_config.eos_token_id = None
-        handles.append(tide_hf.attach(model, mixed_router(model, ids, mask), exit_threshold=0.5))
+        handles.append(tide_hf.attach(model, mixed_router(model, ids, mask), exit_threshold=0.5, mode="select"))
         expected.append((generate(model, ids, mask), handles[-1].last_stats.as_dict()))
     assert expected[0][1] != expected[1][1]
     try:
@@ -305,7 +307,7 @@ def test_tide_false_in_one_thread_does_not_disable_tide_in_another():
     model.generation_config.eos_token_id = None
     ids, mask = batch()
     stock = generate(model, ids, mask)
-    handle = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5)
+    handle = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, mode="select")
     try:
         tide_out = generate(model, ids, mask)
         tide_stats = handle.last_stats.as_dict()
@@ -345,7 +347,7 @@ def test_streamer_receives_the_returned_tokens():
     model = make_model()
     model.generation_config.eos_token_id = None
     ids, mask = batch(lengths=(6,))
-    handle = tide_hf.attach(model, mixed_router(model, ids, mask), exit_threshold=0.5)
+    handle = tide_hf.attach(model, mixed_router(model, ids, mask), exit_threshold=0.5, mode="select")
     try:
         plain = generate(model, ids, mask)
         streamer = Collector()
@@ -363,7 +365,7 @@ def test_custom_stopping_criterion_stops_early():
     model = make_model()
     model.generation_config.eos_token_id = None
     ids, mask = batch()
-    handle = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5)
+    handle = tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, mode="select")
     try:
         full = generate(model, ids, mask)
         stopped = generate(model, ids, mask, stopping_criteria=StoppingCriteriaList([StopAfter(ids.shape[1] + 3)]))
@@ -399,7 +401,7 @@ def test_generate_errors_come_before_any_work():
     _no_work(model, lambda: generate(model, ids, mask, tide=new_router(make_model(layers=6))),
              TideCompatibilityError, "number of layers: router 6, model 9")
     _no_work(model, lambda: generate(model, ids, mask, tide=3), TypeError, "tide=")
-    handle = tide_hf.attach(model, constant_router(model, 30.0))
+    handle = tide_hf.attach(model, constant_router(model, 30.0), mode="select")
     try:
         with pytest.raises(ValueError, match="different TIDE router"):
             generate(model, ids, mask, tide=constant_router(model, -30.0))
@@ -463,7 +465,7 @@ def test_pipeline_tide_keyword(word_tokenizer, tmp_path):
     check(plain_pipe(PROMPT, tide=router, **call), manual, manual_stats)
     check(plain_pipe(PROMPT, tide=str(tmp_path / "router"), **call), manual, manual_stats)
     text = plain_pipe(PROMPT, tide=router, max_new_tokens=NEW, do_sample=False)[0]["generated_text"]
-    handle = tide_hf.attach(model, router)
+    handle = tide_hf.attach(model, router, mode="select")
     try:
         assert plain_pipe(PROMPT, max_new_tokens=NEW, do_sample=False)[0]["generated_text"] == text
     finally:
@@ -498,13 +500,13 @@ def test_smollm2_identity_and_exit_semantics(smollm2):
     for mlp in router.routers.values():
         mlp.fc2.weight.zero_()
         mlp.fc2.bias.fill_(30.0)
-    handle = tide_hf.attach(model, router, exit_threshold=1.0)
+    handle = tide_hf.attach(model, router, exit_threshold=1.0, mode="select")
     try:
         assert torch.equal(model(**enc).logits, out.logits)
         assert torch.equal(model.generate(**enc, max_new_tokens=4, do_sample=False), stock)
     finally:
         handle.detach()
-    handle = tide_hf.attach(model, router, exit_threshold=0.5, min_layers=12)
+    handle = tide_hf.attach(model, router, exit_threshold=0.5, min_layers=12, mode="select")
     try:
         expected = model.lm_head(model.model.norm(out.hidden_states[12]))
         assert torch.equal(model(**enc).logits, expected)
@@ -520,7 +522,8 @@ def test_attaching_to_a_pipeline_points_to_its_model(word_tokenizer):
 
     model = make_model()
     pipe = pipeline("text-generation", model=model, tokenizer=word_tokenizer)
-    with pytest.raises(tide_hf.TideArgumentTypeError, match="TextGenerationPipeline; for a pipeline, pass pipe.model"):
-        tide_hf.attach(pipe, new_router(model))
-    with tide_hf.attach(pipe.model, new_router(model)):
+    with pytest.raises(tide_hf.errors.TideArgumentTypeError,
+                       match="TextGenerationPipeline; for a pipeline, pass pipe.model"):
+        tide_hf.attach(pipe, new_router(model), mode="select")
+    with tide_hf.attach(pipe.model, new_router(model), mode="select"):
         assert tide_hf.get_handle(model) is not None

@@ -11,8 +11,10 @@ from helpers import ByteTokenizer, constant_router, hooks, make_model, make_tiny
 from transformers import LogitsProcessor, LogitsProcessorList
 
 import tide_hf
-from tide_hf import TideArgumentError, TideArgumentTypeError, TideError, TideHandle, TideRouterConfig
+from tide_hf import TideError, TideRouterConfig
 from tide_hf.cli import main as cli_main
+from tide_hf.errors import TideArgumentError, TideArgumentTypeError
+from tide_hf.runtime import TideHandle
 
 FAST = {"num_epochs": 2, "early_stopping_patience": 0}
 
@@ -94,7 +96,8 @@ def test_nonfinite_state_never_exits(bad, handle_class) -> None:
                              *out[1:]) if isinstance(out, tuple) else out.index_put(
             (torch.tensor([0]), torch.tensor([2])), torch.tensor(bad)))
     try:
-        with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, handle_class=handle_class) as handle:
+        with tide_hf.runtime.attach_with(handle_class, model, router, exit_threshold=0.5, min_layers=4,
+                                         mode="select") as handle:
             with torch.no_grad():
                 model(ids)
             stats = handle.last_stats.prefill
@@ -105,7 +108,7 @@ def test_nonfinite_state_never_exits(bad, handle_class) -> None:
 
 
 def test_exit_mask_uses_finite_scores_only(model) -> None:
-    with tide_hf.attach(model, new_router(model), exit_threshold=0.5) as handle:
+    with tide_hf.attach(model, new_router(model), exit_threshold=0.5, mode="select") as handle:
         hidden = torch.zeros(4, 8)
         hidden[3, 1] = float("nan")
         mask = handle.exit_mask(torch.tensor([0.9, float("nan"), float("inf"), 0.9]), hidden, 0.5)
@@ -121,7 +124,7 @@ def test_generate_with_inputs_embeds_only() -> None:
     stock = model.generate(**kwargs)
     out = model.generate(**kwargs, tide=router)
     assert torch.equal(out, stock)
-    with tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5):
+    with tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, mode="select"):
         model.generate(**kwargs)  # exits happen; no IndexError
     assert tide_hf.last_stats(model).decode.tokens > 0
 
@@ -160,11 +163,11 @@ def test_save_pretrained_replaces_routers_only_and_atomically(tmp_path, model) -
     folder = tmp_path / "router"
     first, second = new_router(model, seed=1), new_router(model, seed=2)
     first.save_pretrained(folder)
-    with pytest.raises(tide_hf.TideRouterFileError, match="overwrite=True"):
+    with pytest.raises(tide_hf.errors.TideRouterFileError, match="overwrite=True"):
         second.save_pretrained(folder)
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
-    with pytest.raises(tide_hf.TideRouterFileError, match="notes.txt"):
+    with pytest.raises(tide_hf.errors.TideRouterFileError, match="notes.txt"):
         second.save_pretrained(tmp_path / "other", overwrite=True)
     assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
 
@@ -198,15 +201,15 @@ def test_router_load_checks_weights_against_config(tmp_path, model) -> None:
     folder = tmp_path / "router"
     new_router(model).save_pretrained(folder)
     _rewrite_weights(folder, lambda w: {k: v for k, v in w.items() if not k.startswith("routers.8.")})
-    with pytest.raises(tide_hf.TideRouterFileError, match=r"missing tensors.*routers\.8\.fc1\.weight"):
+    with pytest.raises(tide_hf.errors.TideRouterFileError, match=r"missing tensors.*routers\.8\.fc1\.weight"):
         tide_hf.TideRouter.from_pretrained(folder)
     new_router(model).save_pretrained(folder, overwrite=True)
     _rewrite_weights(folder, lambda w: {**w, "routers.12.fc1.weight": torch.zeros(1)})
-    with pytest.raises(tide_hf.TideRouterFileError, match=r"extra tensors.*routers\.12\.fc1\.weight"):
+    with pytest.raises(tide_hf.errors.TideRouterFileError, match=r"extra tensors.*routers\.12\.fc1\.weight"):
         tide_hf.TideRouter.from_pretrained(folder)
     new_router(model).save_pretrained(folder, overwrite=True)
     _rewrite_weights(folder, lambda w: {**w, "routers.4.fc1.weight": torch.zeros(3, 3)})
-    with pytest.raises(tide_hf.TideRouterFileError, match=r"wrong shape.*routers\.4\.fc1\.weight"):
+    with pytest.raises(tide_hf.errors.TideRouterFileError, match=r"wrong shape.*routers\.4\.fc1\.weight"):
         tide_hf.TideRouter.from_pretrained(folder)
 
 
@@ -214,11 +217,11 @@ def test_router_load_needs_its_config(tmp_path, model) -> None:
     folder = tmp_path / "router"
     new_router(model).save_pretrained(folder)
     (folder / "config.json").unlink()
-    with pytest.raises(tide_hf.TideRouterFileError, match="no config.json"):
+    with pytest.raises(tide_hf.errors.TideRouterFileError, match="no config.json"):
         tide_hf.TideRouter.from_pretrained(folder)
     model_dir = tmp_path / "model"
     make_tiny_llama().save_pretrained(model_dir)
-    with pytest.raises(tide_hf.TideRouterFileError, match="model_type 'llama'"):
+    with pytest.raises(tide_hf.errors.TideRouterFileError, match="model_type 'llama'"):
         tide_hf.TideRouter.from_pretrained(model_dir)
 
 
@@ -289,13 +292,13 @@ def test_attach_waits_for_running_per_call_tide() -> None:
         logits_processor=LogitsProcessorList([pause])))
     assert pause.paused.wait(120)
     try:
-        with pytest.raises(tide_hf.TideConcurrencyError, match="generate"):
-            tide_hf.attach(model, constant_router(model, 30.0))
+        with pytest.raises(tide_hf.errors.TideConcurrencyError, match="generate"):
+            tide_hf.attach(model, constant_router(model, 30.0), mode="select")
     finally:
         pause.resume.set()
         thread.join(120)
     assert "error" not in result
-    tide_hf.attach(model, constant_router(model, 30.0)).detach()  # after it ended: fine
+    tide_hf.attach(model, constant_router(model, 30.0), mode="select").detach()  # after it ended: fine
 
 
 # --- 5. the fingerprint is dtype-independent and still tells a fine-tune ----------------------------------------
@@ -321,9 +324,9 @@ def _dtype_copies(model):
 def test_fingerprint_is_dtype_independent_tiny() -> None:
     for seed in range(3):
         model = make_tiny_llama(seed=seed)
-        fp = tide_hf.model_fingerprint(model)
-        assert [tide_hf.model_fingerprint(m) for m in _dtype_copies(model)] == [fp, fp]
-        assert tide_hf.model_fingerprint(_fine_tuned(model, 1e-3)) != fp
+        fp = tide_hf.modeling.model_fingerprint(model)
+        assert [tide_hf.modeling.model_fingerprint(m) for m in _dtype_copies(model)] == [fp, fp]
+        assert tide_hf.modeling.model_fingerprint(_fine_tuned(model, 1e-3)) != fp
 
 
 @pytest.mark.slow
@@ -331,11 +334,11 @@ def test_fingerprint_is_dtype_independent_smollm2() -> None:
     from tide_hf.assets import load_model, smollm2_path
 
     model, _ = load_model(str(smollm2_path()), "float32")
-    fp = tide_hf.model_fingerprint(model)
+    fp = tide_hf.modeling.model_fingerprint(model)
     copies = _dtype_copies(model)
-    assert [tide_hf.model_fingerprint(m) for m in copies] == [fp, fp]
+    assert [tide_hf.modeling.model_fingerprint(m) for m in copies] == [fp, fp]
     router = new_router(model)  # calibrated (fingerprinted) in fp32, served in bf16 / fp16
     for served in copies:
         router.check_compatible(served)
     del copies
-    assert tide_hf.model_fingerprint(_fine_tuned(model, 1e-3)) != fp
+    assert tide_hf.modeling.model_fingerprint(_fine_tuned(model, 1e-3)) != fp

@@ -218,9 +218,11 @@ def test_nemotron_is_scored_on_its_own_final_norm() -> None:
         num_key_value_heads=2, max_position_embeddings=64)).eval()
     with torch.no_grad():
         model.model.norm.weight.normal_(0.5, 0.3)
-    router = tide_hf.TideRouter(tide_hf.TideRouterConfig(hidden_size=64, num_hidden_layers=9, router_bottleneck_dim=8))
+    router = tide_hf.TideRouter(tide_hf.TideRouterConfig(hidden_size=64, num_hidden_layers=9, router_bottleneck_dim=8,
+                                                         exit_head="lens"))
     hidden = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(1)) * 3
-    with tide_hf.attach(model, router, exit_threshold=1.0, ignore_fingerprint=True) as handle, torch.no_grad():
+    with tide_hf.attach(model, router, exit_threshold=1.0, ignore_fingerprint=True,
+                        mode="select") as handle, torch.no_grad():
         got = handle.score(4, hidden)
         mlp = router.routers["4"]
         want = torch.sigmoid(mlp.fc2(F.relu(mlp.fc1(model.model.norm(hidden).float())))).squeeze(-1)

@@ -90,7 +90,7 @@ def test_handle_is_a_context_manager_that_detaches_on_errors() -> None:
     before = hooks(model)
     ids, mask = left_padded()
     with pytest.raises(RuntimeError, match="boom"), tide_hf.attach(model, constant_router(model, 30.0),
-                                                                   mode="skip") as handle:
+                                                                   mode="skip", kv="propagate") as handle:
         assert tide_hf.get_handle(model) is handle and hooks(model) != before
         model(input_ids=ids, attention_mask=mask)
         raise RuntimeError("boom")

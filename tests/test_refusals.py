@@ -41,7 +41,8 @@ CLOSED_PATH = {"thresholds": [[1.0, 1.0], [0.9, 1.0]], "errors": [0, 2], "n": 10
 
 
 def config(**fields) -> TideRouterConfig:
-    return TideRouterConfig(hidden_size=64, num_hidden_layers=9, router_bottleneck_dim=8, **fields)
+    return TideRouterConfig(hidden_size=64, num_hidden_layers=9, router_bottleneck_dim=8, **{"exit_head": "lens",
+                                                                                             **fields})
 
 
 @pytest.mark.parametrize("paths,message", [
@@ -162,7 +163,8 @@ def test_attach_refuses_bad_targets_before_touching_the_model(kwargs, error, mes
 def test_confidence_without_a_target_is_refused() -> None:
     model = make_model()
     with pytest.raises(TideArgumentError, match="confidence applies only with a quality target"):
-        tide_hf.attach(model, new_router(model), confidence=0.9)  # no exit paths: no target to apply it to
+        tide_hf.attach(model, new_router(model), confidence=0.9,
+                       mode="select")  # no exit paths: no target to apply it to
 
 
 def test_a_target_whose_thresholds_open_checkpoints_below_min_layers_is_refused() -> None:
@@ -170,17 +172,18 @@ def test_a_target_whose_thresholds_open_checkpoints_below_min_layers_is_refused(
     path = {**CLOSED_PATH, "thresholds": [[1.0, 1.0], [0.9, 0.8]]}
     router = new_router(model, exit_paths={"agreement": path})
     with pytest.raises(TideTargetError, match=r"open checkpoints \[4\], below min_layers=8"):
-        tide_hf.attach(model, router, min_agreement=0.5, min_layers=8)
-    with tide_hf.attach(model, router, min_agreement=0.5) as handle:  # the calibrated min_layers: served as tested
+        tide_hf.attach(model, router, min_agreement=0.5, min_layers=8,
+                       mode="select")
+    with tide_hf.attach(model, router, min_agreement=0.5, mode="select") as handle:  # the calibrated min_layers
         assert handle.options.thresholds == {4: 0.9, 8: 0.8}
 
 
 def test_deliberate_errors_are_tide_errors() -> None:
     model = make_model()
     router = new_router(model)
-    with tide_hf.attach(model, router):
+    with tide_hf.attach(model, router, mode="select"):
         with pytest.raises(TideArgumentError, match="already has a TIDE router"):
-            tide_hf.attach(model, router)
+            tide_hf.attach(model, router, mode="select")
     with pytest.raises(TideArgumentError, match="needs a router"):
         model.generate(torch.tensor([[5, 6]]), max_new_tokens=1, tide=True)
     with pytest.raises(TideArgumentTypeError, match="tide= takes"):
@@ -221,7 +224,7 @@ def test_recompute_refuses_a_window_kept_in_the_config() -> None:
 def test_a_forward_that_raised_does_not_cost_the_next_call_its_stats() -> None:
     model = make_model()
     ids, mask = left_padded()
-    with tide_hf.attach(model, constant_router(model, -30.0)) as handle:
+    with tide_hf.attach(model, constant_router(model, -30.0), mode="select") as handle:
         expected = None
         for attempt in range(2):
             if attempt:  # a plain forward that raises inside the model, before TIDE's end hook
@@ -239,7 +242,7 @@ def test_eos_as_a_0d_tensor_is_served_like_stock() -> None:
     model = make_model()
     ids, mask = left_padded()
     stock = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, eos_token_id=torch.tensor(2))
-    with tide_hf.attach(model, constant_router(model, -30.0)):
+    with tide_hf.attach(model, constant_router(model, -30.0), mode="select"):
         ours = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
                               eos_token_id=torch.tensor(2))
     assert torch.equal(stock, ours)
@@ -250,7 +253,7 @@ def test_compatibility_errors_are_tide_errors() -> None:
         config = make_model().config
 
     with pytest.raises(TideCompatibilityError):
-        tide_hf.attach(NoLayers(), new_router(make_model()))
+        tide_hf.attach(NoLayers(), new_router(make_model()), mode="select")
 
 
 def test_calibration_warns_when_its_default_target_opens_nothing() -> None:
@@ -290,7 +293,7 @@ def test_held_out_fractions_that_leave_no_training_samples_are_refused_naming_bo
 ])
 def test_calibrate_tokens_refuses_ids_the_model_cannot_embed(samples, pad_id, error, message) -> None:
     with pytest.raises(error, match=message):
-        tide_hf.calibrate_tokens(make_model(), samples, pad_id=pad_id)
+        tide_hf.calibration.calibrate_tokens(make_model(), samples, pad_id=pad_id)
 
 
 def test_missing_or_wrong_folders_are_named(tmp_path: Path) -> None:
@@ -330,7 +333,7 @@ def test_weights_loaded_while_attached_are_served_as_a_new_attach_would_serve_th
     ids, mask = left_padded()
     own = {k: v.clone() for k, v in model.state_dict().items()}
     router = new_router(model, exit_paths={"agreement": CLOSED_PATH}, min_agreement=0.9)
-    with tide_hf.attach(model, router) as handle:
+    with tide_hf.attach(model, router, mode="select") as handle:
         expected = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
         model.load_state_dict(other.state_dict())
         before = hooks(model)
@@ -344,7 +347,7 @@ def test_weights_loaded_while_attached_are_served_as_a_new_attach_would_serve_th
         model.to(torch.float64)
         model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
     model.to(torch.float32)
-    with tide_hf.attach(model, router, ignore_fingerprint=True):
+    with tide_hf.attach(model, router, ignore_fingerprint=True, mode="select"):
         model.load_state_dict(other.state_dict())
         with pytest.warns(UserWarning, match="weights changed while attached: the quality target"):
             model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
@@ -357,7 +360,7 @@ def test_a_training_forward_while_attached_is_refused() -> None:
     """model.train() and a loss with gradients trained on TIDE's exit logits (loss and gradients not stock's)."""
     model = make_model()
     ids = torch.tensor([[17, 99, 45, 3, 200, 31, 7]])
-    with tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, min_layers=4):
+    with tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, min_layers=4, mode="select"):
         model.train()
         with pytest.raises(TideUnsupportedError, match="a training forward .* while TIDE is attached"):
             model(ids, labels=ids)
@@ -419,8 +422,8 @@ def test_old_routers_whose_paths_open_checkpoints_below_their_min_layers_are_tol
     path = {**CLOSED_PATH, "thresholds": [[1.0, 1.0], [0.9, 0.8]]}
     router = new_router(model, exit_paths={"agreement": path}, min_layers=8)
     with pytest.raises(TideTargetError, match="a tide_hf older than the fix that keeps them closed calibrated"):
-        tide_hf.attach(model, router, min_agreement=0.5)
-    with tide_hf.attach(model, router, exit_threshold=0.9):
+        tide_hf.attach(model, router, min_agreement=0.5, mode="select")
+    with tide_hf.attach(model, router, exit_threshold=0.9, mode="select"):
         pass
 
 
@@ -454,7 +457,7 @@ def test_sliding_window_models_get_a_mask_per_layer_type_and_are_served_like_sto
     kwargs = dict(max_new_tokens=5, do_sample=False, cache_implementation=cache)
     stock = model.generate(input_ids=ids, **kwargs)
     assert torch.equal(model.generate(input_ids=ids, **kwargs, tide=constant_router(model, -30.0)), stock)
-    with tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, min_layers=4) as handle:
+    with tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, min_layers=4, mode="select") as handle:
         model.generate(input_ids=ids, **kwargs)
         assert dict(handle.last_stats.prefill.exits) == {4: ids.numel()}  # every position, no padding
 
@@ -481,7 +484,8 @@ def test_tide_naming_the_attached_routers_folder_uses_the_attached_router(tmp_pa
     new_router(model, seed=1).save_pretrained(tmp_path / "same")
     new_router(model, seed=2).save_pretrained(tmp_path / "other")
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
-    with tide_hf.attach(model, TideRouter.from_pretrained(tmp_path / "same"), exit_threshold=0.5) as handle:
+    with tide_hf.attach(model, TideRouter.from_pretrained(tmp_path / "same"), exit_threshold=0.5,
+                        mode="select") as handle:
         attached = model.generate(**kwargs)
         assert torch.equal(model.generate(**kwargs, tide=str(tmp_path / "same")), attached)
         assert handle.last_stats.decode.tokens > 0
@@ -502,8 +506,8 @@ def test_a_peft_style_wrapper_is_refused_with_the_model_to_attach_to() -> None:
     model = make_model()
     router = new_router(model)
     with pytest.raises(TideCompatibilityError, match=r"attach to model.get_base_model\(\)"):
-        tide_hf.attach(Wrapper(model), router)
-    with tide_hf.attach(Wrapper(model).get_base_model(), router, exit_threshold=1.0):
+        tide_hf.attach(Wrapper(model), router, mode="select")
+    with tide_hf.attach(Wrapper(model).get_base_model(), router, exit_threshold=1.0, mode="select"):
         assert tide_hf.get_handle(model) is not None
 
 
@@ -516,18 +520,18 @@ def test_positional_arguments_pass_through_another_librarys_generate_wrapper() -
     ids, mask = left_padded()
     config = GenerationConfig(max_new_tokens=4, do_sample=False, pad_token_id=0)
     stock = model.generate(ids, config, attention_mask=mask)
-    tide_hf.integrations.uninstall()
+    tide_hf.integrations.disable_generate_keyword()
     plain = GenerationMixin.generate
     GenerationMixin.generate = lambda self, *args, **kwargs: plain(self, *args, **kwargs)
-    tide_hf.integrations.install()
+    tide_hf.integrations.enable_generate_keyword()
     try:
-        with tide_hf.attach(model, constant_router(model, -30.0), exit_threshold=0.5) as handle:
+        with tide_hf.attach(model, constant_router(model, -30.0), exit_threshold=0.5, mode="select") as handle:
             assert torch.equal(model.generate(ids, config, attention_mask=mask), stock)
             assert handle.last_stats.prefill.tokens == int(mask.sum())
     finally:
-        tide_hf.integrations.uninstall()
+        tide_hf.integrations.disable_generate_keyword()
         GenerationMixin.generate = plain
-        tide_hf.integrations.install()
+        tide_hf.integrations.enable_generate_keyword()
 
 
 def test_a_head_tide_hf_does_not_reproduce_is_refused_where_tide_hf_computes_logits(
@@ -552,7 +556,7 @@ def test_a_head_tide_hf_does_not_reproduce_is_refused_where_tide_hf_computes_log
     before = hooks(model)
     refused = pytest.raises(TideCompatibilityError, match=r"GraniteForCausalLM .* does not reproduce")
     with refused:
-        tide_hf.calibrate_tokens(model, [torch.arange(3, 40)] * 8, progress=False)
+        tide_hf.calibration.calibrate_tokens(model, [torch.arange(3, 40)] * 8, progress=False)
     with refused:
         convergence(model, ByteTokenizer(), make_documents(4, 30), num_samples=2, seq_len=16, batch_size=2,
                     checkpoint_interval=4, convergence_threshold=0.5, agreements=[0.9], bins=4, seed=0,
@@ -572,20 +576,20 @@ def test_the_fingerprint_covers_every_layer_and_older_routers_still_pair() -> No
     model, other = make_model(seed=0), make_model(seed=1)
     changed = copy.deepcopy(model)
     changed.model.layers[4].load_state_dict(other.model.layers[4].state_dict())
-    fingerprint = tide_hf.model_fingerprint
+    fingerprint = tide_hf.modeling.model_fingerprint
     assert fingerprint(changed) != fingerprint(model)
     assert fingerprint(changed, version=1) == fingerprint(model, version=1)  # what the first version missed
     with pytest.raises(TideCompatibilityError, match="weights fingerprint"):
-        tide_hf.attach(changed, new_router(model))
+        tide_hf.attach(changed, new_router(model), mode="select")
     older = new_router(model)
     older.config.base_fingerprint = fingerprint(model, version=1)
-    tide_hf.attach(model, older).detach()
+    tide_hf.attach(model, older, mode="select").detach()
     with pytest.raises(TideCompatibilityError, match="weights fingerprint"):
-        tide_hf.attach(other, older)
+        tide_hf.attach(other, older, mode="select")
     newer = new_router(model)
     newer.config.base_fingerprint = "v3:" + fingerprint(model).split(":")[1]  # made by a later tide_hf
     with pytest.raises(TideCompatibilityError, match="cannot check: a newer tide_hf made it; upgrade tide_hf"):
-        tide_hf.attach(model, newer)
+        tide_hf.attach(model, newer, mode="select")
 
 
 def test_a_target_served_on_other_weights_warns() -> None:
@@ -593,11 +597,11 @@ def test_a_target_served_on_other_weights_warns() -> None:
     model, other = make_model(seed=0), make_model(seed=1)
     router = new_router(model, exit_paths={"agreement": CLOSED_PATH}, min_agreement=0.9)
     with pytest.warns(UserWarning, match="is certified for the weights the router was calibrated on"):
-        tide_hf.attach(other, router, ignore_fingerprint=True).detach()
+        tide_hf.attach(other, router, ignore_fingerprint=True, mode="select").detach()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        tide_hf.attach(model, router, ignore_fingerprint=True).detach()  # the same weights
-        tide_hf.attach(other, router, ignore_fingerprint=True, exit_threshold=0.5).detach()  # no target
+        tide_hf.attach(model, router, ignore_fingerprint=True, mode="select").detach()  # the same weights
+        tide_hf.attach(other, router, ignore_fingerprint=True, exit_threshold=0.5, mode="select").detach()  # no target
 
 
 def test_attach_takes_a_router_folder_and_names_missing_paths(tmp_path: Path) -> None:
@@ -609,24 +613,24 @@ def test_attach_takes_a_router_folder_and_names_missing_paths(tmp_path: Path) ->
     ids, mask = left_padded()
     router = constant_router(model, 30.0)
     router.save_pretrained(tmp_path / "r")
-    with tide_hf.attach(model, router, exit_threshold=0.5):
+    with tide_hf.attach(model, router, exit_threshold=0.5, mode="select"):
         expected = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
-    with tide_hf.attach(model, str(tmp_path / "r"), exit_threshold=0.5) as handle:
+    with tide_hf.attach(model, str(tmp_path / "r"), exit_threshold=0.5, mode="select") as handle:
         assert isinstance(handle.router, TideRouter)
         assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False), expected)
     with pytest.raises(TideArgumentTypeError, match="router must be a TideRouter, a router folder or a Hub repo id"):
-        tide_hf.attach(model, 123)
+        tide_hf.attach(model, 123, mode="select")
     with pytest.raises(TideMissingRouterError, match="no TIDE router folder at") as caught:
-        tide_hf.attach(model, str(tmp_path / "nothing"))
+        tide_hf.attach(model, str(tmp_path / "nothing"), mode="select")
     assert isinstance(caught.value, FileNotFoundError) and isinstance(caught.value, TideRouterFileError)
     with pytest.raises(TideMissingRouterError, match="no TIDE router folder at"):
-        tide_hf.attach(model, tmp_path / "nothing")  # a Path object is a path, whatever its spelling
+        tide_hf.attach(model, tmp_path / "nothing", mode="select")  # a Path object is a path, whatever its spelling
     # a bare name is no Hub repo id: it went to the Hub (~25 s of retries offline, then transformers' OSError)
     with pytest.raises(TideMissingRouterError, match=r"no TIDE router folder named 'my-routr' here .*'owner/name'"):
-        tide_hf.attach(model, "my-routr")
+        tide_hf.attach(model, "my-routr", mode="select")
     for missing in (str(tmp_path / "nofile.txt"), "./nofile.jsonl", "~/no/such/folder", tmp_path / "folder"):
         with pytest.raises(TideMissingError, match="no such file or folder"):
-            tide_hf.load_texts(missing)
+            tide_hf.calibration.load_texts(missing)
 
 
 def test_what_is_not_a_model_is_named() -> None:
@@ -635,12 +639,12 @@ def test_what_is_not_a_model_is_named() -> None:
     model = make_model()
     router = new_router(model)
     for bad in (None, "HuggingFaceTB/SmolLM2-135M"):
-        for call in (lambda: tide_hf.attach(bad, router), lambda: tide_hf.detach(bad),
+        for call in (lambda: tide_hf.attach(bad, router, mode="select"), lambda: tide_hf.detach(bad),
                      lambda: tide_hf.last_stats(bad)):
             with pytest.raises(TideArgumentTypeError, match=r"model must be a torch.nn.Module .*got (NoneType|str)"):
                 call()
     with pytest.raises(TideArgumentTypeError, match="handle_class must be a TideHandle subclass, got <class 'int'>"):
-        tide_hf.attach(model, router, handle_class=int)
+        tide_hf.runtime.attach_with(int, model, router)
     assert tide_hf.get_handle(model) is None and hooks(model) == hooks(make_model())
 
 
@@ -654,7 +658,7 @@ def test_any_real_exit_threshold_is_served_as_the_float():
     router = mixed_router(model, ids, mask)
     runs = []
     for value in (0.5, Fraction(1, 2), np.float32(0.5)):
-        with tide_hf.attach(model, router, exit_threshold=value) as handle:
+        with tide_hf.attach(model, router, exit_threshold=value, mode="select") as handle:
             assert type(handle.options.exit_threshold) is float
             runs.append((model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False),
                          handle.last_stats.as_dict()))
@@ -677,7 +681,7 @@ def test_a_model_without_weights_is_named_before_any_forward() -> None:
                 tide_hf.attach(empty, router, mode=mode, ignore_fingerprint=ignore)
             assert tide_hf.get_handle(empty) is None
     with pytest.raises(TideCompatibilityError, match=message):
-        tide_hf.calibrate_tokens(empty, [torch.arange(3, 20)] * 4, progress=False, num_epochs=1)
+        tide_hf.calibration.calibrate_tokens(empty, [torch.arange(3, 20)] * 4, progress=False, num_epochs=1)
 
 @pytest.mark.parametrize(("options", "message"), [
     (dict(mode="select", kv="recompute"), r"kv='recompute' applies to mode='skip' only"),

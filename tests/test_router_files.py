@@ -335,7 +335,7 @@ def test_attach_names_a_config_edited_after_loading(tmp_path: Path) -> None:
         router = new_router(model)
         setattr(router.config, field, value)
         with pytest.raises(error, match=message):
-            tide_hf.attach(model, router)
+            tide_hf.attach(model, router, mode="select")
         assert tide_hf.get_handle(model) is None
     with pytest.raises(TideCompatibilityError, match="Linear has no config"):
         new_router(model).check_compatible(torch.nn.Linear(2, 2))

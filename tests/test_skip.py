@@ -42,7 +42,8 @@ def router_for(model, logit: float) -> tide_hf.TideRouter:
     cfg = model.config
     router = tide_hf.TideRouter(tide_hf.TideRouterConfig(
         hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers, router_bottleneck_dim=8,
-        base_architecture=type(model).__name__, base_fingerprint=tide_hf.model_fingerprint(model)))
+        base_architecture=type(model).__name__, base_fingerprint=tide_hf.modeling.model_fingerprint(model),
+        exit_head="lens"))
     with torch.no_grad():
         for mlp in router.routers.values():
             mlp.fc2.weight.zero_()
@@ -79,7 +80,8 @@ def test_all_rows_exit_equals_truncated_model_and_layers_are_not_run(exit_at):
     model = make()
     ids, mask = prompts()
     expected = truncated(model, exit_at).generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
-    handle = tide_hf.attach(model, router_for(model, 30.0), exit_threshold=0.5, min_layers=exit_at, mode="skip")
+    handle = tide_hf.attach(model, router_for(model, 30.0), exit_threshold=0.5, min_layers=exit_at, mode="skip",
+                            kv="propagate")
     calls = count_mlp_calls(model)  # (after attach: its check of the propagated K/V runs one forward)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     assert torch.equal(out, expected)
@@ -101,7 +103,7 @@ def test_mixed_rows_run_every_layer_like_select_mode():
     select = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
     select_stats = handle.last_stats
     handle.detach()
-    handle = tide_hf.attach(model, router, exit_threshold=0.5, mode="skip")
+    handle = tide_hf.attach(model, router, exit_threshold=0.5, mode="skip", kv="propagate")
     skip = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
     assert 0 < select_stats.decode.exit_rate < 1  # a real mix
     assert torch.equal(skip, select)
@@ -112,7 +114,7 @@ def test_threshold_one_in_skip_mode_is_stock():
     model = make()
     ids, mask = prompts()
     stock = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
-    handle = tide_hf.attach(model, router_for(model, 30.0), exit_threshold=1.0, mode="skip")
+    handle = tide_hf.attach(model, router_for(model, 30.0), exit_threshold=1.0, mode="skip", kv="propagate")
     assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False), stock)
     assert handle.last_stats.decode.mean_executed == NUM_LAYERS
     handle.detach()
@@ -122,7 +124,7 @@ def test_threshold_one_in_skip_mode_is_stock():
 def test_every_layer_cache_has_the_same_length_after_every_step(cache):
     model = make()
     ids, mask = prompts()
-    tide_hf.attach(model, router_for(model, 30.0), exit_threshold=0.5, min_layers=4, mode="skip")
+    tide_hf.attach(model, router_for(model, 30.0), exit_threshold=0.5, min_layers=4, mode="skip", kv="propagate")
     past = (DynamicCache(config=model.config) if cache == "dynamic"
             else StaticCache(config=model.config, max_cache_len=32))
     lengths = []
@@ -239,7 +241,8 @@ def test_detach_restores_forward_and_keeps_accelerate_hooks():
     layer = model.model.layers[6]
     add_hook_to_module(layer, ModelHook())  # what accelerate's dispatch does: forward wraps _old_forward
     accelerate_forward = layer.forward
-    handle = tide_hf.attach(model, router_for(model, 30.0), exit_threshold=0.5, min_layers=4, mode="skip")
+    handle = tide_hf.attach(model, router_for(model, 30.0), exit_threshold=0.5, min_layers=4, mode="skip",
+                            kv="propagate")
     assert layer.forward is accelerate_forward  # accelerate's wrapper untouched, its _old_forward replaced
     expected = truncated(model, 4).generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
     assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False), expected)
@@ -255,7 +258,7 @@ def test_unsupported_attention_is_refused_before_any_patch():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=64, n_embd=32, n_layer=NUM_LAYERS, n_head=2)).eval()
     with pytest.raises(NotImplementedError, match="kv='propagate'"):
-        tide_hf.attach(model, router_for(model, 30.0), mode="skip")
+        tide_hf.attach(model, router_for(model, 30.0), mode="skip", kv="propagate")
     assert tide_hf.get_handle(model) is None
     assert all(not m._forward_hooks and not m._forward_pre_hooks and "forward" not in m.__dict__
                for m in model.modules())

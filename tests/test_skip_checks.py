@@ -57,7 +57,8 @@ def test_output_attentions_in_skip_mode_is_refused_and_the_model_stays_usable() 
     model = make_model()
     ids = torch.tensor([[17, 99, 45, 3, 200, 31, 7]])
     stock = model.generate(ids, max_new_tokens=4, do_sample=False)
-    with tide_hf.attach(model, constant_router(model, -30.0), exit_threshold=0.5, min_layers=4, mode="skip"):
+    with tide_hf.attach(model, constant_router(model, -30.0), exit_threshold=0.5, min_layers=4, mode="skip",
+                        kv="propagate"):
         try:
             model.generate(ids, max_new_tokens=4, do_sample=False, output_attentions=True,
                            return_dict_in_generate=True)
@@ -75,7 +76,8 @@ def test_hidden_states_in_skip_mode_are_refused_as_attentions_are() -> None:
     ids = torch.tensor([[17, 99, 45, 3, 200, 31, 7]])
     stock = model.generate(ids, max_new_tokens=4, do_sample=False, output_hidden_states=True,
                            return_dict_in_generate=True)
-    with tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, min_layers=4, mode="skip"):
+    with tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, min_layers=4, mode="skip",
+                        kv="propagate"):
         for call in (lambda: model.generate(ids, max_new_tokens=4, do_sample=False, output_hidden_states=True,
                                             return_dict_in_generate=True),
                      lambda: model(ids, output_hidden_states=True)):
@@ -85,7 +87,8 @@ def test_hidden_states_in_skip_mode_are_refused_as_attentions_are() -> None:
                 assert "output_hidden_states with mode='skip'" in str(err)
             else:
                 raise AssertionError("skip mode returned hidden states of layers it skipped")
-    with tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, min_layers=4):  # select mode
+    with tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, min_layers=4,
+                        mode="select"):  # select mode
         out = model.generate(ids, max_new_tokens=1, do_sample=False, output_hidden_states=True,
                              return_dict_in_generate=True)
     ours, theirs = out.hidden_states[0], stock.hidden_states[0]  # embeddings, then each layer's output (normed)
@@ -141,7 +144,7 @@ def test_finished_rows_do_not_hold_skip_mode_for_the_others() -> None:
         mlp.fc2.weight[0, 0], mlp.fc2.bias[0] = -1000.0, 30.0
     model.generation_config.eos_token_id = None
     settings = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
-    with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="skip") as handle:
+    with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="skip", kv="propagate") as handle:
         free = model.generate(ids, attention_mask=torch.ones_like(ids), **settings)
         eos = int(free[1, width])  # row 1's first new token becomes its EOS: it finishes at once
         assert eos not in free[0, width:].tolist()
@@ -178,7 +181,8 @@ def test_a_model_given_no_cache_before_its_first_forward_counts_every_step() -> 
     model = transformers.MiniMaxForCausalLM(config).eval()
     assert not model._supports_default_dynamic_cache()
     ids = torch.tensor([[17, 99, 45, 3, 200, 31, 7]])
-    with tide_hf.attach(model, constant_router(model, -30.0), exit_threshold=0.5, min_layers=4) as handle:
+    with tide_hf.attach(model, constant_router(model, -30.0), exit_threshold=0.5, min_layers=4,
+                        mode="select") as handle:
         model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
         assert (handle.last_stats.prefill.tokens, handle.last_stats.decode.tokens) == (7, 5)
 

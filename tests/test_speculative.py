@@ -85,7 +85,7 @@ def make_router(model, gate: str, seed: int = 0, prior: bool = True, exit_head: 
     router = TideRouter(TideRouterConfig(
         hidden_size=model.config.hidden_size, num_hidden_layers=model.config.num_hidden_layers,
         router_bottleneck_dim=16, base_architecture=type(model).__name__, label="top1", exit_head=exit_head,
-        base_fingerprint=tide_hf.model_fingerprint(model),
+        base_fingerprint=tide_hf.modeling.model_fingerprint(model),
         metrics={"4": {"predicted_rate": rate, "precision": 1.0, "label_rates": {"top1": rate}}} if prior else None))
     for mlp in router.routers.values():
         if gate == "mixed":
@@ -396,7 +396,8 @@ def test_model_without_layer_truncation_is_refused_and_restored():
                                        bos_token_id=1, eos_token_id=2)).eval()
     router = TideRouter(TideRouterConfig(hidden_size=32, num_hidden_layers=5, router_bottleneck_dim=8,
                                          checkpoint_layers=[2], base_architecture=type(model).__name__,
-                                         label="top1", metrics={"2": {"predicted_rate": 1.0, "precision": 1.0}}))
+                                         label="top1", metrics={"2": {"predicted_rate": 1.0,
+                                                                      "precision": 1.0}}, exit_head="lens"))
     with torch.no_grad():
         router.routers["2"].fc2.bias.fill_(30.0)
         router.routers["2"].fc2.weight.zero_()
@@ -424,7 +425,7 @@ def test_a_draft_layer_below_min_layers_is_refused():
     """min_layers says no token leaves before it: a draft at an earlier checkpoint would be accepted and ignored."""
     model = make_model()
     router = make_router(model, "always")
-    with pytest.raises(tide_hf.TideArgumentError, match="draft_layer=4 is below min_layers=8"):
+    with pytest.raises(tide_hf.errors.TideArgumentError, match="draft_layer=4 is below min_layers=8"):
         tide_hf.attach(model, router, mode="speculative", draft_layer=4, min_layers=8)
     assert tide_hf.get_handle(model) is None
 
@@ -432,7 +433,7 @@ def test_a_draft_layer_below_min_layers_is_refused():
 def test_default_draft_layer_from_metrics():
     model = make_model()
     router = make_router(model, "always", prior=False)
-    adapter = tide_hf.get_adapter(model)
+    adapter = tide_hf.modeling.get_adapter(model)
     assert choose_draft_layer(router, adapter, [4, 8]) == 4  # no metrics: nearest half depth
     cost4, cost8 = draft_cost(adapter, 4), draft_cost(adapter, 8)
     assert 4 / 9 < cost4 < cost8 < 1.0  # the LM head is a share of every forward
@@ -698,9 +699,10 @@ def test_recurrent_state_models_are_refused_at_attach(family):
             attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1))
     model.eval()
     router = TideRouter(TideRouterConfig(hidden_size=HIDDEN, num_hidden_layers=4, router_bottleneck_dim=8,
-                                         checkpoint_layers=[2], base_architecture=type(model).__name__))
+                                         checkpoint_layers=[2], base_architecture=type(model).__name__,
+                                         exit_head="lens"))
     before = snapshot(model)
-    with pytest.raises(tide_hf.TideUnsupportedError, match="recurrent"):
+    with pytest.raises(tide_hf.errors.TideUnsupportedError, match="recurrent"):
         tide_hf.attach(model, router, mode="speculative", draft_layer=2)
     assert snapshot(model) == before and tide_hf.get_handle(model) is None
     tide_hf.attach(model, router, mode="select").detach()

@@ -41,8 +41,8 @@ def router(model) -> TideRouter:
     """Converged everywhere (the gate always open), with a prior that makes drafting pay."""
     router = TideRouter(TideRouterConfig(
         hidden_size=model.config.hidden_size, num_hidden_layers=LAYERS, router_bottleneck_dim=8, checkpoint_interval=2,
-        base_architecture=type(model).__name__, base_fingerprint=tide_hf.model_fingerprint(model),
-        metrics={"2": {"label_rates": {"top1": 0.9}}}))
+        base_architecture=type(model).__name__, base_fingerprint=tide_hf.modeling.model_fingerprint(model),
+        metrics={"2": {"label_rates": {"top1": 0.9}}}, exit_head="lens"))
     with torch.no_grad():
         for mlp in router.routers.values():
             mlp.fc2.weight.zero_()

@@ -19,9 +19,10 @@ from test_speculative import (
     speculative,
 )
 
-from tide_hf import TideRouter, TideRouterConfig, model_fingerprint
+from tide_hf import TideRouter, TideRouterConfig
 from tide_hf.eval.easy import make_near_identity
 from tide_hf.integrations.draft import DraftEstimates
+from tide_hf.modeling import model_fingerprint
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -88,7 +89,7 @@ def test_smollm2_easy_model_greedy_identical_with_reuse(monkeypatch):
     tok.padding_side = "left"
     router = TideRouter(TideRouterConfig(hidden_size=model.config.hidden_size, num_hidden_layers=30,
                                          router_bottleneck_dim=16, base_architecture=type(model).__name__,
-                                         base_fingerprint=model_fingerprint(model)))
+                                         base_fingerprint=model_fingerprint(model), exit_head="lens"))
     with torch.no_grad():
         for mlp in router.routers.values():  # converged everywhere: the policy alone decides the draft length
             mlp.fc2.weight.zero_()

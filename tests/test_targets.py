@@ -135,17 +135,17 @@ def test_calibrated_router_attaches_at_its_default_target(tmp_path: Path) -> Non
     assert path["thresholds"][0] == [1.0] * len(cfg.checkpoint_layers) and path["errors"][0] == 0
     assert path["n"] >= path["n_next"] > 0  # the last token of a sample has no next token for the NLL
     want = select(cfg.exit_paths, cfg.checkpoint_layers, min_agreement=cfg.min_agreement, confidence=cfg.confidence)
-    with tide_hf.attach(model, router) as handle:
+    with tide_hf.attach(model, router, mode="select") as handle:
         assert handle.options.thresholds == want and handle.options.target == {"min_agreement": 0.95,
                                                                                 "confidence": 0.9}
     router.save_pretrained(tmp_path / "r")
     loaded = tide_hf.TideRouter.from_pretrained(tmp_path / "r")
     assert loaded.config.exit_paths == cfg.exit_paths
-    with tide_hf.attach(model, loaded, min_agreement=0.9) as handle:
+    with tide_hf.attach(model, loaded, min_agreement=0.9, mode="select") as handle:
         assert handle.options.thresholds == select(cfg.exit_paths, cfg.checkpoint_layers, min_agreement=0.9,
                                                    confidence=cfg.confidence)
     with pytest.raises(ValueError, match="not both"):
-        tide_hf.attach(model, loaded, exit_threshold=0.5, min_agreement=0.9)
+        tide_hf.attach(model, loaded, exit_threshold=0.5, min_agreement=0.9, mode="select")
 
 
 def test_older_router_without_the_table_uses_its_global_threshold(tmp_path: Path) -> None:
@@ -157,11 +157,11 @@ def test_older_router_without_the_table_uses_its_global_threshold(tmp_path: Path
         config.pop(key)  # what a router saved before quality targets existed looks like
     (tmp_path / "config.json").write_text(json.dumps(config))
     old = tide_hf.TideRouter.from_pretrained(tmp_path)
-    with tide_hf.attach(model, old) as handle:
+    with tide_hf.attach(model, old, mode="select") as handle:
         assert handle.options.thresholds is None and handle.options.exit_threshold == 0.7
         assert all(handle.options.threshold(k) == 0.7 for k in old.checkpoint_layers)
     with pytest.raises(TideTargetError, match="no calibrated agreement path"):
-        tide_hf.attach(model, old, min_agreement=0.9)
+        tide_hf.attach(model, old, min_agreement=0.9, mode="select")
 
 
 def test_select_mode_exits_follow_the_per_checkpoint_thresholds() -> None:
@@ -176,7 +176,7 @@ def test_select_mode_exits_follow_the_per_checkpoint_thresholds() -> None:
     router.config.exit_paths = {"agreement": {"thresholds": [[1.0, 1.0], [1.0, 0.5]], "errors": [0, 0], "n": 10**6,
                                               "nll_sum": [0.0, 0.0], "nll_sumsq": [0.0, 0.0], "n_next": 10**6}}
     ids = torch.randint(3, 200, (2, 6), generator=torch.Generator().manual_seed(0))
-    with tide_hf.attach(model, router, min_agreement=0.99) as handle:
+    with tide_hf.attach(model, router, min_agreement=0.99, mode="select") as handle:
         assert handle.options.thresholds == {k1: 1.0, k2: 0.5}
         with torch.no_grad():
             model(input_ids=ids)
@@ -281,10 +281,11 @@ def test_an_always_right_checkpoint_opens_under_an_agreement_target() -> None:
     samples = [torch.randint(3, 256, (48,), generator=gen) for _ in range(200)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        router = tide_hf.calibrate_tokens(model, samples, num_epochs=3, router_bottleneck_dim=16, progress=False,
+        router = tide_hf.calibration.calibrate_tokens(model, samples, num_epochs=3, router_bottleneck_dim=16,
+                                                      progress=False,
                                           exit_head="lens")
     ids = torch.stack(samples[:20])
-    with tide_hf.attach(model, router, min_agreement=0.5) as handle, torch.no_grad():
+    with tide_hf.attach(model, router, min_agreement=0.5, mode="select") as handle, torch.no_grad():
         model(input_ids=ids)
         assert dict(handle.last_stats.prefill.exits) == {4: ids.numel()}
 
@@ -302,12 +303,12 @@ def test_a_perplexity_target_exits_end_to_end_and_holds() -> None:
     samples = [torch.randint(3, 256, (48,), generator=gen) for _ in range(240)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        router = tide_hf.calibrate_tokens(model, samples[:200], num_epochs=3, router_bottleneck_dim=16,
+        router = tide_hf.calibration.calibrate_tokens(model, samples[:200], num_epochs=3, router_bottleneck_dim=16,
                                           progress=False)
     held_out = torch.stack(samples[200:])
     with torch.no_grad():
         stock = model(input_ids=held_out, labels=held_out).loss
-        with tide_hf.attach(model, router, max_perplexity_increase=0.05) as handle:
+        with tide_hf.attach(model, router, max_perplexity_increase=0.05, mode="select") as handle:
             served = model(input_ids=held_out, labels=held_out).loss
             exits = handle.last_stats.prefill.exits
     assert handle.options.thresholds[4] < 1.0 and exits.get(4, 0) > held_out.numel() // 2
@@ -347,7 +348,8 @@ def test_a_table_no_test_could_produce_is_refused(edit, message) -> None:
 
     paths = {kind: {"thresholds": [[1.0, 1.0], [0.5, 1.0]], "errors": [0, 3], "n": 100, "nll_sum": [0.0, 4.0],
                     "nll_sumsq": [0.0, 9.0], "n_next": 90} for kind in ("agreement", "perplexity")}
-    TideRouterConfig(checkpoint_layers=[4, 8], num_hidden_layers=9, exit_paths=json.loads(json.dumps(paths)))
+    TideRouterConfig(checkpoint_layers=[4, 8], num_hidden_layers=9, exit_paths=json.loads(json.dumps(paths)),
+                     exit_head="lens")
     edit(paths)
-    with pytest.raises(tide_hf.TideArgumentError, match=message):
-        TideRouterConfig(checkpoint_layers=[4, 8], num_hidden_layers=9, exit_paths=paths)
+    with pytest.raises(tide_hf.errors.TideArgumentError, match=message):
+        TideRouterConfig(checkpoint_layers=[4, 8], num_hidden_layers=9, exit_paths=paths, exit_head="lens")

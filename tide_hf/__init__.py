@@ -22,7 +22,8 @@ except PackageNotFoundError:  # a source tree that was never installed
 _API = {  # public name -> the room that holds it
     "attach": "runtime", "detach": "runtime", "get_handle": "runtime", "last_stats": "runtime",
     "ExitStats": "runtime", "TideConfig": "runtime",
-    "calibrate": "calibration", "TideRouterConfig": "config", "TideRouter": "modeling",
+    "calibrate": "calibration", "CalibrationConfig": "calibration", "TideRouterConfig": "config",
+    "TideRouter": "modeling",
     "TideError": "errors", "enable_generate_keyword": "integrations",
 }
 

@@ -18,10 +18,12 @@ LABEL_KINDS = ("cosine", "top1", "kl", "top1_kl")
 # How an exited token's logits are made: "lens" runs the model's final norm and head on the checkpoint's state
 # as is; "linear" first maps it with a per-checkpoint linear exit head fitted by least squares at calibration.
 EXIT_HEADS = ("lens", "linear")
-CALIBRATED_EXIT_HEAD = "linear"  # what calibrate() makes unless told otherwise (the class default reads old files)
+CALIBRATED_EXIT_HEAD = "linear"  # every router's exit head unless told otherwise (calibrate and the config agree)
+LEGACY_EXIT_HEAD = "lens"  # what a router file without the field means: it predates exit heads
 MODES = ("select", "skip", "speculative")
 AUTO_MODE = "auto"  # attach's default: skip mode where the model allows it, else select mode
 KV_POLICIES = ("propagate", "recompute")
+DEFAULT_KV = "recompute"  # the policy that keeps the quality target: skipped layers' K/V computed exactly, later
 # Calibration text after each sample's prompt: the corpus itself (None) or the model's own continuation.
 CONTINUATIONS = ("greedy", "sample")
 # Exit paths for quality targets (see `tide_hf.modeling.targets`): top-1 agreement, perplexity change.
@@ -92,7 +94,7 @@ class TideRouterConfig(PretrainedConfig):
         checkpoint_layers: list[int] | None = None,
         router_bottleneck_dim: int = 128,
         label: str = "top1",
-        exit_head: str = "lens",
+        exit_head: str = CALIBRATED_EXIT_HEAD,
         exit_head_ridge: float = 0.01,
         exit_head_rank: int | None = None,
         convergence_threshold: float = 0.98,
@@ -259,6 +261,7 @@ class TideRouterConfig(PretrainedConfig):
         """transformers' `from_dict`, with its keywords checked like the file's keys: it sets them after `__init__`
         has validated (an out-of-range value was kept) and drops one that is no attribute (a misspelling)."""
         check_field_names(kwargs, cls.field_names(), "TideRouterConfig")
+        config_dict = {"exit_head": LEGACY_EXIT_HEAD, **config_dict}  # a file without it predates exit heads
         result = super().from_dict(config_dict, **kwargs)
         (result[0] if isinstance(result, tuple) else result).validate()
         return result

@@ -18,8 +18,6 @@ from ..assets import DEFAULT_TEXT, sotu_path
 from ..errors import TideArgumentError, TideArgumentTypeError, TideDataError, TideMissingDataError
 from ..modeling import quiet_hf
 
-DEFAULT_DATASET = "wikitext"
-DEFAULT_DATASET_CONFIG = "wikitext-103-raw-v1"
 _BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json"}
 # What `save_to_disk` leaves in a folder: a Dataset's state, or a DatasetDict's list of splits.
 _SAVED_MARKERS = ("state.json", "dataset_dict.json")
@@ -51,8 +49,6 @@ def _local_files(path: Path) -> tuple[str, list[str]]:
 def dataset_label(dataset: Any, split: str = "train") -> str:
     """What a router records as its calibration text (`config.dataset`): the name or path given, or the kind of
     in-memory data (with the builder's name when a `datasets` Dataset knows it)."""
-    if dataset is None:
-        return DEFAULT_DATASET
     if isinstance(dataset, (str, os.PathLike)):
         return os.fspath(dataset)
     builder = getattr(getattr(dataset, "info", None), "dataset_name", None)
@@ -173,7 +169,7 @@ def _values(data: Any, name: str, text_field: str) -> tuple[list[Any], str]:
 
 
 def load_texts(
-    dataset: str | os.PathLike | Iterable[str] | Any | None = None,
+    dataset: str | os.PathLike | Iterable[str] | Any,
     *,
     dataset_config: str | None = None,
     split: str = "train",
@@ -183,20 +179,22 @@ def load_texts(
     """Return the non-empty documents of `dataset`, in order, each once ("sotu": the embedded corpus).
 
     A local .txt file is one document, a folder of them one document per file; .jsonl / .json files one
-    document per record's `text_field`; a folder written by `save_to_disk`, a Hub dataset name (WikiText-103
-    when `dataset` is None) or an in-memory `datasets` Dataset / IterableDataset one document per row's
-    `text_field` (a DatasetDict: its `split`), as does a pandas DataFrame; a list or other ordered iterable of strings
-    one document per string. A folder's hidden files (a name or folder starting with "." or "__") are not read.
+    document per record's `text_field`; a folder written by `save_to_disk`, a Hub dataset name or an in-memory
+    `datasets` Dataset / IterableDataset one document per row's `text_field` (a DatasetDict: its `split`), as does
+    a pandas DataFrame; a list or other ordered iterable of strings one document per string. A folder's hidden
+    files (a name or folder starting with "." or "__") are not read.
     In-memory data is read whole (`IterableDataset.take(n)` bounds a stream). Repeated documents are kept once
     (with a warning): a copy on both sides of the split between training and the threshold split would void the
     quality targets' certificate (`unique=False`: as routers calibrated before that read them, to find their
     held-out documents). Missing values (None) are dropped with a warning.
     """
-    if dataset is None or isinstance(dataset, (str, os.PathLike)):
-        if dataset is not None and not os.fspath(dataset).strip():  # e.g. an unset $DATA: never a stand-in corpus
-            raise TideArgumentError(f"dataset is an empty name ({dataset!r}); give a file, folder or Hub dataset, "
-                                    "or leave it out (None) for the default")
-        name = DEFAULT_DATASET if dataset is None else os.fspath(dataset)
+    if dataset is None:  # there is no default text: calibration reads the text it is given
+        raise TideArgumentError("dataset is required: a .txt / .jsonl file or folder, a Hub dataset name, 'sotu' "
+                                "(the embedded corpus) or the documents themselves")
+    if isinstance(dataset, (str, os.PathLike)):
+        if not os.fspath(dataset).strip():  # e.g. an unset $DATA: never a stand-in corpus
+            raise TideArgumentError(f"dataset is an empty name ({dataset!r}); give a file, folder or Hub dataset")
+        name = os.fspath(dataset)
         if name == DEFAULT_TEXT:  # the embedded State of the Union corpus, as on the command line
             name = str(sotu_path())
         local = Path(name).expanduser()
@@ -205,8 +203,7 @@ def load_texts(
         if as_path and not local.exists():
             raise TideMissingDataError(f"calibration dataset {name!r}: no such file or folder (a name written as a "
                                        "path is not looked up on the Hub)")
-        config = dataset_config if dataset is not None else (dataset_config or DEFAULT_DATASET_CONFIG)
-        data = _read_named(name, config, split)
+        data = _read_named(name, dataset_config, split)
     else:
         name = dataset_label(dataset, split)
         data = _pick_split(dataset, split, name)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..compat import model_revision
-from ..config import CALIBRATED_EXIT_HEAD, CLOSED, LABEL_KINDS, TideRouterConfig, check_int
+from ..config import CLOSED, LABEL_KINDS, TideRouterConfig, check_int
 from ..errors import TideArgumentError, TideArgumentTypeError
 from ..modeling import ModelAdapter, TideRouter, check_head, get_adapter, model_fingerprint, text_config
 from ..modeling.devices import execution_device
@@ -31,6 +31,7 @@ from .distributed import is_main_process, main_process_first, train_on_main
 from .heads import fit_exit_heads
 from .labels import Collected, collect, label
 from .samples import make_samples, pad_token_id
+from .settings import CalibrationConfig
 from .thresholds import fit_exit_paths
 from .training import check_splits, train_routers
 from .vocab import fit_draft_vocab
@@ -136,31 +137,48 @@ def fit(router: TideRouter, data: Collected, *, adapter: ModelAdapter, device: t
 def calibrate(
     model: nn.Module,
     tokenizer: Any,
-    dataset: str | os.PathLike | Iterable[str] | Any | None = None,
+    dataset: str | os.PathLike | Iterable[str] | Any,
+    config: CalibrationConfig | None = None,
     *,
     dataset_config: str | None = None,
     split: str = "train",
     text_field: str = "text",
-    num_samples: int = 2000,
-    seq_len: int = 256,
-    batch_size: int = 8,
     progress: bool = True,
-    **config_kwargs: Any,
+    **options: Any,
 ) -> TideRouter:
     """Calibrate TIDE routers for `model` on `dataset` and return them as a `TideRouter`.
 
-    `dataset`: a local .txt / .jsonl file or folder, a Hub dataset name (None: WikiText-103), or documents in
-    memory (a list or other ordered iterable of strings, a `datasets` Dataset / IterableDataset / DatasetDict or a
-    pandas DataFrame with a `text_field` column); see `load_texts`.
-
-    `config_kwargs` are `TideRouterConfig` fields (label, exit_head, checkpoint_interval, convergence_threshold,
-    kl_threshold, router_bottleneck_dim, learning_rate, num_epochs, max_train_tokens, seed, ...); unlike the
-    config class, whose default reads routers made before exit heads existed, calibration fits linear exit
-    heads unless `exit_head="lens"` is given. `continuation="greedy"` or `"sample"` calibrates on the model's own
-    continuations of each sample's first `continuation_prompt_len` tokens (the text it reads inside generate()).
     Under `accelerate launch`, call it in every process with the same arguments: the processes share the
     forward passes, the main one trains, and every process returns the same router.
+
+    Args:
+        model: a transformers causal LM, in eval mode.
+        tokenizer: its tokenizer.
+        dataset: the text, required (there is no default corpus): a local .txt / .jsonl file or folder, "sotu"
+            (the embedded corpus), a Hub dataset name, or documents in memory (a list of strings, a `datasets`
+            Dataset / IterableDataset / DatasetDict, a pandas DataFrame with a `text_field` column); see
+            `tide_hf.calibration.load_texts`.
+        config: what calibration reads (`CalibrationConfig`; None: its defaults).
+        dataset_config: a Hub dataset's configuration.
+        split: the split read from a Hub dataset or a DatasetDict.
+        text_field: the column / JSON field holding the text.
+        progress: show progress bars.
+        **options: `CalibrationConfig` fields as keywords, laid over `config`.
+
+    Returns:
+        The router, with its quality targets' exit paths and its calibration figures in `router.config`.
+
+    Raises:
+        TideArgumentError: a setting out of range, or text too short for the samples asked for.
+        TideDataError: the text cannot be read.
+
+    Example:
+        >>> router = tide_hf.calibrate(model, tokenizer, "sotu", num_samples=64)  # doctest: +SKIP
+        >>> router.save_pretrained("my-router")  # doctest: +SKIP
     """
+    settings = CalibrationConfig.merged(config, options, "calibrate()")
+    num_samples, seq_len, batch_size = settings.num_samples, settings.seq_len, settings.batch_size
+    config_kwargs = settings.router_fields()
     check_tokenizer(tokenizer)
     check_calibrate_args(num_samples=num_samples, seq_len=seq_len, batch_size=batch_size, config_kwargs=config_kwargs)
     with caller_rng_kept(model):
@@ -241,7 +259,7 @@ def model_config(model: nn.Module, seq_len: int, config_kwargs: dict[str, Any]) 
         base_model_type=model.config.model_type,
         base_fingerprint=model_fingerprint(model, adapter),
         seq_len=seq_len,
-        **{"exit_head": CALIBRATED_EXIT_HEAD, **config_kwargs},
+        **config_kwargs,
     )
     if cfg.min_layers > max(cfg.checkpoint_layers):
         raise TideArgumentError(f"min_layers={cfg.min_layers} is past the last checkpoint ({max(cfg.checkpoint_layers)}"

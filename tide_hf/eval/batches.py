@@ -160,7 +160,7 @@ def _prefill(model: Any, router: TideRouter, chunks: list[torch.Tensor], target:
     prefill's exited positions are read by later ones in the same forward)."""
     ids = torch.stack(chunks)
     stock_logits = model(input_ids=ids).logits
-    with attach(model, router, mode="skip", min_agreement=target) as handle:
+    with attach(model, router, mode="skip", kv="propagate", min_agreement=target) as handle:
         runs = {"stock": _seconds(lambda: _stock_forward(model, handle, ids)),
                 "tide": _seconds(lambda: model(input_ids=ids))}
         seconds = _timed_runs(runs, reps, f"prefill, target {target}")

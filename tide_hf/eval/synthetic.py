@@ -75,7 +75,7 @@ def constant_router(model: Any, logit: float) -> TideRouter:
     router = TideRouter(TideRouterConfig(
         hidden_size=config.hidden_size, num_hidden_layers=config.num_hidden_layers,
         base_architecture=type(model).__name__,
-        base_fingerprint=model_fingerprint(model)))
+        base_fingerprint=model_fingerprint(model), exit_head="lens"))
     with torch.no_grad():
         for mlp in router.routers.values():
             mlp.fc2.weight.zero_()
@@ -202,7 +202,7 @@ def run_synthetic(args: Any) -> dict:
     device = check_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     layers = SHAPES[args.synthetic]["num_hidden_layers"]
     depth = layers // 2 if args.synthetic_depth is None else args.synthetic_depth  # half: a checkpoint of both
-    check_exit_depths([depth], default_checkpoints(layers, TideRouterConfig().checkpoint_interval),
+    check_exit_depths([depth], default_checkpoints(layers, TideRouterConfig( exit_head="lens").checkpoint_interval),
                       "--synthetic-depth")
     if args.new_tokens < 2:  # a decode token's time is a difference of two calls (module docstring)
         raise TideArgumentError(f"--new-tokens {args.new_tokens}: --synthetic times decode tokens after the first, "

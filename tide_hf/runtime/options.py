@@ -11,6 +11,7 @@ from typing import Any
 from ..config import (
     AUTO_MODE,
     DEFAULT_EXIT_THRESHOLD,
+    DEFAULT_KV,
     FIELD_NAME_CUTOFF,
     KV_POLICIES,
     MODES,
@@ -37,8 +38,9 @@ class TideConfig:
         confidence: probability with which the quality target holds (Learn-then-Test; None: the router's).
         exit_threshold: one global router score at which tokens exit, instead of a quality target.
         min_layers: no token exits before this many layers.
-        kv: skip mode: how the skipped layers' cache is filled, "propagate" (the exit state's keys and values,
-            the default) or "recompute" (computed at the next step).
+        kv: skip mode: how the skipped layers' cache is filled. "recompute" (the default): computed exactly at
+            the next step, so the quality target holds. "propagate": the exit state's keys and values, cheaper,
+            with no quality guarantee (agreement drops in batches).
         draft_layer: speculative mode: the checkpoint drafts are made at (None: chosen from the router's
             calibration figures).
 
@@ -75,7 +77,7 @@ class TideConfig:
 
 
 def mode_kv(mode: Any, kv: str | None, draft_layer: int | None) -> str:
-    """The cache policy of an attach (`kv=None`: "propagate"), refusing an option the mode never reads (it was
+    """The cache policy of an attach (`kv=None`: `DEFAULT_KV`), refusing an option the mode never reads (it was
     accepted and ignored): `kv` says how skip mode fills the cache of the layers it skips, `draft_layer` where
     speculative mode drafts."""
     if kv is not None and mode not in ("skip", AUTO_MODE):
@@ -84,7 +86,7 @@ def mode_kv(mode: Any, kv: str | None, draft_layer: int | None) -> str:
     if draft_layer is not None and mode != "speculative":
         raise TideArgumentError(f"draft_layer={draft_layer!r} applies to mode='speculative' only (the checkpoint it "
                                 f"drafts at); mode={mode!r} does not draft")
-    return "propagate" if kv is None else kv
+    return DEFAULT_KV if kv is None else kv
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,7 @@ class TideOptions:
     exit_threshold: float = DEFAULT_EXIT_THRESHOLD  # (`resolve` takes both from the router's config)
     min_layers: int = 1
     mode: str = "select"
-    kv: str = "propagate"
+    kv: str = DEFAULT_KV
     draft_layer: int | None = None
     thresholds: dict[int, float] | None = None
     target: dict[str, float] | None = None

@@ -44,6 +44,8 @@ def test_calibrate_reads_a_config_like_its_keywords(text_folder, byte_tokenizer,
         a, b = by_config.state_dict(), other.state_dict()
         assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
     assert by_config.config.num_samples == 8 and by_config.config.router_bottleneck_dim == 8
+    resolved = {"checkpoint_layers": by_config.checkpoint_layers, "min_layers": by_config.config.min_layers}
+    assert CalibrationConfig.of_router(by_config.config) == CalibrationConfig(**settings, **resolved)  # as read
     assert by_config.config.exit_head == "lens" and laid_over.config.seed == 0
     with pytest.raises(TideArgumentTypeError,
                        match="unexpected keyword argument 'num_epoch' .did you mean 'num_epochs'"):

@@ -368,8 +368,8 @@ def test_continuous_batching_is_refused_with_a_clear_error(model, routers, mode)
 
 
 def test_continuous_batching_is_refused_before_any_generate_call():
-    """`import tide_hf` before transformers leaves placeholders on GenerationMixin that install the real wrappers
-    at the first call: continuous batching must be refused even when it comes before any generate call."""
+    """attach alone (no generate keyword enabled, no generate call before) refuses continuous batching on the model
+    it hooks; a fresh process, since this one enabled the keyword long ago."""
     code = (
         "import tide_hf, torch\n"
         "from transformers import GenerationConfig\n"

@@ -21,9 +21,7 @@ EXIT_HEADS = ("lens", "linear")
 CALIBRATED_EXIT_HEAD = "linear"  # every router's exit head unless told otherwise (calibrate and the config agree)
 LEGACY_EXIT_HEAD = "lens"  # what a router file without the field means: it predates exit heads
 MODES = ("select", "skip", "speculative")
-AUTO_MODE = "auto"  # attach's default: skip mode where the model allows it, else select mode
 KV_POLICIES = ("propagate", "recompute")
-DEFAULT_KV = "recompute"  # the policy that keeps the quality target: skipped layers' K/V computed exactly, later
 # Calibration text after each sample's prompt: the corpus itself (None) or the model's own continuation.
 CONTINUATIONS = ("greedy", "sample")
 # Exit paths for quality targets (see `tide_hf.modeling.targets`): top-1 agreement, perplexity change.

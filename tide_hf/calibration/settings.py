@@ -108,6 +108,13 @@ class CalibrationConfig:
                 raise TideArgumentTypeError(f"{where} got an unexpected keyword argument {key!r}{hint}")
         return dataclasses.replace(config or cls(), **options)
 
+    @classmethod
+    def of_router(cls, config: Any) -> CalibrationConfig:
+        """The settings a router (its `TideRouterConfig`) was calibrated with, to calibrate again the same way."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        recorded = {name: getattr(config, name) for name in names if getattr(config, name, None) is not None}
+        return cls(**recorded)
+
     def router_fields(self) -> dict[str, Any]:
         """The fields the router's `TideRouterConfig` records (all but the sampling, which `calibrate` reads)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in SAMPLING_FIELDS}

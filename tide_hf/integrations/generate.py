@@ -29,7 +29,6 @@ from ..compat import cache_in, merged_generation_config
 from ..errors import TideArgumentError, TideArgumentTypeError
 from ..modeling import TideRouter
 from ..runtime import Patches, TideHandle, attach_for_call, get_handle
-from .batching import guarded
 from .processor import TideLogitsProcessor
 from .speculative import generate as speculative_generate
 
@@ -39,7 +38,6 @@ _SAME_ROUTER: weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary[Any, tupl
     weakref.WeakKeyDictionary()
 _INSTALLED = Patches()  # the wrapped `GenerationMixin.generate`, while installed
 _CURRENT: list[Any] = [None]  # the wrapper installed now: an older one another library still wraps passes through
-BATCHING_ENTRY = "init_continuous_batching"  # the method every continuous-batching path starts with
 
 
 @functools.lru_cache(maxsize=_ROUTER_CACHE_SIZE)
@@ -161,9 +159,8 @@ def same_router(a: TideRouter, b: TideRouter) -> bool:
 def enable_generate_keyword() -> None:
     """Teach stock `generate()` (and so `pipeline("text-generation")`) the `tide=` keyword.
 
-    Wraps `GenerationMixin.generate`, and its continuous batching to refuse an attached router (`batching.py`),
-    for every model in the process; idempotent; `disable_generate_keyword` reverts both. `attach` alone needs
-    neither: an attached model's plain `generate()` already runs TIDE.
+    Wraps `GenerationMixin.generate` for every model in the process; idempotent; `disable_generate_keyword`
+    reverts it. `attach` alone needs no keyword: an attached model's plain `generate()` already runs TIDE.
 
     Example:
         >>> import tide_hf
@@ -171,7 +168,6 @@ def enable_generate_keyword() -> None:
     """
     if _INSTALLED:
         return
-    _INSTALLED.set_attr(GenerationMixin, BATCHING_ENTRY, guarded(getattr(GenerationMixin, BATCHING_ENTRY)))
     original = GenerationMixin.generate
 
     @functools.wraps(original)
@@ -205,7 +201,6 @@ def enable_generate_keyword() -> None:
 
 
 def disable_generate_keyword() -> None:
-    """Put stock `GenerationMixin.generate` and continuous batching back (`enable_generate_keyword` wraps them
-    again)."""
+    """Put stock `GenerationMixin.generate` back (`enable_generate_keyword` wraps it again)."""
     _INSTALLED.restore()
     _CURRENT[0] = None

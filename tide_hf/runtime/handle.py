@@ -27,6 +27,7 @@ from ..config import CLOSED
 from ..errors import TideArgumentError, TideArgumentTypeError, TideConcurrencyError, TideUnsupportedError
 from ..kernels import norm_router_scores
 from ..modeling import ModelAdapter, TideRouter, check_model, get_adapter, layer_output
+from .batching import guard_continuous_batching
 from .compiled import install_compiled_call
 from .kv import KVRecompute
 from .modes import resolve_mode
@@ -69,6 +70,8 @@ class TideHandle:
         self._norm_specs = place_routers(router, adapter)
         self._patches = Patches()
         self._patches.set_attr(model, "__reduce_ex__", refuse_pickling)  # pickle and copy look it up on the instance
+        if owner is None:  # attached in every thread: continuous batching (no thread's call scopes it) refuses
+            guard_continuous_batching(model, self, self._patches)
         self._patches.hook(model.register_forward_pre_hook(self._begin, with_kwargs=True))
         self._patches.hook(model.register_forward_hook(self._end, always_call=True))  # also when a forward raises
         for k in self.checkpoints:
@@ -144,10 +147,7 @@ class TideHandle:
 
     @contextmanager
     def disabled(self) -> Iterator[None]:
-        """Run the model as if TIDE were not attached (e.g. `generate(..., tide=False)`).
-
-        Per thread: a stock call in one thread does not turn TIDE off for a call running in another.
-        """
+        """Run the model as if TIDE were not attached (`generate(..., tide=False)`), in this thread only."""
         previous, self._local.disabled = getattr(self._local, "disabled", False), True
         try:
             yield

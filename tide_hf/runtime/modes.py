@@ -8,12 +8,12 @@ import warnings
 from torch import nn
 
 from ..compat import is_stateful
-from ..config import AUTO_MODE, CLOSED
+from ..config import CLOSED
 from ..errors import TideUnsupportedError
 from ..modeling import ModelAdapter, TideRouter, check_head, text_config
 from ..modeling.depth import check_depth_follows_config
 from .kv import propagate_support
-from .options import TideConfig, TideOptions, mode_kv
+from .options import AUTO_MODE, TideConfig, TideOptions, mode_kv
 from .skip import LayerSkipper, SkipPlan
 
 

@@ -9,9 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import (
-    AUTO_MODE,
     DEFAULT_EXIT_THRESHOLD,
-    DEFAULT_KV,
     FIELD_NAME_CUTOFF,
     KV_POLICIES,
     MODES,
@@ -21,6 +19,9 @@ from ..config import (
 )
 from ..errors import TideArgumentError, TideArgumentTypeError
 from ..modeling.targets import check_served, select
+
+AUTO_MODE = "auto"  # attach's default: skip mode where the model allows it, else select mode
+DEFAULT_KV = "recompute"  # the policy that keeps the quality target: skipped layers' K/V computed exactly, later
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """GPU check of the CUDA kernels: build, correctness of every route against a float64 reference, NaN / inf
 propagation, poisoned memory, determinism, gather / scatter and the device-side index check, then timing of
-every route and `tide-hf bench --kernels`. Run from the repository root on a machine with a CUDA device:
+every route and `tide-hf bench kernels`. Run from the repository root on a machine with a CUDA device:
 
     python benchmarks/gpu_kernels.py --out gpu-kernels
 
@@ -287,7 +287,7 @@ def group_bench_routes() -> dict:
 
 
 def group_bench_cli(out: Path) -> dict:
-    cmd = [sys.executable, "-m", "tide_hf.cli", "bench", "--kernels", "--dtype", "bfloat16", "--output", str(out)]
+    cmd = [sys.executable, "-m", "tide_hf.cli", "bench", "kernels", "--dtype", "bfloat16", "--output", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=GROUP_TIMEOUT_S, check=False)
     return {"ok": proc.returncode == 0, "command": " ".join(cmd[1:]), "stdout": proc.stdout[-4000:],
             "stderr": proc.stderr[-2000:]}
@@ -377,7 +377,7 @@ def main() -> None:
         print("\nRoutes, bf16, bottleneck 128 (device time from CUDA-graph replay, rotating inputs):")
         print(_bench_table(summary["bench-routes"]))
     if summary.get("bench-cli", {}).get("stdout"):
-        print("\n`tide-hf bench --kernels --dtype bfloat16` (written to OUT/kernels.{json,md}):")
+        print("\n`tide-hf bench kernels --dtype bfloat16` (written to OUT/kernels.{json,md}):")
         print(summary["bench-cli"]["stdout"].strip())
     failed = [k for k, v in summary.items() if not v.get("ok")]
     print("\nFAILED groups: " + ", ".join(failed) if failed else "\nALL PASS", flush=True)

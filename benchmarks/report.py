@@ -127,7 +127,7 @@ def _images(folder: Path, readme: Path, names: list[str]) -> list[str]:
 
 
 def format_easy(result: dict) -> str:
-    """The speculative table of `bench --modes --near-identity-after K`, with the model's modification."""
+    """The speculative table of `bench modes --near-identity-after K`, with the model's modification."""
     easy = result["near_identity"]
     return (f"Layers after {easy['after']} near-identity (o_proj and down_proj x {easy['scale']}), routers "
             f"calibrated on that model; {result.get('torch_threads')} torch threads.\n\n"

@@ -173,7 +173,7 @@ def test_confidence_exit_uses_the_top_probability_of_the_exit_logits() -> None:
             with truncated(model, k):
                 exits[k] = model(input_ids=ids).logits[0]
     t = float(torch.softmax(exits[4], -1).amax(-1).median())  # half the positions exit at 4
-    handle = tide_hf.runtime.attach_with(ConfidenceHandle, model, router, exit_threshold=t, mode="select")
+    handle = tide_hf.integrations.attach_with(ConfidenceHandle, model, router, exit_threshold=t, mode="select")
     try:
         with torch.no_grad():
             ours = model(input_ids=ids).logits[0]

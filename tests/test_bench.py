@@ -53,7 +53,7 @@ def test_perplexity_equals_exp_of_mean_token_nll():
             count += len(c) - 1
     assert abs(ppl - torch.exp(torch.tensor(nll / count)).item()) < 1e-3 * ppl
     assert exits is None  # no router attached: no exit statistics
-    with tide_hf.attach(model, constant_router(model, -30.0), exit_threshold=0.5):
+    with tide_hf.attach(model, constant_router(model, -30.0), exit_threshold=0.5, mode="select"):
         attached, exits = perplexity(model, chunks, batch_size=2)
     assert attached == pytest.approx(ppl) and exits.tokens == count  # the scored positions, each chunk's last not
 
@@ -61,7 +61,7 @@ def test_perplexity_equals_exp_of_mean_token_nll():
 def test_held_out_texts_are_exactly_the_documents_calibration_never_read():
     tok = ByteTokenizer()
     texts = make_documents(20, 30, seed=4)
-    cfg = TideRouterConfig(hidden_size=8, num_hidden_layers=9, num_samples=7, seq_len=64, seed=3)
+    cfg = TideRouterConfig(hidden_size=8, num_hidden_layers=9, num_samples=7, seq_len=64, seed=3, exit_head="lens")
     samples = make_samples(tok, texts, cfg.num_samples, cfg.seq_len, cfg.seed)
     held = held_out_texts(tok, texts, cfg)
     used = {bytes(s.tolist()) for s in samples}
@@ -129,13 +129,13 @@ def test_synthetic_refuses_bad_settings_before_building_anything(tmp_path, capsy
                                                         "here after 4 layers"),
                            (["--synthetic-depth", "4", "--new-tokens", "1"], "needs at least 2")):
         with pytest.raises(SystemExit) as info:
-            main(["bench", "--synthetic", "tiny", *extra, "--output", str(out)])
+            main(["bench", "synthetic", "tiny", *extra, "--output", str(out)])
         said = capsys.readouterr().err or str(info.value.code)  # an error's line, or the argument check's exit text
         assert info.value.code != 0 and message in said and len(said.strip().splitlines()) == 1, said
         assert not out.exists()
     (tmp_path / "afile").write_text("x")
     with pytest.raises(SystemExit):
-        main(["bench", "--synthetic", "tiny", "--synthetic-depth", "4", "--output", str(tmp_path / "afile")])
+        main(["bench", "synthetic", "tiny", "--synthetic-depth", "4", "--output", str(tmp_path / "afile")])
     assert "is a file; give a folder name" in capsys.readouterr().err
 
 
@@ -145,7 +145,7 @@ def test_modes_refuses_depths_between_checkpoints_before_loading_the_model(tmp_p
     router = new_router(make_model())  # checkpoints after 4 and 8 of 9 layers
     router.save_pretrained(tmp_path / "router")
     with pytest.raises(SystemExit) as info:
-        main(["bench", "--modes", "--router", str(tmp_path / "router"), "--depths", "4", "6", "9",
+        main(["bench", "modes", "--router", str(tmp_path / "router"), "--depths", "4", "6", "9",
               "--model", str(tmp_path / "no-model"), "--output", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert info.value.code == 1 and "--depths 6 9: tokens exit only at a checkpoint, here after 4, 8 layers" in err

@@ -4,8 +4,10 @@ and the defaults the CLI knows without transformers are TideRouterConfig's."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -13,15 +15,77 @@ from pathlib import Path
 import pytest
 import torch
 
-from tide_hf.cli import CALIBRATED_EXIT_HEAD, CONTINUATIONS, EXIT_HEADS, LABEL_KINDS, ROUTER_DEFAULTS, build_parser
+from tide_hf.cli import (
+    CALIBRATED_EXIT_HEAD,
+    CONTINUATIONS,
+    EXIT_HEADS,
+    LABEL_KINDS,
+    OWN_FLAGS,
+    ROUTER_DEFAULTS,
+    SET_FIELDS,
+    build_parser,
+)
+
+HELP_LINES, HELP_COLUMNS = 60, 100  # every help page fits a screen of this many lines, at this terminal width
 
 
-def subparsers() -> dict[str, argparse.ArgumentParser]:
-    action = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return dict(action.choices)
+def subparsers(parser: argparse.ArgumentParser | None = None) -> dict[str, argparse.ArgumentParser]:
+    """Every command's parser by its name, bench's sections as `bench NAME` too."""
+    parser = build_parser() if parser is None else parser
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    found = {}
+    for name, sub in action.choices.items():
+        found[name] = sub
+        if any(isinstance(a, argparse._SubParsersAction) for a in sub._actions):
+            found.update({f"{name} {section}": p for section, p in subparsers(sub).items()})
+    return found
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["bench", "--help"]])
+def documented_command_lines() -> list[tuple[str, list[str]]]:
+    """(file, arguments) of every `tide-hf ...` line of a bash block in the README, the docs (but the changelog and
+    the results page, which quote commands as they were run) and benchmarks/README.md."""
+    root = Path(__file__).resolve().parent.parent
+    files = [root / "README.md", root / "benchmarks" / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    found = []
+    for path in files:
+        if path.name in ("changelog.md", "results.md"):
+            continue
+        for block in re.findall(r"```bash\n(.*?)```", path.read_text(), flags=re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                words = shlex.split(line, comments=True)
+                if "tide-hf" in words:
+                    found.append((path.relative_to(root).as_posix(), words[words.index("tide-hf") + 1:]))
+    return found
+
+
+def test_the_documented_command_lines_parse() -> None:
+    """The docs' `tide-hf bench --modes ...` lines outlived the flags they used."""
+    lines = documented_command_lines()
+    assert any(argv[:2] == ["bench", "overhead"] for _, argv in lines)
+    for where, argv in lines:
+        if "--help" in argv:
+            continue
+        try:
+            build_parser().parse_args(argv)
+        except SystemExit:
+            pytest.fail(f"{where}: tide-hf {shlex.join(argv)} does not parse (stderr names the argument)")
+
+
+def test_every_help_page_fits_a_screen(monkeypatch) -> None:
+    """`tide-hf --help`, every command's and every bench section's: at most HELP_LINES lines (calibrate's was 125,
+    bench's 126: 111 options in no groups)."""
+    monkeypatch.setenv("COLUMNS", str(HELP_COLUMNS))
+    pages = {"tide-hf": build_parser(), **subparsers()}
+    assert {"bench overhead", "bench modes", "bench batches", "bench baselines", "bench kernels", "bench synthetic",
+            "bench gpu", "calibrate", "demo", "analyze", "env"} <= set(pages)
+    for name, parser in pages.items():
+        lines = parser.format_help().splitlines()
+        assert len(lines) <= HELP_LINES, f"{name} --help: {len(lines)} lines"
+        assert max(map(len, lines)) <= HELP_COLUMNS, f"{name} --help: a line wider than {HELP_COLUMNS}"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["bench", "--help"], ["bench", "modes", "--help"],
+                                  ["calibrate", "--help"]])
 def test_help_does_not_import_torch(argv: list[str]) -> None:
     code = ("import json, sys\nfrom tide_hf.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n"
             "    pass\nprint(json.dumps(sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules)))")
@@ -30,14 +94,16 @@ def test_help_does_not_import_torch(argv: list[str]) -> None:
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 
-@pytest.mark.parametrize("argv", [["bench", "--router", "/no/such/router"], ["analyze", "--router", "./no-router"]])
+@pytest.mark.parametrize("argv", [["bench", "overhead", "--router", "/no/such/router"],
+                                  ["analyze", "--router", "./no-router"]])
 def test_a_missing_router_folder_is_named_before_torch_loads(argv: list[str]) -> None:
     """It was found after torch and transformers were imported (seconds)."""
     code = ("import json, sys\nfrom tide_hf.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
             "    print(e)\nprint(json.dumps(sorted(m for m in ('torch', 'transformers') if m in sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, check=True)
     said, imported = out.stdout.strip().splitlines()
-    assert said == f"tide-hf {argv[0]}: error: no TIDE router folder at {argv[2]}" and json.loads(imported) == []
+    command = " ".join(argv[:-2])
+    assert said == f"tide-hf {command}: error: no TIDE router folder at {argv[-1]}" and json.loads(imported) == []
 
 
 def test_a_bare_router_name_that_is_no_folder_is_named_before_the_hub_is_asked(tmp_path: Path) -> None:
@@ -54,6 +120,7 @@ def test_a_bare_router_name_that_is_no_folder_is_named_before_the_hub_is_asked(t
 def test_every_option_has_help_and_every_command_a_description() -> None:
     for name, parser in subparsers().items():
         assert parser.description and "example: tide-hf " + name in parser.description
+        assert parser.prog == "tide-hf " + name
         assert "2-core CPU" in parser.description, f"{name}: no time expectation"
         for action in parser._actions:
             assert action.help and action.help.strip(), f"{name} {action.option_strings}: no help"
@@ -62,15 +129,21 @@ def test_every_option_has_help_and_every_command_a_description() -> None:
 def test_help_shows_defaults_and_bench_requires_router() -> None:
     parsers = subparsers()
     assert "(default: 2000)" in " ".join(parsers["calibrate"].format_help().split())
-    usage = parsers["bench"].format_usage()
-    assert "--router" in usage and "[--router" not in usage and "--kernels" in usage
+    for section in ("overhead", "batches", "baselines"):
+        usage = parsers[f"bench {section}"].format_usage()
+        assert "--router" in usage and "[--router" not in usage, usage
+    assert "overhead" in parsers["bench"].format_help() and "synthetic" in parsers["bench"].format_help()
 
 
 def test_router_defaults_are_the_library_defaults() -> None:
     from tide_hf.config import TideRouterConfig
 
-    cfg = TideRouterConfig()
+    cfg = TideRouterConfig( exit_head="lens")
     assert {k: getattr(cfg, k) for k in ROUTER_DEFAULTS} == ROUTER_DEFAULTS
+    from tide_hf.calibration.settings import CalibrationConfig
+
+    settings = CalibrationConfig()  # what calibrate() reads: the same defaults
+    assert {k: getattr(settings, k) for k in ROUTER_DEFAULTS} == ROUTER_DEFAULTS
     from tide_hf.config import LABEL_KINDS as CONFIG_LABELS
 
     assert LABEL_KINDS == CONFIG_LABELS
@@ -91,18 +164,28 @@ def test_synthetic_choices_match_the_bench() -> None:
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["bench", "--router", "r", "--reps", "0"], "argument --reps: must be >= 1, got 0"),
-    (["bench", "--router", "r", "--batch-sizes", "0"], "argument --batch-sizes: must be >= 1"),
+    (["bench", "overhead", "--router", "r", "--reps", "0"], "argument --reps: must be >= 1, got 0"),
+    (["bench", "overhead", "--router", "r", "--batch-sizes", "0"], "argument --batch-sizes: must be >= 1"),
     (["analyze", "--agreements", "1.5"], "argument --agreements: must be a number in [0, 1], got 1.5"),
     (["analyze", "--agreements", "nan"], "argument --agreements: must be a number in [0, 1], got nan"),
     (["analyze", "--bins", "0"], "argument --bins: must be >= 1"),
     (["analyze", "--convergence-threshold", "5"], "argument --convergence-threshold: must be a cosine similarity"),
     (["analyze", "--convergence-threshold", "nan"], "argument --convergence-threshold: must be a cosine similarity"),
-    (["calibrate", "--output", "r", "--convergence-threshold", "1.5"], "must be a cosine similarity in [-1, 1]"),
-    (["bench", "--router", "r", "--near-identity-after", "16", "--modes", "--near-identity-scale", "nan"],
+    (["bench", "modes", "--near-identity-after", "16", "--near-identity-scale", "nan"],
      "argument --near-identity-scale: must be a finite number > 0"),
-    (["demo", "--stats-png", "hist"], "argument --stats-png: must end in .png"),
+    (["demo", "--repeats", "0"], "argument --repeats: must be >= 1"),
     (["demo", "--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1"),
+    (["calibrate", "--output", "r", "--set", "kl_treshold=0.2"],
+     "argument --set: 'kl_treshold' is no TideRouterConfig field calibration reads (did you mean kl_threshold"),
+    (["calibrate", "--output", "r", "--set", "label=kl"], "argument --set: label has a flag of its own: --label"),
+    (["calibrate", "--output", "r", "--set", "max_train_tokens"],
+     "argument --set: 'max_train_tokens' is not KEY=VALUE"),
+    # a flag of another section (or command) is no flag of this one: refused, not ignored
+    (["bench", "kernels", "--router", "r"], "unrecognized arguments: --router r"),
+    (["bench", "overhead", "--router", "r", "--depths", "3"], "unrecognized arguments: --depths 3"),
+    (["bench", "synthetic", "tiny", "--targets", "0.9"], "unrecognized arguments: --targets 0.9"),
+    (["bench", "gpu", "--reps", "5"], "unrecognized arguments: --reps 5"),
+    (["demo", "--num-samples", "7"], "unrecognized arguments: --num-samples 7"),
 ])
 def test_bad_values_are_refused_while_parsing(argv, message, capsys) -> None:
     with pytest.raises(SystemExit) as info:
@@ -111,25 +194,77 @@ def test_bad_values_are_refused_while_parsing(argv, message, capsys) -> None:
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["bench", "--synthetic", "tiny", "--kernels"], "--synthetic and --kernels are separate runs"),
-    (["bench", "--router", "r", "--modes", "--baselines"], "--baselines and --modes are separate runs"),
-    (["bench", "--kernels", "--near-identity-scale", "2"], "--near-identity-scale goes with --near-identity-after"),
-    (["bench", "--router", "r", "--num-prompts", "2", "--batch-sizes", "4"],
-     "--batch-sizes 4 needs at least as many --num-prompts (got 2)"),
-    (["bench", "--router", "r", "--new-tokens", "1"], "--new-tokens 1: decode tokens are the ones after the first"),
-    (["bench", "--router", "r", "--synthetic", "tiny"], "--synthetic builds its own routers; leave out --router"),
-    (["bench", "--router", "r", "--kernels"], "--kernels builds its own routers; leave out --router"),
-    (["bench", "--router", "r", "--modes", "--near-identity-after", "16"],
+    (["bench", "modes"], "give --router DIR, or --near-identity-after K"),
+    (["bench", "modes", "--near-identity-after", "16", "--router", "r"],
      "--near-identity-after builds its own routers; leave out --router"),
-    (["bench", "--router", "a", "b", "--modes"], "--modes measures one router; give one --router per command"),
-    (["bench", "--router", "a", "b", "--baselines"], "--baselines measures one router"),
-    (["bench", "--router", "a", "a"], "a --router is given twice"),
+    (["bench", "modes", "--router", "r", "--near-identity-scale", "2"],
+     "--near-identity-scale goes with --near-identity-after"),
+    (["bench", "overhead", "--router", "r", "--num-prompts", "2", "--batch-sizes", "4"],
+     "--batch-sizes 4 needs at least as many --num-prompts (got 2)"),
+    (["bench", "batches", "--router", "r", "--num-prompts", "2", "--batch-sizes", "4"], "--batch-sizes 4 needs"),
+    (["bench", "overhead", "--router", "r", "--new-tokens", "1"],
+     "--new-tokens 1: decode tokens are the ones after the first"),
+    (["bench", "modes", "--router", "a", "b"], "bench modes measures one router; give one --router per command"),
+    (["bench", "baselines", "--router", "a", "b"], "bench baselines measures one router"),
+    (["bench", "overhead", "--router", "a", "a"], "a --router is given twice"),
 ])
 def test_bench_refuses_what_it_would_ignore_or_miscount(argv, message) -> None:
     from tide_hf.cli import main
 
     with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)")):
         main(argv)
+
+
+def test_set_reaches_calibration_as_the_flags_it_replaces_did(monkeypatch) -> None:
+    """The hyper-parameters that were flags (--max-train-tokens, --exit-head-rank, --min-layers, ...) are
+    `--set KEY=VALUE`: each reaches calibrate() as the config field it names, parsed as JSON; an unset one keeps
+    the library's default (the flags' defaults were those)."""
+    import tide_hf.calibration.command as command
+
+    seen = {}
+    monkeypatch.setattr(command, "load_model", lambda name, dtype: ("model", "tok"))
+    monkeypatch.setattr(command, "to_process_device", lambda model: model)
+    monkeypatch.setattr(command, "calibrate", lambda model, tok, dataset, **kwargs: seen.update(kwargs))
+    args = build_parser().parse_args(["calibrate", "--output", "r", "--label", "kl", "--set", "max_train_tokens=4096",
+                                      "exit_head_rank=64", "min_layers=8", "convergence_threshold=0.5",
+                                      "checkpoint_layers=[4, 8]", "exit_head_ridge=null", "learning_rate=3e-4"])
+    command.calibrate_from_args(args)
+    assert {k: seen[k] for k in ("label", "max_train_tokens", "exit_head_rank", "min_layers", "convergence_threshold",
+                                 "checkpoint_layers", "exit_head_ridge", "learning_rate")} == {
+        "label": "kl", "max_train_tokens": 4096, "exit_head_rank": 64, "min_layers": 8, "convergence_threshold": 0.5,
+        "checkpoint_layers": [4, 8], "exit_head_ridge": None, "learning_rate": 3e-4}
+    seen.clear()
+    command.calibrate_from_args(build_parser().parse_args(["calibrate", "--output", "r"]))
+    assert "max_train_tokens" not in seen and "min_layers" not in seen and seen["num_samples"] == 2000
+
+
+def test_set_and_the_flags_offer_every_field_calibrate_reads() -> None:
+    """A CalibrationConfig field neither a flag nor --set offered would be out of the CLI's reach; and the command
+    passes every one on."""
+    import tide_hf.calibration.command as command
+    from tide_hf.calibration.settings import SAMPLING_FIELDS, CalibrationConfig
+
+    fields = {f.name for f in dataclasses.fields(CalibrationConfig)}
+    offered = set(SET_FIELDS) | set(OWN_FLAGS)
+    assert offered - fields == {"dataset"} and fields <= offered  # dataset: calibrate()'s own argument
+    assert set(command.CONFIG_OPTIONS) == fields - set(SAMPLING_FIELDS)
+
+
+def test_a_bad_set_value_is_named_in_one_line_before_calibration(tmp_path, monkeypatch, capsys) -> None:
+    """--convergence-threshold 1.5 was refused by its argparse type; as --set convergence_threshold=1.5 the router
+    config refuses it, before any text is read."""
+    from helpers import ByteTokenizer, make_tiny_llama
+
+    import tide_hf.calibration.command as command
+    from tide_hf.cli import main
+
+    monkeypatch.setattr(command, "load_model", lambda name, dtype: (make_tiny_llama(), ByteTokenizer()))
+    with pytest.raises(SystemExit) as info:
+        main(["calibrate", "--dataset", str(tmp_path / "unread"), "--set", "convergence_threshold=1.5",
+              "--output", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert info.value.code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "convergence_threshold must be a finite number in [-1.0, 1.0], got 1.5" in err
 
 
 def test_calibrate_refuses_unwritable_outputs_before_loading_anything(tmp_path, capsys) -> None:
@@ -244,11 +379,11 @@ def test_one_router_folder_spelled_two_ways_is_given_twice(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     for second in ("./r", str(tmp_path / "r"), "r/"):
         with pytest.raises(SystemExit, match="a --router is given twice"):
-            main(["bench", "--router", "r", second])
+            main(["bench", "overhead", "--router", "r", second])
 
 
 @pytest.mark.parametrize("argv", [["analyze", "--router", "r", "--targets", "0"],
-                                  ["bench", "--router", "r", "--baselines", "--targets", "0"]])
+                                  ["bench", "baselines", "--router", "r", "--targets", "0"]])
 def test_a_zero_quality_target_is_refused_by_the_parser(argv, capsys) -> None:
     """--targets 0 passed the parser ([0, 1]) and was refused by attach after the forward passes (analyze left
     its plots behind)."""
@@ -273,37 +408,38 @@ def test_a_router_made_by_hand_has_read_none_of_the_text() -> None:
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["bench", "--router", "r", "--depths", "3"], "--depths goes with --modes"),
-    (["bench", "--router", "r", "--targets", "0.9"], "--targets goes with --baselines"),
-    (["bench", "--router", "r", "--drop-counts", "99"], "--drop-counts goes with --baselines"),
-    (["bench", "--kernels", "--device", "cpu"], "--device goes with --synthetic"),
     (["analyze", "--targets", "0.9"], "--targets goes with --router"),
     (["analyze", "--prompt-len", "8"], "--prompt-len goes with --router"),
+    (["bench", "modes", "--near-identity-after", "16", "--depths", "3"],
+     "--depths does not apply with --near-identity-after"),
+    (["bench", "modes", "--near-identity-after", "16", "--thresholds", "0.5"],
+     "--thresholds does not apply with --near-identity-after"),
 ])
-def test_a_flag_of_a_section_the_command_does_not_run_is_refused(argv, message) -> None:
-    """They were accepted and ignored (an invalid --depths 3 or --drop-counts 99 too), rc 0."""
+def test_a_flag_the_run_never_reads_is_refused(argv, message) -> None:
+    """They were accepted and ignored (rc 0); a flag of another bench section no section parser knows."""
     from tide_hf.cli import main
 
     with pytest.raises(SystemExit, match=message):
         main(argv)
 
 
-@pytest.mark.parametrize(("paths", "argv", "flag"), [
-    (False, ["analyze", "--targets", "0.9"], "--targets"),
-    (False, ["bench", "--baselines", "--targets", "0.9"], "--targets"),
-    (False, ["bench", "--baselines", "--ppl-targets", "0.1"], "--ppl-targets"),
-    (True, ["bench", "--baselines", "--thresholds", "0.3"], "--thresholds"),
+@pytest.mark.parametrize(("paths", "command", "flags"), [
+    (False, ["analyze"], ["--targets", "0.9"]),
+    (False, ["bench", "baselines"], ["--targets", "0.9"]),
+    (False, ["bench", "baselines"], ["--ppl-targets", "0.1"]),
+    (True, ["bench", "baselines"], ["--thresholds", "0.3"]),
 ])
-def test_a_flag_the_routers_kind_never_reads_is_refused(tmp_path, monkeypatch, paths, argv, flag) -> None:
-    """--targets on a router without exit paths (analyze, bench --baselines) and --thresholds on one with them
-    (bench --baselines) were accepted and ignored: no row measured what was asked."""
+def test_a_flag_the_routers_kind_never_reads_is_refused(tmp_path, monkeypatch, paths, command, flags) -> None:
+    """--targets on a router without exit paths (analyze, bench baselines) and --thresholds on one with them
+    (bench baselines) were accepted and ignored: no row measured what was asked."""
     from tide_hf.cli import main
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "config.json").write_text(json.dumps({"exit_paths": {"agreement": {}} if paths else {}}))
-    with pytest.raises(SystemExit, match=f"tide-hf {argv[0]}: {flag} does not apply to ./r, a router with"):
-        main([argv[0], "--router", "./r", *argv[1:]])
+    with pytest.raises(SystemExit, match=f"tide-hf {' '.join(command)}: {flags[0]} does not apply to ./r, a router "
+                       "with"):
+        main([*command, "--router", "./r", *flags])
 
 
 def test_env_prints_what_a_bug_report_needs(capsys) -> None:

@@ -38,7 +38,7 @@ def generate_forced(model, rows: torch.Tensor, ids, mask, cache: str, kv: str = 
                     seen: list[int] | None = None):
     """Greedy tokens with the rows where `rows` is True exiting at `EXIT_AT` in every step, and the stats; the
     rows each layer ran added to `seen` (counted after attach: its probe forward runs the layers too)."""
-    handle = tide_hf.runtime.attach_with(forced_rows(rows), model, router_for(model, 0.0), exit_threshold=0.5,
+    handle = tide_hf.integrations.attach_with(forced_rows(rows), model, router_for(model, 0.0), exit_threshold=0.5,
                                          min_layers=EXIT_AT, mode="skip", kv=kv)
     if seen is not None:
         rows_per_layer(model, seen)

@@ -5,21 +5,29 @@ from __future__ import annotations
 
 import argparse
 import builtins
+import statistics
 from pathlib import Path
 
 import pytest
-from helpers import make_model, new_router
+import torch
+from helpers import constant_router, make_model, new_router
 
 from tide_hf.assets import default_dataset
 from tide_hf.errors import TideArgumentError, TideError, TideRouterFileError
 from tide_hf.eval import demo
 
+WIDE = 128  # a model wider than the demo's rank-64 exit heads
 
-def demo_args(**overrides) -> argparse.Namespace:
+
+def demo_args(output: Path | None = None, **calibration) -> argparse.Namespace:
+    """What `tide-hf demo [--output DIR]` runs with: the demo's fixed calibration settings, `calibration` changing
+    some (as a later version of the demo might)."""
     from tide_hf.cli import build_parser
+    from tide_hf.cli.arguments import demo_settings
 
-    return build_parser().parse_args(["demo", *sum(([f"--{k.replace('_', '-')}", str(v)]
-                                                     for k, v in overrides.items()), [])])
+    args = demo_settings(build_parser().parse_args(["demo", *([] if output is None else ["--output", str(output)])]))
+    assert set(calibration) <= set(vars(args))
+    return argparse.Namespace(**{**vars(args), **calibration})
 
 
 def test_second_run_reuses_the_cached_router(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -86,12 +94,13 @@ def test_a_half_written_folder_is_not_reused(tmp_path: Path, monkeypatch: pytest
 def test_an_output_folder_is_checked_before_calibration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--output holding the user's files is refused, never emptied; one holding a router made with other
     settings is neither reused nor replaced without --recalibrate."""
-    model = make_model()
+    model = make_model(hidden=WIDE)
     calls = []
 
     def calibrate(args):
         calls.append(args)
-        made = {name: getattr(args, name) for name in ("num_samples", "seq_len", "exit_head", "max_train_tokens")}
+        made = {name: getattr(args, name) for name in ("num_samples", "seq_len", "exit_head", "exit_head_rank",
+                                                       "max_train_tokens")}
         return model, "tok", new_router(model, **made, dataset=default_dataset(args.dataset))
 
     monkeypatch.setattr(demo, "calibrate_from_args", calibrate)
@@ -104,7 +113,7 @@ def test_an_output_folder_is_checked_before_calibration(tmp_path: Path, monkeypa
     assert not calls and (mine / "notes.txt").read_text() == "precious"
     out = tmp_path / "out"
     demo.get_router(demo_args(output=out))
-    with pytest.raises(TideArgumentError, match=r"other settings: --num-samples 7 \(router: 128\);"):
+    with pytest.raises(TideArgumentError, match=r"other settings: num_samples=7 \(router: 128\);"):
         demo.get_router(demo_args(output=out, num_samples=7))
     assert len(calls) == 1
     *_, reused = demo.get_router(demo_args(output=out))
@@ -127,6 +136,53 @@ def test_plot_without_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch
     assert isinstance(caught.value, TideError)  # the CLI prints it as one line, not a traceback
 
 
+class ChatTokenizer:
+    """The two calls the demo's comparison makes of a tokenizer: a chat prompt's ids, and text back."""
+
+    def apply_chat_template(self, messages: list[dict], **_) -> dict:
+        ids = torch.tensor([list(messages[-1]["content"].encode())])
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+    def decode(self, ids: torch.Tensor, skip_special_tokens: bool = True) -> str:
+        return bytes(ids.tolist()).decode("utf-8", "replace")
+
+
+def test_the_comparison_times_interleaved_pairs_and_reports_medians_and_their_range(monkeypatch, capsys) -> None:
+    """One stock and one TIDE run were timed (noise on a shared machine read as a speed-up or a loss): now
+    stock, TIDE, stock, ... after one warm-up each, TIDE attached in its runs only, and the table gives each one's
+    median tokens/s, their range and the range of the per-pair ratio, beside layers and agreement."""
+    from tide_hf.runtime import get_handle
+
+    model = make_model()
+    model.generation_config.eos_token_id = None  # every run writes all its tokens
+    router = constant_router(model, 30.0)  # every token exits at the first checkpoint
+    order, real = [], demo.timed_generate
+
+    def timed(model, inputs, new_tokens, desc):
+        order.append((desc, get_handle(model) is not None))
+        return real(model, inputs, new_tokens, desc)
+
+    monkeypatch.setattr(demo, "timed_generate", timed)
+    result = demo.compare(model, ChatTokenizer(), router, "the state of the union", 6, repeats=3)
+    assert order == [(f"{name} generate {i}/3", attached) for i in (1, 2, 3)
+                     for name, attached in (("stock", False), ("TIDE", True))]
+    stock, tide = result["stock"], result["tide"]
+    assert len(stock["tok_s_runs"]) == len(tide["tok_s_runs"]) == 3 and stock["tokens"] == tide["tokens"] == 6
+    assert stock["tok_s"] == statistics.median(stock["tok_s_runs"]) and tide["tok_s"] == statistics.median(
+        tide["tok_s_runs"])
+    assert result["pair_ratios"] == [t / s for s, t in zip(stock["tok_s_runs"], tide["tok_s_runs"])]
+    assert tide["layers"] < stock["layers"] == result["num_layers"] and 0.0 <= result["same_tokens"] <= 1.0
+    assert get_handle(model) is None
+    capsys.readouterr()
+    demo.print_comparison(result)
+    table = capsys.readouterr().out.strip().splitlines()
+    assert "stock" in table[0] and "TIDE (mode=skip" in table[0]
+    assert table[1].startswith("tokens/s, median of 3") and f"{tide['tok_s']:.1f}" in table[1]
+    low, high = min(result["pair_ratios"]) - 1, max(result["pair_ratios"]) - 1
+    assert table[3].startswith("TIDE vs stock, each pair") and table[3].endswith(f"{low:+.0%} to {high:+.0%}")
+    assert any(line.startswith("layers per decode step") for line in table)
+
+
 def test_the_demo_states_its_quality_target() -> None:
     line = demo.describe_target({"min_agreement": 0.95, "confidence": 0.9}, "sotu")
     assert ">= 95% top-1 agreement" in line and "90% confidence" in line and "(sotu)" in line
@@ -139,22 +195,22 @@ def test_the_demo_states_its_quality_target() -> None:
 
 
 def test_differences_read_missing_options_as_their_meaning() -> None:
-    """No --continuation means the corpus and no --min-layers the first checkpoint; a router may hold fewer
+    """No continuation means the corpus and no min_layers the first checkpoint; a router may hold fewer
     samples than asked for (the text ran out), never more."""
-    model = make_model()
+    model = make_model(hidden=WIDE)
     args = demo_args()
     text = default_dataset(args.dataset)  # what calibration records: the corpus's folder
     made = dict(num_samples=args.num_samples, seq_len=args.seq_len, exit_head=args.exit_head,
-                max_train_tokens=args.max_train_tokens, dataset=text)
+                exit_head_rank=args.exit_head_rank, max_train_tokens=args.max_train_tokens, dataset=text)
     assert demo.differences(new_router(model, **made), args) == []
     assert demo.differences(new_router(model, **{**made, "dataset": "/my/texts"}), args) == \
-        [f"--dataset {text} (router: /my/texts)"]  # a router of other text was reused
+        [f"dataset={text} (router: /my/texts)"]  # a router of other text was reused
     assert demo.differences(new_router(model, **{**made, "num_samples": 48}), args) == []
     assert demo.differences(new_router(model, **{**made, "num_samples": 999}), args) == \
-        ["--num-samples 128 (router: 999)"]
+        ["num_samples=128 (router: 999)"]
     assert demo.differences(new_router(model, **made, continuation="greedy"), args) == \
-        ["--continuation None (router: greedy)"]
-    assert demo.differences(new_router(model, **made, min_layers=8), args) == ["--min-layers 4 (router: 8)"]
+        ["continuation=None (router: greedy)"]
+    assert demo.differences(new_router(model, **made, min_layers=8), args) == ["min_layers=4 (router: 8)"]
 
 
 def test_the_embedded_model_folder_is_a_plain_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -96,7 +96,7 @@ def test_nonfinite_state_never_exits(bad, handle_class) -> None:
                              *out[1:]) if isinstance(out, tuple) else out.index_put(
             (torch.tensor([0]), torch.tensor([2])), torch.tensor(bad)))
     try:
-        with tide_hf.runtime.attach_with(handle_class, model, router, exit_threshold=0.5, min_layers=4,
+        with tide_hf.integrations.attach_with(handle_class, model, router, exit_threshold=0.5, min_layers=4,
                                          mode="select") as handle:
             with torch.no_grad():
                 model(ids)

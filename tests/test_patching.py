@@ -209,3 +209,44 @@ def test_every_error_class_is_in_the_errors_room() -> None:
     classes = [c for _, c in inspect.getmembers(errors, inspect.isclass) if issubclass(c, errors.TideError)]
     assert len(classes) >= 10 and all(c.__module__ == errors.__name__ for c in classes)
     assert tide_hf.TideError is errors.TideError
+
+
+WIRED_CHECK = """
+import json, sys, torch, tide_hf
+sys.path.insert(0, {tests!r})
+from helpers import make_model, mixed_router
+model = make_model()
+ids = torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(0))
+router = mixed_router(model, ids, exit_threshold=0.5)
+runs = {{}}
+for mode in ("select", "skip", "speculative"):
+    with tide_hf.attach(model, router, mode=mode, exit_threshold=0.5) as handle:
+        out = model.generate(input_ids=ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        runs[mode] = [out.tolist(), handle.last_stats.as_dict()["decode"]]
+print(json.dumps({{"runs": runs, "left": "generate" in vars(model)}}))
+"""
+
+
+def test_attach_alone_wires_the_models_generate() -> None:
+    """Without the generate keyword enabled, an attached model's own generate runs TIDE: the same tokens and decode
+    statistics as with the keyword (this process has it enabled), in every mode; detach takes the wiring back.
+    A fresh process: this one enabled the keyword long ago."""
+    import json
+    from pathlib import Path
+
+    from helpers import mixed_router
+
+    script = WIRED_CHECK.format(tests=str(Path(__file__).parent))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    model = make_model()
+    ids = torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(0))
+    router = mixed_router(model, ids, exit_threshold=0.5)
+    for mode in ("select", "skip", "speculative"):
+        with tide_hf.attach(model, router, mode=mode, exit_threshold=0.5) as handle:
+            out = model.generate(input_ids=ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+            decode = json.loads(json.dumps(handle.last_stats.as_dict()["decode"]))
+        assert got["runs"][mode] == [out.tolist(), decode], mode
+        assert decode["tokens"] > 0
+    assert got["left"] is False and "generate" not in vars(model)

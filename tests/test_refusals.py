@@ -644,7 +644,7 @@ def test_what_is_not_a_model_is_named() -> None:
             with pytest.raises(TideArgumentTypeError, match=r"model must be a torch.nn.Module .*got (NoneType|str)"):
                 call()
     with pytest.raises(TideArgumentTypeError, match="handle_class must be a TideHandle subclass, got <class 'int'>"):
-        tide_hf.runtime.attach_with(int, model, router)
+        tide_hf.integrations.attach_with(int, model, router)
     assert tide_hf.get_handle(model) is None and hooks(model) == hooks(make_model())
 
 

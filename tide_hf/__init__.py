@@ -20,7 +20,7 @@ except PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0+unknown"
 
 _API = {  # public name -> the room that holds it
-    "attach": "runtime", "detach": "runtime", "get_handle": "runtime", "last_stats": "runtime",
+    "attach": "integrations", "detach": "runtime", "get_handle": "runtime", "last_stats": "runtime",
     "ExitStats": "runtime", "TideConfig": "runtime",
     "calibrate": "calibration", "CalibrationConfig": "calibration", "TideRouterConfig": "config",
     "TideRouter": "modeling",

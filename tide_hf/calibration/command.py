@@ -4,6 +4,7 @@ same tokens, write the figures as JSON, push to the Hub)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -23,12 +24,17 @@ from .data import load_texts
 from .distributed import is_main_process, to_process_device
 from .pipeline import calibrate, check_calibrate_args, model_config
 from .samples import make_samples, pad_right
+from .settings import SAMPLING_FIELDS, CalibrationConfig
 
-# Calibration options of the CLI that are `TideRouterConfig` fields of the same name.
-CONFIG_OPTIONS = ("label", "exit_head", "exit_head_ridge", "exit_head_rank", "checkpoint_interval",
-                  "convergence_threshold", "kl_threshold", "num_epochs", "early_stopping_patience", "max_train_tokens",
-                  "exit_threshold", "min_layers", "seed", "min_agreement", "confidence", "continuation",
-                  "continuation_prompt_len")
+# The `CalibrationConfig` fields past the sampling that the command line's arguments may hold (a flag of the same
+# name, or `calibrate --set KEY=VALUE`); those not held keep CalibrationConfig's defaults.
+CONFIG_OPTIONS = tuple(f.name for f in dataclasses.fields(CalibrationConfig) if f.name not in SAMPLING_FIELDS)
+
+
+def config_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The router fields `args` sets (`CONFIG_OPTIONS` it holds: calibrate's flags and --set's keys, or every
+    setting of the demo)."""
+    return {name: value for name, value in vars(args).items() if name in CONFIG_OPTIONS}
 
 
 def calibrate_from_args(args: argparse.Namespace) -> tuple[Any, Any, TideRouter]:
@@ -39,7 +45,7 @@ def calibrate_from_args(args: argparse.Namespace) -> tuple[Any, Any, TideRouter]
         model, tokenizer, default_dataset(args.dataset),
         dataset_config=args.dataset_config, split=args.split, text_field=args.text_field,
         num_samples=args.num_samples, seq_len=args.seq_len, batch_size=args.batch_size,
-        **{name: getattr(args, name) for name in CONFIG_OPTIONS},
+        **config_options(args),
     )
     return model, tokenizer, router
 
@@ -67,7 +73,7 @@ def bare_forward_seconds(args: argparse.Namespace) -> float:
     """Wall time of stock forward passes (logits included) over exactly the tokens calibration will see (the
     calibration options are checked against the model first, so a bad one fails before this pass)."""
     model, tokenizer = load_model(args.model, args.dtype)
-    model_config(model, args.seq_len, {name: getattr(args, name) for name in CONFIG_OPTIONS})
+    model_config(model, args.seq_len, config_options(args))
     texts = load_texts(default_dataset(args.dataset), dataset_config=args.dataset_config, split=args.split,
                        text_field=args.text_field)
     samples = make_samples(tokenizer, texts, args.num_samples, args.seq_len, args.seed)
@@ -109,7 +115,7 @@ def run(args: argparse.Namespace) -> None:
     overwrite = getattr(args, "overwrite", False)
     # before loading anything or hours of calibration, not after
     check_calibrate_args(num_samples=args.num_samples, seq_len=args.seq_len, batch_size=args.batch_size,
-                         config_kwargs={})
+                         config_kwargs=config_options(args))
     check_save_target(Path(args.output), overwrite)
     check_writable(Path(args.output), "--output", folder=True)
     if args.results:

@@ -3,17 +3,19 @@ once) and its commands (each imports its room when it runs)."""
 
 from __future__ import annotations
 
-from .arguments import (
+from .arguments import build_parser
+from .commands import main
+from .values import (
            CALIBRATED_EXIT_HEAD,
            CONTINUATIONS,
            EXIT_HEADS,
            LABEL_KINDS,
+           OWN_FLAGS,
            ROUTER_DEFAULTS,
+           SET_FIELDS,
            SYNTHETIC_CONFIGS,
            SYNTHETIC_SHAPES,
-           build_parser,
 )
-from .commands import main
 
-__all__ = ["CALIBRATED_EXIT_HEAD", "CONTINUATIONS", "EXIT_HEADS", "LABEL_KINDS", "ROUTER_DEFAULTS", "SYNTHETIC_CONFIGS",
-           "SYNTHETIC_SHAPES", "build_parser", "main"]
+__all__ = ["CALIBRATED_EXIT_HEAD", "CONTINUATIONS", "EXIT_HEADS", "LABEL_KINDS", "OWN_FLAGS", "ROUTER_DEFAULTS",
+           "SET_FIELDS", "SYNTHETIC_CONFIGS", "SYNTHETIC_SHAPES", "build_parser", "main"]

@@ -9,8 +9,8 @@ import shlex
 import sys
 import warnings
 
-from .arguments import DEMO_EXIT_HEAD_RANK, build_parser, check_router_paths
-from .checks import check_bench_flags, check_router_kind_flags, check_section_flags, check_suite_flags
+from .arguments import build_parser, check_router_paths, demo_settings
+from .checks import check_bench_flags, check_router_kind_flags, check_unread_flags, command_name
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
@@ -22,9 +22,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 def cmd_demo(args: argparse.Namespace) -> None:
     from ..eval.demo import run
 
-    if args.exit_head_rank is None and args.exit_head == "linear":  # the demo's small sidecar (lens: no heads)
-        args.exit_head_rank = DEMO_EXIT_HEAD_RANK
-    run(args)
+    run(demo_settings(args))
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -58,10 +56,9 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    name, args.func = args.command, COMMANDS[args.command]
-    check_section_flags(parser, args)
-    check_suite_flags(parser, args)
-    if name == "bench" and args.suite is None:
+    name, args.func = command_name(args), COMMANDS[args.command]
+    check_unread_flags(parser, args)
+    if args.command == "bench":
         check_bench_flags(args)
     check_router_paths(args)
     check_router_kind_flags(parser, args)

@@ -1,4 +1,4 @@
-"""`tide-hf bench --baselines`: TIDE against the simple alternatives a critic would name.
+"""`tide-hf bench baselines`: TIDE against the simple alternatives a critic would name.
 
 All methods run on the same held-out prompts and text, in one process, against stock in the same run:
 - fixed depth: every token leaves after layer d (the model run as if it had d layers);
@@ -24,8 +24,9 @@ import torch
 from tqdm.auto import tqdm
 
 from ..calibration import load_texts, make_samples, pad_right
+from ..integrations import attach_with
 from ..modeling import ModelAdapter, TideRouter, check_head, get_adapter
-from ..runtime import Patches, TideHandle, attach_with
+from ..runtime import Patches, TideHandle
 from .measure import generate, left_pad, match_rate, perplexity
 from .modes import truncated
 from .tables import percent

@@ -1,4 +1,4 @@
-"""`tide-hf bench --batches`: skip mode in batches, where rows exit on their own, against stock and the ideal.
+"""`tide-hf bench batches`: skip mode in batches, where rows exit on their own, against stock and the ideal.
 
 Two sections, each at every `--batch-sizes`, timed against stock in the same run (interleaved repetitions):
 - forced per-row exits: half the rows (the even ones; at batch 1, the one row) leave at `--forced-depth` at every
@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ..integrations import attach, attach_with
 from ..modeling import TideRouter
-from ..runtime import TideHandle, attach, attach_with
+from ..runtime import TideHandle
 from .measure import generate, left_pad
 from .modes import forced_rows, truncated
 

@@ -19,9 +19,9 @@ from tqdm.auto import tqdm
 from ..assets import default_dataset, load_model
 from ..calibration import pad_token_id
 from ..config import CLOSED
+from ..integrations import attach
 from ..modeling import TideRouter
 from ..modeling.files import check_results_folder
-from ..runtime import attach
 from .measure import check_exit_depths, evaluation_text, generate, left_pad, match_rate, perplexity
 from .tables import (
     format_baselines,
@@ -91,34 +91,39 @@ def quality(model: Any, routers: dict[str, TideRouter], thresholds: list[float],
 
 
 def run(args: Any) -> dict:
-    """The `tide-hf bench` command: writes JSON and Markdown tables to `args.output` and prints them.
+    """The `tide-hf bench SECTION` command (`args.section`): writes JSON and Markdown tables to `args.output` and
+    prints them.
 
-    Default: overhead and quality of TIDE vs stock. `--modes`: skip mode vs stock and ideal, and speculative mode
+    `overhead`: overhead and quality of TIDE vs stock. `modes`: skip mode vs stock and ideal, and speculative mode
     vs stock and `assistant_early_exit` (`--near-identity-after K`: the same on the model with the layers after K
-    made near-identity). `--baselines`: TIDE vs fixed depth, static skipping and softmax confidence. `--kernels`:
-    fused kernels vs the PyTorch path. `--synthetic`: a real architecture's shape with random weights. `gpu`: the
-    GPU suite (`tide_hf.eval.gpu`).
+    made near-identity). `batches`: skip mode in batches. `baselines`: TIDE vs fixed depth, static skipping and
+    softmax confidence. `kernels`: fused kernels vs the PyTorch path. `synthetic`: a real architecture's shape
+    with random weights. `gpu`: the GPU suite (`tide_hf.eval.gpu`).
     """
-    out = Path(args.output)
-    check_results_folder(out, "--output", args.dataset)  # made when the first file is written (a refusal leaves none)
-    if args.suite == "gpu":
+    out, section = Path(args.output), args.section
+    if section in ("gpu", "synthetic", "kernels"):  # no text read: no --dataset
+        check_results_folder(out, "--output")  # made when the first file is written (a refusal leaves none)
+    else:
+        check_results_folder(out, "--output", args.dataset)
+    if section == "gpu":
         from .gpu import run_suite
 
         return run_suite(out, args.dry_run, args.command)
-    if args.synthetic:
+    if section == "synthetic":
         from .synthetic import run_synthetic
 
         return write_result(out, "synthetic", run_synthetic(args), format_synthetic)
-    if args.kernels:
+    if section == "kernels":
         from .kernels import kernel_rows
 
         return write_result(out, "kernels", {"rows": kernel_rows(args.dtype)}, format_kernels)
-    routers = {name: TideRouter.from_pretrained(name) for name in args.router}  # a bad folder fails before the model
-    router = next(iter(routers.values()), None)  # --modes and --baselines take one (the CLI refuses more)
-    if args.modes and routers and args.near_identity_after is None:
+    easy = section == "modes" and args.near_identity_after is not None
+    routers = {name: TideRouter.from_pretrained(name) for name in args.router or []}  # a bad one fails before the model
+    router = next(iter(routers.values()), None)  # modes, batches and baselines take one (the CLI refuses more)
+    if section == "modes" and not easy:
         check_exit_depths(args.depths, router.config.checkpoint_layers, "--depths")
     model, tokenizer = load_model(args.model, args.dtype)
-    if args.near_identity_after is not None:
+    if easy:
         return _easy_modes(model, tokenizer, args, out)
     pad_id = pad_token_id(tokenizer)
     prompts, chunks = evaluation_text(tokenizer, default_dataset(args.dataset), list(routers.values()),
@@ -126,7 +131,7 @@ def run(args: Any) -> dict:
     result = {"model": args.model, "device": str(next(model.parameters()).device),
               "torch_threads": torch.get_num_threads(),
               "settings": {k: v for k, v in vars(args).items() if k != "func"}}
-    if args.baselines:
+    if section == "baselines":
         from .baselines import run_baselines
         from .plots import pareto
 
@@ -135,14 +140,14 @@ def run(args: Any) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         print("Pareto plot:", pareto(result, out / "pareto.png"))
         return write_result(out, "baselines", result, format_baselines)
-    if args.batches:
+    if section == "batches":
         from .batches import run_batches
 
         if args.forced_depth is not None:
             check_exit_depths([args.forced_depth], router.config.checkpoint_layers, "--forced-depth")
         result.update(run_batches(model, router, prompts, chunks, pad_id, args))
         return write_result(out, "batches", result, format_batches)
-    if args.modes:
+    if section == "modes":
         from .modes import run_modes
 
         result.update(run_modes(model, tokenizer, router, prompts, chunks, pad_id, args))
@@ -154,7 +159,7 @@ def run(args: Any) -> dict:
 
 
 def _easy_modes(model: Any, tokenizer: Any, args: Any, out: Path) -> dict:
-    """`--modes --near-identity-after K`: the speculative section on the easy model, with routers calibrated
+    """`bench modes --near-identity-after K`: the speculative section on the easy model, with routers calibrated
     on it, against stock and `assistant_early_exit=K` (writes modes-easy.json)."""
     from .easy import NEAR_IDENTITY_SCALE, easy_router, make_near_identity
     from .modes import speculative

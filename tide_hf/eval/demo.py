@@ -1,6 +1,7 @@
 """`tide-hf demo`: routers for the embedded SmolLM2 (calibrated on SOTU once, then reused from the cache), one
-prompt answered by stock generate and by TIDE, and the two side by side: text, tokens/s, layers executed per
-token, agreement with stock, under the quality target the demo states.
+prompt answered by stock generate and by TIDE, timed in interleaved pairs, and the two side by side: text,
+tokens/s (median and range), layers executed per token, agreement with stock, under the quality target the demo
+states. Its calibration settings come with `args` (fixed by the CLI: `tide_hf.cli.arguments.DEMO_CALIBRATION`).
 
 The TIDE options the demo attaches with live in `DEMO_ATTACH` alone.
 """
@@ -12,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -24,20 +26,20 @@ from ..assets import DEFAULT_MODEL, DEFAULT_TEXT, cache_dir, default_dataset, lo
 from ..calibration.command import calibrate_from_args, print_metrics
 from ..calibration.distributed import is_main_process
 from ..errors import TideArgumentError
+from ..integrations import attach
 from ..modeling import TideRouter, get_adapter
 from ..modeling.files import check_save_target
 from ..plotting import PlottingUnavailable
-from ..runtime import attach
 from .tables import percent
 
 # How the demo attaches its router: skip mode, so a token that exits really skips the remaining layers (the
 # saving is compute, not a label), with the skipped layers' cache recomputed. The one place to change them.
 DEMO_ATTACH: dict[str, Any] = {"mode": "skip", "kv": "recompute"}
 # Options that change what the demo shows, not the router it calibrates (left out of the cache key).
-NOT_CALIBRATION = {"output", "recalibrate", "prompt", "max_new_tokens", "stats_png", "func", "command"}
+NOT_CALIBRATION = {"output", "recalibrate", "prompt", "max_new_tokens", "repeats", "func", "command"}
 ROUTER_FILES = ("config.json", "model.safetensors")
 CACHE_KEY_CHARS, MODEL_SLUG_CHARS = 12, 40  # the cache folder's name: a hash of the settings, the model's name
-# Calibration options (CLI names) a reused `--output` router must have been made with.
+# Calibration settings (TideRouterConfig names) a reused `--output` router must have been made with.
 COMPARED = ("label", "exit_head", "exit_head_rank", "exit_head_ridge", "num_samples", "seq_len", "continuation",
             "continuation_prompt_len", "checkpoint_interval", "convergence_threshold", "kl_threshold", "num_epochs",
             "early_stopping_patience", "max_train_tokens", "exit_threshold", "min_layers", "min_agreement",
@@ -73,9 +75,9 @@ def is_complete(folder: Path) -> bool:
 
 
 def differences(router: TideRouter, args: argparse.Namespace) -> list[str]:
-    """Calibration settings of the command line that the stored router was not calibrated with (its text
+    """The demo's calibration settings that the stored router was not calibrated with (its text
     included). A router may hold fewer samples than asked for (the text ran out, or held-out documents took
-    them), never more; no --min-layers means the first checkpoint; no --continuation means the corpus as
+    them), never more; no min_layers means the first checkpoint; no continuation means the corpus as
     written."""
     cfg = router.config
     wanted = {name: getattr(args, name, None) for name in COMPARED}
@@ -86,7 +88,7 @@ def differences(router: TideRouter, args: argparse.Namespace) -> list[str]:
                if (value is not None or name == "continuation") and value != getattr(cfg, name)]
     if "num_samples" in changed and cfg.num_samples < args.num_samples:
         changed.remove("num_samples")
-    return [f"--{name.replace('_', '-')} {wanted[name]} (router: {getattr(cfg, name)})" for name in changed]
+    return [f"{name}={wanted[name]} (router: {getattr(cfg, name)})" for name in changed]
 
 
 def get_router(args: argparse.Namespace) -> tuple[Any, Any, TideRouter | None, bool]:
@@ -152,27 +154,37 @@ def teacher_forced_top1(model: Any, inputs: dict, reference: torch.Tensor) -> fl
     return float((predicted == reference).float().mean())
 
 
-def compare(model: Any, tokenizer: Any, router: TideRouter, prompt: str, new_tokens: int) -> dict[str, Any]:
-    """Stock and TIDE on the same prompt: their texts, tokens/s, layers per token and agreement."""
+def compare(model: Any, tokenizer: Any, router: TideRouter, prompt: str, new_tokens: int,
+            repeats: int) -> dict[str, Any]:
+    """Stock and TIDE on the same prompt: their texts, tokens/s (each timed `repeats` times, interleaved stock,
+    TIDE, stock, ... after one warm-up each, so drifts of the machine's speed reach both alike), layers per token
+    and agreement."""
     inputs = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                            return_tensors="pt", return_dict=True)
     num_layers = get_adapter(model).num_layers
     model.generate(**inputs, max_new_tokens=2, do_sample=False)  # warm-up: first-call costs out of the timing
-    stock, stock_s = timed_generate(model, inputs, new_tokens, "stock generate")
-    with attach(model, router, **DEMO_ATTACH) as handle:
+    with attach(model, router, **DEMO_ATTACH):
         model.generate(**inputs, max_new_tokens=2, do_sample=False)  # warm-up (builds the kernels once)
-        tide, tide_s = timed_generate(model, inputs, new_tokens, "TIDE generate")
-        decode = handle.last_stats.decode
-        stats = handle.last_stats
+    speeds: dict[str, list[float]] = {"stock": [], "tide": []}
+    for i in range(repeats):
+        stock, seconds = timed_generate(model, inputs, new_tokens, f"stock generate {i + 1}/{repeats}")
+        speeds["stock"].append(len(stock) / seconds)
+        with attach(model, router, **DEMO_ATTACH) as handle:
+            tide, seconds = timed_generate(model, inputs, new_tokens, f"TIDE generate {i + 1}/{repeats}")
+            speeds["tide"].append(len(tide) / seconds)
+            stats, target = handle.last_stats, handle.options.target
+    with attach(model, router, **DEMO_ATTACH):  # outside the timed pairs
         top1 = teacher_forced_top1(model, inputs, stock)
-        target = handle.options.target
     n = min(len(stock), len(tide))
     same = (stock[:n] == tide[:n]).tolist()
     return {
         "stock": {"text": tokenizer.decode(stock, skip_special_tokens=True), "tokens": len(stock),
-                  "tok_s": len(stock) / stock_s, "layers": float(num_layers)},
+                  "tok_s": statistics.median(speeds["stock"]), "tok_s_runs": speeds["stock"],
+                  "layers": float(num_layers)},
         "tide": {"text": tokenizer.decode(tide, skip_special_tokens=True), "tokens": len(tide),
-                 "tok_s": len(tide) / tide_s, "layers": decode.mean_executed, "exit_rate": decode.exit_rate},
+                 "tok_s": statistics.median(speeds["tide"]), "tok_s_runs": speeds["tide"],
+                 "layers": stats.decode.mean_executed, "exit_rate": stats.decode.exit_rate},
+        "pair_ratios": [t / s for s, t in zip(speeds["stock"], speeds["tide"])],
         "num_layers": num_layers, "same_tokens": sum(same) / max(len(stock), 1),
         "first_difference": next((i for i, s in enumerate(same) if not s), None), "top1": top1, "stats": stats,
         "target": target, "calibration_text": router.config.dataset,
@@ -193,14 +205,16 @@ def describe_target(target: dict[str, float] | None, calibration_text: str | Non
 
 
 def print_comparison(result: dict[str, Any]) -> None:
-    """The two answers and their figures, side by side."""
+    """The two answers and their figures, side by side: the table first, then the target and the texts."""
     s, t, n = result["stock"], result["tide"], result["num_layers"]
     mode = ", ".join(f"{k}={v}" for k, v in DEMO_ATTACH.items())
-    print(f"\n{describe_target(result['target'], result['calibration_text'])}")
-    first = result["first_difference"]
+    first, ratios, pairs = result["first_difference"], result["pair_ratios"], len(result["pair_ratios"])
     rows = [
         ("", "stock", f"TIDE ({mode})"),
-        ("tokens/s", f"{s['tok_s']:.1f}", f"{t['tok_s']:.1f} ({t['tok_s'] / s['tok_s'] - 1:+.0%})"),
+        (f"tokens/s, median of {pairs}", f"{s['tok_s']:.1f}", f"{t['tok_s']:.1f} ({t['tok_s'] / s['tok_s'] - 1:+.0%})"),
+        ("tokens/s, slowest - fastest", f"{min(s['tok_s_runs']):.1f} - {max(s['tok_s_runs']):.1f}",
+         f"{min(t['tok_s_runs']):.1f} - {max(t['tok_s_runs']):.1f}"),
+        ("TIDE vs stock, each pair", "", f"{min(ratios) - 1:+.0%} to {max(ratios) - 1:+.0%}"),
         ("layers per decode step", f"{s['layers']:.2f}/{n}",
          f"{t['layers']:.2f}/{n} ({t['exit_rate']:.0%} of tokens exited early"
          + ("; their skipped layers run later, batched into a later step)" if DEMO_ATTACH["kv"] == "recompute"
@@ -210,9 +224,11 @@ def print_comparison(result: dict[str, Any]) -> None:
         ("top-1 agreement, stock's prefix", "100%", f"{result['top1']:.0%}"),
     ]
     width = max(len(r[0]) for r in rows)
+    cell = max(len(r[1]) for r in rows)
     print()
     for label, a, b in rows:
-        print(f"{label:<{width}}  {a:>10}  {b}")
+        print(f"{label:<{width}}  {a:>{cell}}  {b}")
+    print(f"\n{describe_target(result['target'], result['calibration_text'])}")
     print(f"\nstock: {s['text']!r}\nTIDE:  {t['text']!r}")
 
 
@@ -225,12 +241,10 @@ def run(args: argparse.Namespace) -> None:
     if not reused:
         print_metrics(router)
     print(f"router: {folder}")
-    result = compare(model, tokenizer, router, args.prompt, args.max_new_tokens)
+    result = compare(model, tokenizer, router, args.prompt, args.max_new_tokens, args.repeats)
     print_comparison(result)
-    default = folder.with_name(f"{folder.name}-exits.png")  # beside the router: its folder holds the router only
-    png = default if args.stats_png is None else (Path(args.stats_png) if args.stats_png else None)
-    if png is not None:
-        try:
-            print("exit histogram:", result["stats"].plot(png))
-        except PlottingUnavailable as err:
-            print(f"exit histogram skipped: {err}")
+    png = folder.with_name(f"{folder.name}-exits.png")  # beside the router: its folder holds the router only
+    try:
+        print("exit histogram:", result["stats"].plot(png))
+    except PlottingUnavailable as err:
+        print(f"exit histogram skipped: {err}")

@@ -3,7 +3,7 @@
 Scaling a layer's attention output projection and MLP down projection by a small factor shrinks what it
 adds to the residual stream, so layer `keep`'s exit agrees with the final layer on most tokens while the
 model still costs what it cost. This is the case where self-speculative decoding should pay, with a
-known answer: `tide-hf bench --modes --near-identity-after K` and `tide-hf bench gpu` measure the
+known answer: `tide-hf bench modes --near-identity-after K` and `tide-hf bench gpu` measure the
 speculative mode on it against the optimum its measured acceptance and costs allow.
 """
 

@@ -1,4 +1,4 @@
-"""`tide-hf bench --kernels`: the fused kernels against the PyTorch reference, timed on this machine.
+"""`tide-hf bench kernels`: the fused kernels against the PyTorch reference, timed on this machine.
 
 On the CPU each op is timed on the host (median of blocks). On a GPU each op is timed on the device: a CUDA
 graph of several calls that rotate through distinct input buffers (so no call finds its rows in L2) is

@@ -1,4 +1,4 @@
-"""`tide-hf bench --modes`: what skip and speculative modes really save, against stock and against ideal.
+"""`tide-hf bench modes`: what skip and speculative modes really save, against stock and against ideal.
 
 "Ideal" is the speed of the same model truncated to the executed depth (a model that never had the
 skipped layers; its embedding and LM head cost what they cost). Truncated models are timed at a few
@@ -18,9 +18,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ..integrations import attach
 from ..integrations.draft import EARLY_EXIT, best_draft_length, interpolated_verify
 from ..modeling import TideRouter
-from ..runtime import Patches, TideHandle, attach
+from ..runtime import Patches, TideHandle
 from .measure import generate, left_pad, match_rate, perplexity
 
 

@@ -1,4 +1,4 @@
-"""`tide-hf bench --synthetic SHAPE`: TIDE's cost and savings on a real architecture shape, random weights.
+"""`tide-hf bench synthetic SHAPE`: TIDE's cost and savings on a real architecture shape, random weights.
 
 Anyone with a GPU reproduces the speed table in minutes, with no download: the model is built from a
 config (Llama-3-8B: 32 layers, hidden 4096, GQA 8, vocab 128256) with random weights directly on the
@@ -28,9 +28,9 @@ from tqdm.auto import tqdm
 
 from ..config import CLOSED, TideRouterConfig, default_checkpoints
 from ..errors import TideArgumentError
+from ..integrations import attach, attach_with
 from ..modeling import TideRouter
 from ..modeling.fingerprint import model_fingerprint
-from ..runtime import attach, attach_with
 from .measure import check_exit_depths
 from .modes import forced_rows, truncated
 
@@ -198,14 +198,14 @@ def check_device(device: str) -> str:
 
 
 def run_synthetic(args: Any) -> dict:
-    """The `--synthetic` bench: every configuration, eager and/or compiled static, at each batch size."""
+    """The `bench synthetic` section: every configuration, eager and/or compiled static, at each batch size."""
     device = check_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     layers = SHAPES[args.synthetic]["num_hidden_layers"]
     depth = layers // 2 if args.synthetic_depth is None else args.synthetic_depth  # half: a checkpoint of both
     check_exit_depths([depth], default_checkpoints(layers, TideRouterConfig( exit_head="lens").checkpoint_interval),
                       "--synthetic-depth")
     if args.new_tokens < 2:  # a decode token's time is a difference of two calls (module docstring)
-        raise TideArgumentError(f"--new-tokens {args.new_tokens}: --synthetic times decode tokens after the first, "
+        raise TideArgumentError(f"--new-tokens {args.new_tokens}: bench synthetic times decode tokens after the first, "
                                 "so it needs at least 2")
     dtype = getattr(torch, args.dtype)
     model = build_model(args.synthetic, device, dtype)

@@ -195,7 +195,7 @@ def efficiency(row: dict) -> str:
 
 
 def format_kernels(result: dict) -> str:
-    """Markdown table of `bench --kernels`; GPU results add host time and the roofline columns."""
+    """Markdown table of `bench kernels`; GPU results add host time and the roofline columns."""
     rows = result["rows"]
     keys = ["rows", "hidden", "bottleneck", "dtype", "backend", "kernel_us", "torch_us", "speedup"]
     gpu = bool(rows) and "copy_gbps" in rows[0]
@@ -216,7 +216,7 @@ def format_kernels(result: dict) -> str:
 
 
 def format_synthetic(result: dict) -> str:
-    """Markdown table of a `--synthetic` run (rows below the timer's noise are named so, not given a ratio)."""
+    """Markdown table of a `bench synthetic` run (rows below the timer's noise are named so, not given a ratio)."""
     lines = [f"{result['shape']} ({result['dtype']}, random weights) on {result['device']}, prompt "
              f"{result['prompt_len']}, {result['new_tokens']} tokens, median of {result['reps']}", "",
              "| configuration | batch | path | ms / token | vs stock | vs ideal |", "|---|---|---|---|---|---|"]

@@ -1,7 +1,8 @@
 """The `tide=` keyword of stock `model.generate()`, which `pipeline("text-generation")` forwards as is.
 
-`enable_generate_keyword()` wraps `GenerationMixin.generate` once (`disable_generate_keyword` puts the original
-back); `import tide_hf` does not. Without `tide=` (and without an attached router) the wrapper calls the original
+`attach` wires the attached model's own `generate` (`wire_generate`); `enable_generate_keyword()` wraps
+`GenerationMixin.generate` once, for every model (`disable_generate_keyword` puts the original back);
+`import tide_hf` does neither. Without `tide=` (and without an attached router) the wrapper calls the original
 generate with the same arguments: stock behaviour is unchanged.
 
     tide=True          use the router attached with `tide_hf.attach` (error if none)
@@ -18,6 +19,7 @@ import hashlib
 import inspect
 import os
 import reprlib
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -156,11 +158,36 @@ def same_router(a: TideRouter, b: TideRouter) -> bool:
     return known[1]
 
 
+def dispatch(original: Callable, model: Any, args: tuple, kwargs: dict, tide: Any) -> Any:
+    """One `generate` call on `model` with its `tide=` value, `original` being the generate beneath TIDE's."""
+    handle = get_handle(model)
+    if tide is False or (tide is None and (handle is None or handle.is_disabled())):
+        if handle is None:
+            return original(model, *args, **kwargs)
+        with handle.disabled(), handle.turns.shared():
+            return original(model, *args, **kwargs)
+    if tide is True or tide is None:
+        if handle is None:
+            raise TideArgumentError("generate(tide=True) needs a router: call tide_hf.attach(model, router) first, "
+                                    "or pass tide=<TideRouter | local dir | Hub repo id>")
+        with handle.turns.shared():
+            return _run(handle, original, model, args, kwargs)
+    router = resolve_router(tide)
+    if handle is not None and same_router(handle.router, router):
+        with handle.turns.shared():
+            return _run(handle, original, model, args, kwargs)
+    handle = attach_for_call(model, router)  # this thread only; refused if another router is attached
+    try:
+        return _run(handle, original, model, args, kwargs)
+    finally:
+        handle.detach()
+
+
 def enable_generate_keyword() -> None:
     """Teach stock `generate()` (and so `pipeline("text-generation")`) the `tide=` keyword.
 
     Wraps `GenerationMixin.generate` for every model in the process; idempotent; `disable_generate_keyword`
-    reverts it. `attach` alone needs no keyword: an attached model's plain `generate()` already runs TIDE.
+    reverts it. `attach` needs no keyword: it wires the attached model's own `generate`.
 
     Example:
         >>> import tide_hf
@@ -174,30 +201,27 @@ def enable_generate_keyword() -> None:
     def generate(self, *args: Any, tide: Any = None, **kwargs: Any) -> Any:
         if _CURRENT[0] is not generate:  # uninstalled, but kept inside a wrapper that another library put on top
             return original(self, *args, **kwargs, **({} if tide is None else {"tide": tide}))
-        handle = get_handle(self)
-        if tide is False or (tide is None and (handle is None or handle.is_disabled())):
-            if handle is None:
-                return original(self, *args, **kwargs)
-            with handle.disabled(), handle.turns.shared():
-                return original(self, *args, **kwargs)
-        if tide is True or tide is None:
-            if handle is None:
-                raise TideArgumentError("generate(tide=True) needs a router: call tide_hf.attach(model, router) first, "
-                                 "or pass tide=<TideRouter | local dir | Hub repo id>")
-            with handle.turns.shared():
-                return _run(handle, original, self, args, kwargs)
-        router = resolve_router(tide)
-        if handle is not None and same_router(handle.router, router):
-            with handle.turns.shared():
-                return _run(handle, original, self, args, kwargs)
-        handle = attach_for_call(self, router)  # this thread only; refused if another router is attached
-        try:
-            return _run(handle, original, self, args, kwargs)
-        finally:
-            handle.detach()
+        return dispatch(original, self, args, kwargs, tide)
 
     _INSTALLED.set_attr(GenerationMixin, "generate", generate)
     _CURRENT[0] = generate
+
+
+def wire_generate(handle: TideHandle) -> None:
+    """Make the attached model's own `generate` run TIDE (sessions, statistics, the recompute policy's cache,
+    speculative drafting) and take `tide=`, until detach: a method on the model object, so no other model and no
+    transformers class changes. With the keyword enabled for every model, the class's wrapper does the same."""
+    model = handle.model
+    stock = type(model).generate
+
+    @functools.wraps(stock)
+    def generate(self: Any, *args: Any, tide: Any = None, **kwargs: Any) -> Any:
+        method = type(self).generate
+        if _INSTALLED and method is _CURRENT[0]:  # the keyword is enabled: its wrapper serves this call
+            return method(self, *args, **kwargs, **({} if tide is None else {"tide": tide}))
+        return dispatch(method, self, args, kwargs, tide)
+
+    handle.patch_attribute(model, "generate", types.MethodType(generate, model))
 
 
 def disable_generate_keyword() -> None:

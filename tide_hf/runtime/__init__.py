@@ -3,7 +3,7 @@ and the one reversible patching mechanism they all use."""
 
 from __future__ import annotations
 
-from .handle import TideHandle, attach, attach_for_call, attach_with, detach, get_handle, last_stats
+from .handle import TideHandle, attach_for_call, detach, get_handle, hook_model, last_stats
 from .modes import ModeFallbackWarning
 from .options import TideConfig, TideOptions
 from .patching import Patches
@@ -11,4 +11,4 @@ from .session import Session, Step
 from .stats import ExitStats, PhaseStats
 
 __all__ = ["ExitStats", "ModeFallbackWarning", "Patches", "PhaseStats", "Session", "Step", "TideConfig", "TideHandle",
-           "TideOptions", "attach", "attach_for_call", "attach_with", "detach", "get_handle", "last_stats"]
+           "TideOptions", "attach_for_call", "detach", "get_handle", "hook_model", "last_stats"]

@@ -93,6 +93,10 @@ class TideHandle:
     def __exit__(self, *exc: Any) -> None:
         self.detach()
 
+    def patch_attribute(self, owner: Any, name: str, value: Any) -> None:
+        """Set `owner.name` to `value` until detach, which puts back what was there."""
+        self._patches.set_attr(owner, name, value)
+
     def current_step(self) -> Step | None:
         """Exit decisions of the forward running in this thread (None outside a forward)."""
         return getattr(self._local, "step", None)
@@ -301,37 +305,10 @@ class TideHandle:
             _CALL_HANDLES.get(self.model, {}).pop(id(self), None)
 
 
-def attach(model: nn.Module, router: TideRouter | str | os.PathLike, config: TideConfig | None = None, *,
-           ignore_fingerprint: bool = False, **options: Any) -> TideHandle:
-    """Attach `router` to `model`: its plain forwards, stock `generate()` and `pipeline()` then use TIDE.
-
-    Everything is checked before the model is touched; `handle.detach()` puts it back exactly as it was.
-
-    Args:
-        model: a transformers causal LM (`AutoModelForCausalLM`), eager or under accelerate's hooks.
-        router: a `TideRouter`, or its folder, or its Hub repo id.
-        config: what to serve (`TideConfig`; None: its defaults, skip mode at the router's quality target).
-        ignore_fingerprint: attach even if the model's weights differ from those the router was calibrated on.
-        **options: `TideConfig` fields as keywords, laid over `config` (`attach(model, router, mode="select")`).
-
-    Returns:
-        The `TideHandle`: `handle.last_stats` after each call, `handle.detach()`.
-
-    Raises:
-        TideArgumentError: an option out of range, or a router already attached to `model`.
-        TideCompatibilityError: the router was calibrated for another model.
-        TideUnsupportedError: the mode cannot run on this model (the message names the way out).
-
-    Example:
-        >>> with tide_hf.attach(model, router, min_agreement=0.97) as handle:  # doctest: +SKIP
-        ...     model.generate(**inputs)
-    """
-    return attach_with(TideHandle, model, router, config, ignore_fingerprint=ignore_fingerprint, **options)
-
-
-def attach_with(handle_class: type[TideHandle], model: nn.Module, router: TideRouter | str | os.PathLike,
-                config: TideConfig | None = None, *, ignore_fingerprint: bool = False, **options: Any) -> TideHandle:
-    """`attach` with a `TideHandle` subclass that scores checkpoints differently (the bench's baselines)."""
+def hook_model(handle_class: type[TideHandle], model: nn.Module, router: TideRouter | str | os.PathLike,
+               config: TideConfig | None = None, *, ignore_fingerprint: bool = False, **options: Any) -> TideHandle:
+    """Check everything, then hook `model`'s layers with a `handle_class` handle (`tide_hf.attach` is this and the
+    model's generate wired to it; a subclass scores checkpoints differently, as the bench's baselines do)."""
     check_model(model)
     if not (isinstance(handle_class, type) and issubclass(handle_class, TideHandle)):
         raise TideArgumentTypeError(f"handle_class must be a TideHandle subclass, got {handle_class!r}")

@@ -22,6 +22,7 @@ from tide_hf.cli import (
     LABEL_KINDS,
     OWN_FLAGS,
     ROUTER_DEFAULTS,
+    SAMPLING_DEFAULTS,
     SET_FIELDS,
     build_parser,
 )
@@ -85,7 +86,7 @@ def test_every_help_page_fits_a_screen(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["bench", "--help"], ["bench", "modes", "--help"],
-                                  ["calibrate", "--help"]])
+                                  ["calibrate", "--dataset", "sotu", "--help"]])
 def test_help_does_not_import_torch(argv: list[str]) -> None:
     code = ("import json, sys\nfrom tide_hf.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n"
             "    pass\nprint(json.dumps(sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules)))")
@@ -128,7 +129,7 @@ def test_every_option_has_help_and_every_command_a_description() -> None:
 
 def test_help_shows_defaults_and_bench_requires_router() -> None:
     parsers = subparsers()
-    assert "(default: 2000)" in " ".join(parsers["calibrate"].format_help().split())
+    assert "(default: 256)" in " ".join(parsers["calibrate"].format_help().split())
     for section in ("overhead", "batches", "baselines"):
         usage = parsers[f"bench {section}"].format_usage()
         assert "--router" in usage and "[--router" not in usage, usage
@@ -138,12 +139,13 @@ def test_help_shows_defaults_and_bench_requires_router() -> None:
 def test_router_defaults_are_the_library_defaults() -> None:
     from tide_hf.config import TideRouterConfig
 
-    cfg = TideRouterConfig( exit_head="lens")
+    cfg = TideRouterConfig()
     assert {k: getattr(cfg, k) for k in ROUTER_DEFAULTS} == ROUTER_DEFAULTS
     from tide_hf.calibration.settings import CalibrationConfig
 
     settings = CalibrationConfig()  # what calibrate() reads: the same defaults
     assert {k: getattr(settings, k) for k in ROUTER_DEFAULTS} == ROUTER_DEFAULTS
+    assert {k: getattr(settings, k) for k in SAMPLING_DEFAULTS} == SAMPLING_DEFAULTS
     from tide_hf.config import LABEL_KINDS as CONFIG_LABELS
 
     assert LABEL_KINDS == CONFIG_LABELS
@@ -175,10 +177,11 @@ def test_synthetic_choices_match_the_bench() -> None:
      "argument --near-identity-scale: must be a finite number > 0"),
     (["demo", "--repeats", "0"], "argument --repeats: must be >= 1"),
     (["demo", "--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1"),
-    (["calibrate", "--output", "r", "--set", "kl_treshold=0.2"],
+    (["calibrate", "--dataset", "sotu", "--output", "r", "--set", "kl_treshold=0.2"],
      "argument --set: 'kl_treshold' is no TideRouterConfig field calibration reads (did you mean kl_threshold"),
-    (["calibrate", "--output", "r", "--set", "label=kl"], "argument --set: label has a flag of its own: --label"),
-    (["calibrate", "--output", "r", "--set", "max_train_tokens"],
+    (["calibrate", "--dataset", "sotu", "--output", "r", "--set", "label=kl"],
+     "argument --set: label has a flag of its own: --label"),
+    (["calibrate", "--dataset", "sotu", "--output", "r", "--set", "max_train_tokens"],
      "argument --set: 'max_train_tokens' is not KEY=VALUE"),
     # a flag of another section (or command) is no flag of this one: refused, not ignored
     (["bench", "kernels", "--router", "r"], "unrecognized arguments: --router r"),
@@ -225,7 +228,8 @@ def test_set_reaches_calibration_as_the_flags_it_replaces_did(monkeypatch) -> No
     monkeypatch.setattr(command, "load_model", lambda name, dtype: ("model", "tok"))
     monkeypatch.setattr(command, "to_process_device", lambda model: model)
     monkeypatch.setattr(command, "calibrate", lambda model, tok, dataset, **kwargs: seen.update(kwargs))
-    args = build_parser().parse_args(["calibrate", "--output", "r", "--label", "kl", "--set", "max_train_tokens=4096",
+    args = build_parser().parse_args(["calibrate", "--dataset", "sotu", "--output", "r", "--label", "kl", "--set",
+                                      "max_train_tokens=4096",
                                       "exit_head_rank=64", "min_layers=8", "convergence_threshold=0.5",
                                       "checkpoint_layers=[4, 8]", "exit_head_ridge=null", "learning_rate=3e-4"])
     command.calibrate_from_args(args)
@@ -234,8 +238,8 @@ def test_set_reaches_calibration_as_the_flags_it_replaces_did(monkeypatch) -> No
         "label": "kl", "max_train_tokens": 4096, "exit_head_rank": 64, "min_layers": 8, "convergence_threshold": 0.5,
         "checkpoint_layers": [4, 8], "exit_head_ridge": None, "learning_rate": 3e-4}
     seen.clear()
-    command.calibrate_from_args(build_parser().parse_args(["calibrate", "--output", "r"]))
-    assert "max_train_tokens" not in seen and "min_layers" not in seen and seen["num_samples"] == 2000
+    command.calibrate_from_args(build_parser().parse_args(["calibrate", "--dataset", "sotu", "--output", "r"]))
+    assert "max_train_tokens" not in seen and "min_layers" not in seen and seen["num_samples"] == 256
 
 
 def test_set_and_the_flags_offer_every_field_calibrate_reads() -> None:
@@ -276,7 +280,7 @@ def test_calibrate_refuses_unwritable_outputs_before_loading_anything(tmp_path, 
                            (["--output", str(tmp_path / "o"), "--results", str(tmp_path / "results")],
                             "is a folder; give a file name")):
         with pytest.raises(SystemExit) as info:
-            main(["calibrate", "--model", str(tmp_path / "no-model"), *extra])
+            main(["calibrate", "--dataset", "sotu", "--model", str(tmp_path / "no-model"), *extra])
         err = capsys.readouterr().err
         assert info.value.code == 1 and message in err and len(err.strip().splitlines()) == 1, err
 
@@ -288,7 +292,7 @@ def test_an_output_on_a_file_system_that_refuses_folders_is_refused_before_loadi
     from tide_hf.cli import main
 
     with pytest.raises(SystemExit) as info:
-        main(["calibrate", "--model", "/no/such/model", "--output", "/proc/tide-router"])
+        main(["calibrate", "--dataset", "sotu", "--model", "/no/such/model", "--output", "/proc/tide-router"])
     err = capsys.readouterr().err
     assert info.value.code == 1 and "--output /proc/tide-router cannot be written: /proc refuses new folders" in err
     assert len(err.strip().splitlines()) == 1 and not Path("/proc/tide-router").exists()
@@ -302,7 +306,7 @@ def test_a_calibration_warning_prints_once_as_one_line(monkeypatch, capsys) -> N
     from tide_hf.cli import main
 
     monkeypatch.setattr(command, "run", lambda args: loud("TIDE calibration: a test warning"))
-    main(["calibrate", "--output", "unused"])
+    main(["calibrate", "--dataset", "sotu", "--output", "unused"])
     assert capsys.readouterr().err == "tide-hf calibrate: warning: TIDE calibration: a test warning\n"
 
 
@@ -318,7 +322,7 @@ def test_calibrate_refuses_a_bad_push_repo_id_and_results_inside_output_before_l
                            (["--results", str(tmp_path / "r" / "config.json")], "--results .* and --output .* overlap"),
                            (["--results", str(tmp_path / "r" / "x" / "run.json")], "overlap")):
         with pytest.raises(SystemExit) as info:
-            main(["calibrate", "--model", str(tmp_path / "no-model"), "--output", out, *extra])
+            main(["calibrate", "--dataset", "sotu", "--model", str(tmp_path / "no-model"), "--output", out, *extra])
         err = capsys.readouterr().err
         assert info.value.code == 1 and len(err.strip().splitlines()) == 1, err
         assert re.search(message, err) and "model folder not found" not in err, err
@@ -333,7 +337,7 @@ def test_calibrate_names_a_model_folder_without_a_tokenizer_in_one_line(tmp_path
     make_tiny_llama().save_pretrained(tmp_path / "m")
     capsys.readouterr()  # the save's progress bar
     with pytest.raises(SystemExit) as info:
-        main(["calibrate", "--model", str(tmp_path / "m"), "--output", str(tmp_path / "r")])
+        main(["calibrate", "--dataset", "sotu", "--model", str(tmp_path / "m"), "--output", str(tmp_path / "r")])
     err = capsys.readouterr().err
     assert info.value.code == 1 and len(err.strip().splitlines()) == 1, err
     assert "has no tokenizer files" in err and not (tmp_path / "r").exists()
@@ -367,7 +371,7 @@ def test_ctrl_c_prints_one_line_and_exits_130(monkeypatch, capsys) -> None:
 
     monkeypatch.setattr(command, "run", interrupted)
     with pytest.raises(SystemExit) as info:
-        main(["calibrate", "--output", "unused"])
+        main(["calibrate", "--dataset", "sotu", "--output", "unused"])
     assert info.value.code == 130 and capsys.readouterr().err == "tide-hf calibrate: interrupted\n"
 
 

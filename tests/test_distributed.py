@@ -171,7 +171,8 @@ def test_a_training_error_stops_every_process(tmp_path) -> None:
 def test_cli_under_accelerate_launch_matches_one_process(tmp_path, capsys) -> None:
     """The real `tide-hf calibrate` on the embedded SmolLM2, launched as a module in 2 processes, on the model's
     own greedy continuations (each process writes those of its own batches)."""
-    args = ["-m", "tide_hf.cli", "calibrate", "--num-samples", "16", "--seq-len", "64", "--num-epochs", "3",
+    args = ["-m", "tide_hf.cli", "calibrate", "--dataset", "sotu", "--num-samples", "16", "--seq-len", "64",
+            "--num-epochs", "3",
             "--continuation", "greedy", "--continuation-prompt-len", "48"]
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()

@@ -12,10 +12,11 @@ from .values import (
            LABEL_KINDS,
            OWN_FLAGS,
            ROUTER_DEFAULTS,
+           SAMPLING_DEFAULTS,
            SET_FIELDS,
            SYNTHETIC_CONFIGS,
            SYNTHETIC_SHAPES,
 )
 
 __all__ = ["CALIBRATED_EXIT_HEAD", "CONTINUATIONS", "EXIT_HEADS", "LABEL_KINDS", "OWN_FLAGS", "ROUTER_DEFAULTS",
-           "SET_FIELDS", "SYNTHETIC_CONFIGS", "SYNTHETIC_SHAPES", "build_parser", "main"]
+           "SAMPLING_DEFAULTS", "SET_FIELDS", "SYNTHETIC_CONFIGS", "SYNTHETIC_SHAPES", "build_parser", "main"]

@@ -18,6 +18,7 @@ from .values import (
     LABEL_KINDS,
     MODEL_HELP,
     ROUTER_DEFAULTS,
+    SAMPLING_DEFAULTS,
     HelpFormatter,
     SetFields,
     cosine,
@@ -46,30 +47,33 @@ def demo_settings(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**{**DEMO_CALIBRATION, **vars(args)})
 
 
-def add_text_args(group: argparse._ArgumentGroup, what: str) -> None:
-    """--model, --dataset and --dtype (`what`: the text --dataset is read for)."""
+def add_text_args(group: argparse._ArgumentGroup, what: str, required: bool = False) -> None:
+    """--model, --dataset (`required`: no default text, as `calibrate()` has none) and --dtype (`what`: the text
+    --dataset is read for)."""
     group.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME",
                        help=MODEL_HELP)
-    group.add_argument("--dataset", default="sotu", metavar="NAME", help=what)
+    group.add_argument("--dataset", metavar="NAME", help=what,
+                       **({"required": True} if required else {"default": "sotu"}))
     group.add_argument("--dtype", default=DTYPES[0], choices=DTYPES, metavar="DTYPE", help=DTYPE_HELP)
 
 
 def add_calibrate(sub: argparse._SubParsersAction) -> None:
     d = argparse.Namespace(**ROUTER_DEFAULTS)  # the library's defaults, so the CLI cannot drift from them
     p = sub.add_parser(
-        "calibrate", formatter_class=HelpFormatter, usage="tide-hf calibrate --output DIR [options]",
+        "calibrate", formatter_class=HelpFormatter, usage="tide-hf calibrate --dataset NAME --output DIR [options]",
         help="calibrate routers for a model and save them (optionally push to the Hub)",
         description="Calibrate routers for a model on real text and save them (safetensors + model card).\n\n"
-                    "example: tide-hf calibrate --num-samples 512 --output router-smollm2\n"
-                    f"time {CPU}: ~0.7 s per 256-token sample of SmolLM2-135M (the default 2000: ~24 min)")
+                    "example: tide-hf calibrate --dataset sotu --output router-smollm2\n"
+                    f"time {CPU}: ~0.7 s per 256-token sample of SmolLM2-135M (the default 256: ~3 min)")
     g = p.add_argument_group("model and text")
-    add_text_args(g, "Hub dataset, .txt/.jsonl file or folder, or sotu")
+    add_text_args(g, "REQUIRED: Hub dataset, .txt/.jsonl file or folder, or sotu", required=True)
     g.add_argument("--dataset-config", default=None, metavar="NAME",
                    help="Hub dataset config (e.g. wikitext-103-raw-v1)")
     g.add_argument("--split", default="train", metavar="NAME", help="dataset split (local files: train)")
     g.add_argument("--text-field", default="text", metavar="NAME", help="column / jsonl field holding the text")
-    g.add_argument("--num-samples", type=int, default=2000, metavar="N", help="text windows to calibrate on")
-    g.add_argument("--seq-len", type=int, default=256, metavar="N", help="tokens per sample")
+    g.add_argument("--num-samples", type=int, default=SAMPLING_DEFAULTS["num_samples"], metavar="N",
+                   help="text windows to calibrate on")
+    g.add_argument("--seq-len", type=int, default=SAMPLING_DEFAULTS["seq_len"], metavar="N", help="tokens per sample")
     g = p.add_argument_group("labels and exit heads")
     g.add_argument("--label", default=d.label, choices=LABEL_KINDS, metavar="LABEL",
                    help=f"what 'converged' means: {', '.join(LABEL_KINDS)}")
@@ -84,7 +88,8 @@ def add_calibrate(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group(
         "training", "--set: any other TideRouterConfig field calibration reads (exit_head_rank, max_train_tokens, "
         "min_layers, exit_threshold, ...; documented in docs/reference/api.md)")
-    g.add_argument("--batch-size", type=int, default=8, metavar="N", help="samples per forward pass")
+    g.add_argument("--batch-size", type=int, default=SAMPLING_DEFAULTS["batch_size"], metavar="N",
+                   help="samples per forward pass")
     g.add_argument("--num-epochs", type=int, default=d.num_epochs, metavar="N",
                    help="most epochs per router; early stopping ends sooner")
     g.add_argument("--seed", type=int, default=d.seed, metavar="N", help="seed of sampling, the split and training")

@@ -15,6 +15,7 @@ ROUTER_DEFAULTS = {"checkpoint_interval": 4, "convergence_threshold": 0.98, "kl_
                    "early_stopping_patience": 10, "max_train_tokens": 65536, "exit_threshold": 0.85, "seed": 0,
                    "label": "top1", "min_agreement": 0.95, "confidence": 0.9, "exit_head_ridge": 0.01,
                    "continuation_prompt_len": 64}
+SAMPLING_DEFAULTS = {"num_samples": 256, "seq_len": 256, "batch_size": 8}  # CalibrationConfig's (test_cli checks)
 LABEL_KINDS = ("cosine", "top1", "kl", "top1_kl")  # config.LABEL_KINDS, without importing transformers
 EXIT_HEADS, CALIBRATED_EXIT_HEAD = ("lens", "linear"), "linear"  # config's, without importing transformers
 CONTINUATIONS = ("greedy", "sample")  # config's, without importing transformers

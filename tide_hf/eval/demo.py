@@ -3,7 +3,7 @@ prompt answered by stock generate and by TIDE, timed in interleaved pairs, and t
 tokens/s (median and range), layers executed per token, agreement with stock, under the quality target the demo
 states. Its calibration settings come with `args` (fixed by the CLI: `tide_hf.cli.arguments.DEMO_CALIBRATION`).
 
-The TIDE options the demo attaches with live in `DEMO_ATTACH` alone.
+The demo attaches with `attach`'s defaults: what a user gets with no options (skip mode at the router's target).
 """
 
 from __future__ import annotations
@@ -32,9 +32,6 @@ from ..modeling.files import check_save_target
 from ..plotting import PlottingUnavailable
 from .tables import percent
 
-# How the demo attaches its router: skip mode, so a token that exits really skips the remaining layers (the
-# saving is compute, not a label), with the skipped layers' cache recomputed. The one place to change them.
-DEMO_ATTACH: dict[str, Any] = {"mode": "skip", "kv": "recompute"}
 # Options that change what the demo shows, not the router it calibrates (left out of the cache key).
 NOT_CALIBRATION = {"output", "recalibrate", "prompt", "max_new_tokens", "repeats", "func", "command"}
 ROUTER_FILES = ("config.json", "model.safetensors")
@@ -163,17 +160,17 @@ def compare(model: Any, tokenizer: Any, router: TideRouter, prompt: str, new_tok
                                            return_tensors="pt", return_dict=True)
     num_layers = get_adapter(model).num_layers
     model.generate(**inputs, max_new_tokens=2, do_sample=False)  # warm-up: first-call costs out of the timing
-    with attach(model, router, **DEMO_ATTACH):
+    with attach(model, router):
         model.generate(**inputs, max_new_tokens=2, do_sample=False)  # warm-up (builds the kernels once)
     speeds: dict[str, list[float]] = {"stock": [], "tide": []}
     for i in range(repeats):
         stock, seconds = timed_generate(model, inputs, new_tokens, f"stock generate {i + 1}/{repeats}")
         speeds["stock"].append(len(stock) / seconds)
-        with attach(model, router, **DEMO_ATTACH) as handle:
+        with attach(model, router) as handle:
             tide, seconds = timed_generate(model, inputs, new_tokens, f"TIDE generate {i + 1}/{repeats}")
             speeds["tide"].append(len(tide) / seconds)
-            stats, target = handle.last_stats, handle.options.target
-    with attach(model, router, **DEMO_ATTACH):  # outside the timed pairs
+            stats, options = handle.last_stats, handle.options
+    with attach(model, router):  # outside the timed pairs
         top1 = teacher_forced_top1(model, inputs, stock)
     n = min(len(stock), len(tide))
     same = (stock[:n] == tide[:n]).tolist()
@@ -187,7 +184,7 @@ def compare(model: Any, tokenizer: Any, router: TideRouter, prompt: str, new_tok
         "pair_ratios": [t / s for s, t in zip(speeds["stock"], speeds["tide"])],
         "num_layers": num_layers, "same_tokens": sum(same) / max(len(stock), 1),
         "first_difference": next((i for i, s in enumerate(same) if not s), None), "top1": top1, "stats": stats,
-        "target": target, "calibration_text": router.config.dataset,
+        "target": options.target, "mode": options.mode, "kv": options.kv, "calibration_text": router.config.dataset,
     }
 
 
@@ -207,7 +204,7 @@ def describe_target(target: dict[str, float] | None, calibration_text: str | Non
 def print_comparison(result: dict[str, Any]) -> None:
     """The two answers and their figures, side by side: the table first, then the target and the texts."""
     s, t, n = result["stock"], result["tide"], result["num_layers"]
-    mode = ", ".join(f"{k}={v}" for k, v in DEMO_ATTACH.items())
+    mode = f"mode={result['mode']}" + (f", kv={result['kv']}" if result["mode"] == "skip" else "")
     first, ratios, pairs = result["first_difference"], result["pair_ratios"], len(result["pair_ratios"])
     rows = [
         ("", "stock", f"TIDE ({mode})"),
@@ -217,8 +214,8 @@ def print_comparison(result: dict[str, Any]) -> None:
         ("TIDE vs stock, each pair", "", f"{min(ratios) - 1:+.0%} to {max(ratios) - 1:+.0%}"),
         ("layers per decode step", f"{s['layers']:.2f}/{n}",
          f"{t['layers']:.2f}/{n} ({t['exit_rate']:.0%} of tokens exited early"
-         + ("; their skipped layers run later, batched into a later step)" if DEMO_ATTACH["kv"] == "recompute"
-            else ")")),
+         + ("; their skipped layers run later, batched into a later step)"
+            if result["mode"] == "skip" and result["kv"] == "recompute" else ")")),
         ("generated tokens equal to stock's", "100%",
          f"{result['same_tokens']:.0%}" + ("" if first is None else f" (first difference at token {first + 1})")),
         ("top-1 agreement, stock's prefix", "100%", f"{result['top1']:.0%}"),

@@ -31,7 +31,7 @@ model's logits computed in a verification forward; drafts only decide how many p
 verification forward checks. In fp32 greedy output equals stock greedy token for token. In bf16 / fp16 a
 verification forward of k + 1 tokens rounds differently from k + 1 one-token steps, so a near-tie can
 resolve the other way and the text diverge from stock's (transformers' own assisted decoding does the
-same): `tide-hf bench --modes` reports the divergence rate beside transformers' `assistant_early_exit`.
+same): `tide-hf bench modes` reports the divergence rate beside transformers' `assistant_early_exit`.
 
 Stock assisted decoding supports batch size 1 only, so a batch is decoded row by row (each row keeps its
 left padding and mask) and re-assembled like stock batched generate lays it out, `return_dict_in_generate`

@@ -147,3 +147,31 @@ def test_a_file_without_exit_head_reads_as_the_lens(tmp_path: Path) -> None:
     assert config.pop("exit_head") == "lens"
     path.write_text(json.dumps(config))
     assert TideRouter.from_pretrained(tmp_path / "r").config.exit_head == "lens"
+
+
+@pytest.mark.slow
+def test_attach_with_no_options_runs_fewer_layers_on_smollm2() -> None:
+    """The default a user gets on the real model: routers calibrated as the demo calibrates them, `attach(model,
+    router)` with no options, one chat prompt. Skip mode at the router's default target runs fewer layers per
+    decode step than the model has (stock runs them all), with the exact cache."""
+    from tide_hf.assets import load_model
+    from tide_hf.cli.arguments import DEMO_CALIBRATION
+
+    try:
+        model, tok = load_model("smollm2")
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    fields = {f.name for f in dataclasses.fields(CalibrationConfig)}
+    settings = CalibrationConfig(**{k: v for k, v in DEMO_CALIBRATION.items() if k in fields})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        router = tide_hf.calibrate(model, tok, "sotu", settings, progress=False)
+    inputs = tok.apply_chat_template([{"role": "user", "content": "What should Congress do about the economy?"}],
+                                     add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with tide_hf.attach(model, router) as handle:
+        model.generate(**inputs, max_new_tokens=32, do_sample=False)
+        stats = handle.last_stats.decode
+    assert (handle.options.mode, handle.options.kv) == ("skip", "recompute")
+    assert handle.options.target == {"min_agreement": router.config.min_agreement,
+                                     "confidence": router.config.confidence}
+    assert stats.tokens == 31 and stats.mean_executed < model.config.num_hidden_layers, stats.as_dict()

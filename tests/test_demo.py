@@ -236,3 +236,19 @@ def test_the_embedded_model_folder_is_a_plain_one(tmp_path: Path, monkeypatch: p
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
     with pytest.raises(TideDependencyError, match="pip install gguf"):
         assets.smollm2_path()
+
+
+def test_a_slower_tide_is_explained_with_the_run_s_own_figures(capsys) -> None:
+    """When TIDE's median is below stock's the demo says why, from the exit rate and layers it measured; when it
+    is not, it says nothing of the kind."""
+    result = {"stock": {"text": "a", "tok_s": 10.0, "tok_s_runs": [10.0], "layers": 30.0},
+              "tide": {"text": "b", "tok_s": 9.0, "tok_s_runs": [9.0], "layers": 27.0, "exit_rate": 0.11},
+              "pair_ratios": [0.9], "num_layers": 30, "same_tokens": 0.5, "first_difference": 3, "top1": 0.96,
+              "target": None, "mode": "skip", "kv": "recompute", "calibration_text": "sotu"}
+    demo.print_comparison(result)
+    out = capsys.readouterr().out
+    assert "why TIDE is slower here: 11% of tokens exited, so 10% of the layer runs" in out
+    assert "kv='recompute'" in out
+    faster = {**result, "tide": {**result["tide"], "tok_s": 11.0, "tok_s_runs": [11.0]}, "pair_ratios": [1.1]}
+    demo.print_comparison(faster)
+    assert "why TIDE is slower" not in capsys.readouterr().out

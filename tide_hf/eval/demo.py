@@ -201,6 +201,18 @@ def describe_target(target: dict[str, float] | None, calibration_text: str | Non
             f"the calibration text ({calibration_text or 'unnamed'}); other text may differ")
 
 
+def why_slower(result: dict[str, Any]) -> str:
+    """Why TIDE's median was below stock's on this machine, from what the run measured."""
+    t, n = result["tide"], result["num_layers"]
+    saved = 1 - t["layers"] / n
+    text = (f"why TIDE is slower here: {t['exit_rate']:.0%} of tokens exited, so {saved:.0%} of the layer runs "
+            "were skipped at most, less than what scoring the routers costs on this machine")
+    if result["mode"] == "skip" and result["kv"] == "recompute":
+        text += ("; kv='recompute' also runs each exited token's skipped layers at the next step, beside the new "
+                 "token, which on a CPU saves only part of their cost")
+    return text + ". Skip mode saves time where more tokens exit, or where a step's cost is reading weights (a GPU)."
+
+
 def print_comparison(result: dict[str, Any]) -> None:
     """The two answers and their figures, side by side: the table first, then the target and the texts."""
     s, t, n = result["stock"], result["tide"], result["num_layers"]
@@ -225,6 +237,8 @@ def print_comparison(result: dict[str, Any]) -> None:
     print()
     for label, a, b in rows:
         print(f"{label:<{width}}  {a:>{cell}}  {b}")
+    if t["tok_s"] < s["tok_s"]:
+        print(f"\n{why_slower(result)}")
     print(f"\n{describe_target(result['target'], result['calibration_text'])}")
     print(f"\nstock: {s['text']!r}\nTIDE:  {t['text']!r}")
 

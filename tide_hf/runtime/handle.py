@@ -357,20 +357,38 @@ def _build(model: nn.Module, router: TideRouter, request: TideConfig, *, ignore_
 
 
 def get_handle(model: nn.Module) -> TideHandle | None:
-    """The handle of the router attached to `model`, if any."""
+    """The handle of the router attached to `model`, if any.
+
+    Args:
+        model: the model `attach` hooked.
+
+    Returns:
+        Its `TideHandle`, or None when no router is attached (a per-call `tide=` attach is not one).
+    """
     check_model(model)
     ref = _HANDLES.get(model)
     return ref() if ref is not None else None
 
 
 def detach(model: nn.Module) -> None:
-    """Detach the router attached to `model` (no-op when none is)."""
+    """Detach the router attached to `model`: the model is exactly as before `attach`.
+
+    Args:
+        model: the model; one without a router is left as it is.
+    """
     handle = get_handle(model)
     if handle is not None:
         handle.detach()
 
 
 def last_stats(model: nn.Module) -> ExitStats | None:
-    """Exit statistics of the latest TIDE call on `model`, also after an on-the-fly `tide=` attach."""
+    """Exit statistics of the latest TIDE call on `model`, also after an on-the-fly `tide=` attach.
+
+    Args:
+        model: the model.
+
+    Returns:
+        The `ExitStats` (prefill and decode: exits per layer, layers executed), or None before any TIDE call.
+    """
     check_model(model)
     return _LAST_STATS.get(model)

@@ -34,6 +34,7 @@ ROUTER_KWARGS: dict[str, Any] = {
     "hidden_size": 64,
     "num_hidden_layers": 8,
     "router_bottleneck_dim": 16,
+    "exit_head": "lens",
     "base_model_name_or_path": "org/base",
     "base_architecture": "LlamaForCausalLM",
     "checkpoint_layers": [2, 5, 6],  # not derivable from checkpoint_interval: must be stored, not recomputed

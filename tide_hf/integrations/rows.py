@@ -12,6 +12,8 @@ the way select mode does.
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import warnings
 import weakref
 from typing import Any
@@ -34,9 +36,21 @@ class SpeculativeFallbackWarning(UserWarning):
     """A generate call in speculative mode ran stock generate (no drafting); the message says why."""
 
 
-def warn_fallback(handle: TideHandle, reason: str | None, stacklevel: int) -> None:
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tide_hf/: its frames are not the caller
+
+
+def caller_stacklevel() -> int:
+    """The `warnings.warn` stacklevel, counted from its caller, of the first frame outside tide_hf: the user's
+    generate call, however many of tide_hf's wrappers lie between (the model's own, the generate keyword's)."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def warn_fallback(handle: TideHandle, reason: str | None) -> None:
     """Warn that a call of `handle` fell back to stock generate for `reason`, the first time it does for that
-    reason (None: it drafted; nothing to say)."""
+    reason (None: it drafted; nothing to say), naming the user's generate call."""
     if reason is None:
         return
     seen = _WARNED.setdefault(handle, set())
@@ -45,7 +59,7 @@ def warn_fallback(handle: TideHandle, reason: str | None, stacklevel: int) -> No
     seen.add(reason)
     warnings.warn(f"tide_hf speculative mode ran stock generate for this call, without drafting (same output, no "
                   f"speed-up): {reason}. last_stats.speculative['fallback'] records it per call; this warning comes "
-                  "once per reason and attach", SpeculativeFallbackWarning, stacklevel=stacklevel + 1)
+                  "once per reason and attach", SpeculativeFallbackWarning, stacklevel=caller_stacklevel())
 
 
 def fallback_reason(model: nn.Module, args: tuple, kwargs: dict, batch: int, gc: Any) -> str | None:

@@ -83,7 +83,6 @@ from .vocab import DraftHead
 # calls the token more likely unconverged than not, never at a quality target's stricter threshold (those are
 # for exits whose tokens are emitted).
 GATE_THRESHOLD = 0.5
-WARN_STACKLEVEL = 4  # a fallback warning names the user's generate call: -> generate.py's wrapper, _run, here
 PLAIN_TIMING_EVERY = 16  # drafting rounds between plain steps that keep the plain-step time current
 
 
@@ -302,7 +301,7 @@ def generate(handle: TideHandle, original: Callable, model: nn.Module, args: tup
     vocab, expected = draft_plan(handle.router, handle.adapter, layer)
     stats = SpeculativeStats(layer, expected, vocab)
     stats.fallback = fallback_reason(model, args, kwargs, batch, config)
-    warn_fallback(handle, stats.fallback, stacklevel=WARN_STACKLEVEL)
+    warn_fallback(handle, stats.fallback)
     try:
         if stats.fallback is not None and (config.assistant_early_exit is not None or kwargs.get("assistant_model")
                                            is not None or config.prompt_lookup_num_tokens is not None):

@@ -42,7 +42,7 @@ def overhead(model: Any, router: TideRouter, prompts: list[torch.Tensor], pad_id
         batch = left_pad(prompts[:bs], pad_id)
         generate(model, batch, 2)  # warm-up
         times = {"stock": 0.0, "tide": 0.0}
-        handle = attach(model, router, exit_threshold=CLOSED)
+        handle = attach(model, router, exit_threshold=CLOSED, mode="select")
         try:
             for _ in tqdm(range(reps), desc=f"overhead bs{bs}", leave=False):
                 for name, flag in (("stock", False), ("tide", True)):
@@ -68,7 +68,7 @@ def quality(model: Any, routers: dict[str, TideRouter], thresholds: list[float],
     rows = []
     for name, router in routers.items():
         for thr in tqdm(thresholds, desc=f"quality ({name})", leave=False):
-            handle = attach(model, router, exit_threshold=thr)
+            handle = attach(model, router, exit_threshold=thr, mode="select")
             try:
                 tokens, seconds, decode_tok, exited, layers = [], 0.0, 0, 0.0, 0.0
                 for b in batches:

@@ -92,9 +92,10 @@ def configurations(model: Any, depth: int) -> dict[str, tuple[str, Callable[[], 
 
     return {
         "stock": ("stock", nullcontext),
-        "exits-off": ("exits off", attached(never, exit_threshold=CLOSED)),
-        "select-scored": ("select, scored, no exits", attached(never, exit_threshold=THRESHOLD)),
-        "select-exit": (f"select, all exit at {depth}", attached(always, exit_threshold=THRESHOLD, min_layers=depth)),
+        "exits-off": ("exits off", attached(never, exit_threshold=CLOSED, mode="select")),
+        "select-scored": ("select, scored, no exits", attached(never, exit_threshold=THRESHOLD, mode="select")),
+        "select-exit": (f"select, all exit at {depth}", attached(always, exit_threshold=THRESHOLD, min_layers=depth,
+                                                                  mode="select")),
         "skip-recompute": (f"skip, all exit at {depth}, kv=recompute",
                            attached(always, exit_threshold=THRESHOLD, min_layers=depth, mode="skip", kv="recompute")),
         "skip-propagate": (f"skip, all exit at {depth}, kv=propagate",

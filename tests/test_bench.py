@@ -203,3 +203,24 @@ def test_batches_forced_rows_report_each_rows_depth_and_a_table() -> None:
     assert executed[(2, "propagate")] == executed[(2, "recompute")] == (4 + 9) / 2
     table = format_batches({"forced": rows, "router": {"decode": [], "prefill": []}})
     assert table.count("| 2 | propagate | 1 | 4 | 6.50 |") == 1
+
+
+def test_each_synthetic_configuration_runs_the_mode_it_is_named_after() -> None:
+    """The GPU suite's and `bench synthetic`'s rows: a row named select attaches in select mode, one named skip in
+    skip mode with the kv it names (attach's default mode would otherwise run skip mode under select's name)."""
+    import torch
+
+    from tide_hf.eval.synthetic import build_model, configurations
+    from tide_hf.runtime import get_handle
+
+    model = build_model("tiny", "cpu", torch.float32)
+    expected = {"exits-off": ("select", None), "select-scored": ("select", None), "select-exit": ("select", None),
+                "skip-recompute": ("skip", "recompute"), "skip-propagate": ("skip", "propagate")}
+    for key, (_, enter) in configurations(model, 4).items():
+        with enter():
+            handle = get_handle(model)
+            if key in ("stock", "truncated"):
+                assert handle is None, key
+                continue
+            mode, kv = expected[key]
+            assert handle.options.mode == mode and (kv is None or handle.options.kv == kv), key

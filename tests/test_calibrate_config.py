@@ -110,8 +110,9 @@ def test_auto_mode_falls_back_to_select_mode_with_a_warning() -> None:
     router = TideRouter(TideRouterConfig(hidden_size=32, num_hidden_layers=9, router_bottleneck_dim=8,
                                          exit_head="lens", base_architecture="GPT2LMHeadModel",
                                          base_fingerprint=model_fingerprint(model)))
-    with pytest.warns(tide_hf.runtime.ModeFallbackWarning, match="runs mode='select'.*GPT2LMHeadModel"):
+    with pytest.warns(tide_hf.runtime.ModeFallbackWarning, match="runs mode='select'.*GPT2LMHeadModel") as record:
         handle = tide_hf.attach(model, router, exit_threshold=0.5)
+    assert record[0].filename == __file__  # the warning names the user's attach call
     assert handle.options.mode == "select"
     handle.detach()
     with pytest.raises(tide_hf.errors.TideUnsupportedError):

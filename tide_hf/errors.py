@@ -70,3 +70,7 @@ class TideMissingRouterError(TideRouterFileError, TideMissingError):
 class TideMissingDataError(TideDataError, TideMissingError):
     """No file or folder where a dataset name written as a path points (a `TideDataError` and a
     `FileNotFoundError` alike)."""
+
+
+class PlottingUnavailable(TideDependencyError):
+    """matplotlib is not installed: the message says which extra brings it."""

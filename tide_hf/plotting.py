@@ -5,16 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .errors import TideArgumentError, TideArgumentTypeError, TideDependencyError
+from .errors import PlottingUnavailable, TideArgumentError, TideArgumentTypeError
 
 PLOT_DPI = 110
 
 
 PLOT_EXTRA = "pip install 'tide_hf[plot]'"
-
-
-class PlottingUnavailable(TideDependencyError):
-    """matplotlib is not installed: the message says which extra brings it."""
 
 
 def pyplot() -> Any:

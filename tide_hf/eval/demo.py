@@ -25,11 +25,10 @@ from transformers.generation.streamers import BaseStreamer
 from ..assets import DEFAULT_MODEL, DEFAULT_TEXT, cache_dir, default_dataset, load_model
 from ..calibration.command import calibrate_from_args, print_metrics
 from ..calibration.distributed import is_main_process
-from ..errors import TideArgumentError
+from ..errors import PlottingUnavailable, TideArgumentError
 from ..integrations import attach
 from ..modeling import TideRouter, get_adapter
 from ..modeling.files import check_save_target
-from ..plotting import PlottingUnavailable
 from .tables import percent
 
 # Options that change what the demo shows, not the router it calibrates (left out of the cache key).

@@ -12,8 +12,6 @@ the way select mode does.
 from __future__ import annotations
 
 import functools
-import os
-import sys
 import warnings
 import weakref
 from typing import Any
@@ -22,6 +20,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
+from ..callers import caller_stacklevel
 from ..compat import CACHE_KWARGS
 from ..runtime import Session, TideHandle
 from .embeds import embeds_reason
@@ -34,18 +33,6 @@ _WARNED: weakref.WeakKeyDictionary[TideHandle, set[str]] = weakref.WeakKeyDictio
 
 class SpeculativeFallbackWarning(UserWarning):
     """A generate call in speculative mode ran stock generate (no drafting); the message says why."""
-
-
-PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tide_hf/: its frames are not the caller
-
-
-def caller_stacklevel() -> int:
-    """The `warnings.warn` stacklevel, counted from its caller, of the first frame outside tide_hf: the user's
-    generate call, however many of tide_hf's wrappers lie between (the model's own, the generate keyword's)."""
-    frame, level = sys._getframe(2), 2
-    while frame is not None and frame.f_code.co_filename.startswith(PACKAGE_DIR):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def warn_fallback(handle: TideHandle, reason: str | None) -> None:

@@ -7,13 +7,14 @@ import warnings
 
 from torch import nn
 
+from ..callers import caller_stacklevel
 from ..compat import is_stateful
 from ..config import CLOSED
 from ..errors import TideUnsupportedError
 from ..modeling import ModelAdapter, TideRouter, check_head, text_config
 from ..modeling.depth import check_depth_follows_config
 from .kv import propagate_support
-from .options import AUTO_MODE, TideConfig, TideOptions, mode_kv
+from .options import AUTO_MODE, DEFAULT_KV, TideConfig, TideOptions
 from .skip import LayerSkipper, SkipPlan
 
 
@@ -63,5 +64,5 @@ def resolve_mode(model: nn.Module, adapter: ModelAdapter, router: TideRouter, re
         return options, check_mode(model, adapter, options, router)
     except TideUnsupportedError as err:
         warnings.warn(f"tide_hf: attach runs mode='select' (every layer; no compute saved) on {type(model).__name__}:"
-                      f" skip mode cannot serve it ({err})", ModeFallbackWarning, stacklevel=4)
-        return dataclasses.replace(options, mode="select", kv=mode_kv("select", None, None)), None
+                      f" skip mode cannot serve it ({err})", ModeFallbackWarning, stacklevel=caller_stacklevel())
+        return dataclasses.replace(options, mode="select", kv=DEFAULT_KV), None

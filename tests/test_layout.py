@@ -14,12 +14,13 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tide_hf"
 MAX_LINES = 400
-# room -> rooms it may import. The base (errors, config, plotting, assets, compat: transformers' private names)
+# room -> rooms it may import. The base (errors, config, plotting, assets, compat: transformers' private names,
+# callers: the frame a warning names)
 # imports no room but errors (config, assets and plotting raise its errors); the model side
 # comes next, then kernels, the runtime and the transformers integration; calibration needs only the model
 # side (and the base: the corpus, transformers' private names); eval may use everything but the CLI; the CLI
 # everything; the package root everything but eval / cli.
-BASE = {"errors", "config", "plotting", "assets", "compat"}
+BASE = {"errors", "config", "plotting", "assets", "compat", "callers"}
 ALLOWED = {
     **{room: set() for room in BASE},
     "config": {"errors"},
@@ -27,8 +28,8 @@ ALLOWED = {
     "assets": {"errors"},
     "modeling": {"errors", "config"},
     "kernels": {"errors", "config"},
-    "runtime": {"errors", "config", "compat", "plotting", "modeling", "kernels"},
-    "integrations": {"errors", "config", "compat", "modeling", "kernels", "runtime"},
+    "runtime": {"errors", "config", "compat", "callers", "plotting", "modeling", "kernels"},
+    "integrations": {"errors", "config", "compat", "callers", "modeling", "kernels", "runtime"},
     "calibration": {"errors", "config", "assets", "compat", "modeling", "runtime"},  # runtime: stock text of an
     # attached model (continuations write it with the router turned off)
     "eval": BASE | {"modeling", "kernels", "runtime", "integrations", "calibration"},

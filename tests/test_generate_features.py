@@ -31,6 +31,7 @@ from tide_hf.integrations import SpeculativeFallbackWarning, draft
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 LAYERS, HIDDEN, NEW = 6, 32, 5  # checkpoints every 2 layers: [2, 4]
+STREAM_TIMEOUT_S = 900  # a stalled stream fails the test; a slow first call (kernel build) does not
 MODES = {
     "select": {"mode": "select"},
     "skip-propagate": {"mode": "skip", "kv": "propagate"},
@@ -140,12 +141,27 @@ def supported(out, scores) -> None:
 @pytest.mark.parametrize("mode,exits", RUNS)
 def test_text_iterator_streamer_in_a_thread(model, routers, mode, exits):
     def streamed(run_call) -> tuple[str, torch.Tensor]:
-        streamer = TextIteratorStreamer(DigitTokenizer(), skip_prompt=True, timeout=60)
+        """The streamed text and the output. A worker that raises still ends the stream; its error is raised
+        here, and no worker outlives the test (a first call may wait minutes for a kernel build held by
+        another process)."""
+        streamer = TextIteratorStreamer(DigitTokenizer(), skip_prompt=True, timeout=STREAM_TIMEOUT_S)
         result = {}
-        worker = threading.Thread(target=lambda: result.update(out=run_call(streamer)))
+
+        def work() -> None:
+            try:
+                result["out"] = run_call(streamer)
+            except BaseException as err:  # noqa: BLE001 - re-raised in the test's thread
+                result["error"] = err
+                streamer.end()
+
+        worker = threading.Thread(target=work)
         worker.start()
-        text = "".join(streamer)
-        worker.join()
+        try:
+            text = "".join(streamer)
+        finally:
+            worker.join()
+        if "error" in result:
+            raise result["error"]
         return text, result["out"]
 
     ids = prompt(1)

@@ -276,7 +276,7 @@ def _threaded(jobs) -> list:
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=120)
+        thread.join(timeout=900)  # a first call may wait minutes for a kernel build
     assert not errors, errors
     return results
 

@@ -3,6 +3,9 @@ stock reference TIDE must reproduce, and small local text datasets (all offline)
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from transformers import AutoModelForCausalLM, CohereConfig, GraniteConfig, LlamaConfig, LlamaForCausalLM
 
@@ -56,6 +59,16 @@ def make_model(seed: int = 0, hidden: int = 64, layers: int = NUM_LAYERS) -> Lla
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          pad_token_id=0, bos_token_id=1, eos_token_id=2)
     return LlamaForCausalLM(config).eval()
+
+
+def inline_record(folder: Path) -> dict:
+    """Turn a saved router's config.json into the layout before its "calibration" section (release 0.1.0:
+    provenance and results at the top level) and return its dict, for a test to edit and write back."""
+    config = json.loads((folder / "config.json").read_text())
+    for section in config.pop("calibration").values():
+        config.update(section)
+    (folder / "config.json").write_text(json.dumps(config))
+    return config
 
 
 def new_router(model, seed: int = 0, **config) -> TideRouter:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import make_model, new_router
 
 from tide_hf.cli import (
     CALIBRATED_EXIT_HEAD,
@@ -439,8 +440,10 @@ def test_a_flag_the_routers_kind_never_reads_is_refused(tmp_path, monkeypatch, p
     from tide_hf.cli import main
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "r").mkdir()
-    (tmp_path / "r" / "config.json").write_text(json.dumps({"exit_paths": {"agreement": {}} if paths else {}}))
+    model = make_model()
+    closed = [1.0] * len(new_router(model).checkpoint_layers)  # a path's first point: every checkpoint closed
+    path = {"thresholds": [closed], "errors": [0], "n": 0, "n_next": 0, "nll_sum": [0.0], "nll_sumsq": [0.0]}
+    new_router(model, exit_paths={"agreement": path} if paths else {}).save_pretrained(tmp_path / "r")
     with pytest.raises(SystemExit, match=f"tide-hf {' '.join(command)}: {flags[0]} does not apply to ./r, a router "
                        "with"):
         main([*command, "--router", "./r", *flags])

@@ -129,14 +129,16 @@ def _assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
 
 def _assert_router(out: Path, name: str, want: dict[str, torch.Tensor], want_config: dict[str, Any]) -> None:
     """`name` (as dumped by the worker) is a TideRouter with exactly `want`'s tensors and config."""
+    from tide_hf.record import flatten_record
+
     tensors, meta = _loaded(out, name)
     assert meta["class"] == "tide_hf.modeling.router.TideRouter"
     _assert_same_tensors(tensors, want)
-    config = meta["config"]
+    config = flatten_record(meta["config"])  # provenance and results: the "calibration" section of config.json
     assert config["model_type"] == "tide_router"
     for key, value in ROUTER_KWARGS.items():
         assert config[key] == value, f"config.{key} did not round-trip"
-    assert _stable(config) == _stable(want_config)
+    assert _stable(config) == _stable(flatten_record(want_config))
 
 
 def _stable(config: dict[str, Any]) -> dict[str, Any]:
@@ -186,7 +188,7 @@ def test_push_then_pull_round_trips(hub: HubServer, pushed: Path) -> None:
     assert not [p for p, d in files.items() if d[:2] in (b"\x80\x02", b"\x80\x04", b"\x80\x05", b"PK")], "pickle/zip"
     _assert_same_tensors(load(files["model.safetensors"]), original)
     assert json.loads(files["config.json"])["checkpoint_layers"] == ROUTER_KWARGS["checkpoint_layers"]
-    assert json.loads(files["config.json"])["exit_paths"] == ROUTER_KWARGS["exit_paths"]
+    assert json.loads(files["config.json"])["calibration"]["results"]["exit_paths"] == ROUTER_KWARGS["exit_paths"]
     readme = files["README.md"].decode()
     assert readme.startswith("---\n") and "library_name: tide_hf" in readme, "the TIDE model card was not pushed"
     assert "base_model: org/base" in readme and "| 5 |" in readme

@@ -14,24 +14,27 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tide_hf"
 MAX_LINES = 400
-# room -> rooms it may import. The base (errors, config, plotting, assets, compat: transformers' private names,
-# callers: the frame a warning names)
-# imports no room but errors (config, assets and plotting raise its errors); the model side
+# room -> rooms it may import. The base (errors, values: checks of numbers, record: a router's calibration record
+# file, config, plotting, assets, compat: transformers' private names, callers: the frame a warning names)
+# imports no room but errors (config, assets and plotting raise its errors; config also reads values and record);
+# the model side
 # comes next, then kernels, the runtime and the transformers integration; calibration needs only the model
 # side (and the base: the corpus, transformers' private names); eval may use everything but the CLI; the CLI
 # everything; the package root everything but eval / cli.
-BASE = {"errors", "config", "plotting", "assets", "compat", "callers"}
+BASE = {"errors", "values", "record", "config", "plotting", "assets", "compat", "callers"}
 ALLOWED = {
     **{room: set() for room in BASE},
-    "config": {"errors"},
+    "values": {"errors"},
+    "record": {"errors", "values"},
+    "config": {"errors", "values", "record"},
     "plotting": {"errors"},
     "assets": {"errors"},
-    "modeling": {"errors", "config"},
+    "modeling": {"errors", "values", "record", "config"},
     "kernels": {"errors", "config"},
-    "runtime": {"errors", "config", "compat", "callers", "plotting", "modeling", "kernels"},
-    "integrations": {"errors", "config", "compat", "callers", "modeling", "kernels", "runtime"},
-    "calibration": {"errors", "config", "assets", "compat", "modeling", "runtime"},  # runtime: stock text of an
-    # attached model (continuations write it with the router turned off)
+    "runtime": {"errors", "record", "config", "compat", "callers", "plotting", "modeling", "kernels"},
+    "integrations": {"errors", "record", "config", "compat", "callers", "modeling", "kernels", "runtime"},
+    # runtime: stock text of an attached model (continuations write it with the router turned off)
+    "calibration": {"errors", "values", "record", "config", "assets", "compat", "modeling", "runtime"},
     "eval": BASE | {"modeling", "kernels", "runtime", "integrations", "calibration"},
     "cli": BASE | {"modeling", "kernels", "runtime", "integrations", "calibration", "eval"},
     "__init__": BASE | {"modeling", "kernels", "runtime", "integrations", "calibration"},

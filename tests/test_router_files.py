@@ -355,3 +355,48 @@ def test_config_loaders_check_their_keywords_like_the_files_keys(tmp_path: Path,
         with pytest.raises(error, match=message):
             load(tmp_path / "r", **kwargs)
     assert load(tmp_path / "r", exit_threshold=0.3).exit_threshold == 0.3
+
+
+def test_provenance_and_results_are_a_section_of_config_json(tmp_path: Path) -> None:
+    """Hyper-parameters stay at config.json's top level; provenance and results (they mixed with them) move to
+    its "calibration" section. Every loader gives every field back: TideRouter, TideRouterConfig and AutoConfig
+    (which reads config.json without TideRouterConfig's own loader)."""
+    router = new_router(make_model(), metrics={"4": {"auc": 0.7}}, calibration_seconds={"forward": 1.5},
+                        dataset="sotu", num_samples=8, seq_len=64, draft_vocab_coverage={"256": 0.8})
+    router.save_pretrained(tmp_path / "r")
+    written = json.loads((tmp_path / "r" / "config.json").read_text())
+    record = written["calibration"]
+    assert record["results"]["metrics"] == {"4": {"auc": 0.7}}
+    assert record["results"]["calibration_seconds"] == {"forward": 1.5}
+    assert record["provenance"]["base_fingerprint"] == router.config.base_fingerprint
+    assert (record["provenance"]["dataset"], record["provenance"]["num_samples"]) == ("sotu", 8)
+    moved = {"metrics", "exit_paths", "draft_vocab_coverage", "calibration_seconds", "base_fingerprint",
+             "base_architecture", "dataset", "num_samples", "seq_len"}
+    assert not moved & set(written)
+    assert written["label"] == "top1" and written["checkpoint_layers"] == router.config.checkpoint_layers
+    loaded = [TideRouter.from_pretrained(tmp_path / "r").config, TideRouterConfig.from_pretrained(tmp_path / "r"),
+              AutoConfig.from_pretrained(tmp_path / "r")]
+    for config in loaded:
+        assert isinstance(config, TideRouterConfig) and not hasattr(config, "calibration")
+        for name in TideRouterConfig.field_names():
+            assert getattr(config, name) == getattr(router.config, name), name
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda c: c.update(calibration=[1]), "must be an object with the sections"),
+    (lambda c: c["calibration"].update(extra={}), "must be an object with the sections"),
+    (lambda c: c["calibration"]["results"].update(metrix={}), r"\['metrix'\], not among its fields"),
+    (lambda c: c.update(metrics={}), r"both hold \['metrics'\]"),
+    (lambda c: c["calibration"].update(results=[]), r"\['results'\] must be an object"),
+])
+def test_a_damaged_calibration_section_is_named(tmp_path: Path, edit, message: str) -> None:
+    """A misspelled result in the section would load as an empty one (a router without its exit paths serves
+    its global threshold); a field in two places would load one of them silently."""
+    new_router(make_model(), metrics={"4": {"auc": 0.7}}).save_pretrained(tmp_path / "r")
+    path = tmp_path / "r" / "config.json"
+    config = json.loads(path.read_text())
+    edit(config)
+    path.write_text(json.dumps(config))
+    for load in (TideRouter.from_pretrained, TideRouterConfig.from_pretrained, AutoConfig.from_pretrained):
+        with pytest.raises(TideRouterFileError, match=message):
+            load(tmp_path / "r")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ByteTokenizer, make_tiny_llama, new_router
+from helpers import ByteTokenizer, inline_record, make_tiny_llama, new_router
 
 import tide_hf
 from tide_hf.calibration.thresholds import build_path, exit_index, path_losses
@@ -152,7 +152,7 @@ def test_older_router_without_the_table_uses_its_global_threshold(tmp_path: Path
     model = make_tiny_llama()
     router = new_router(model, exit_threshold=0.7)
     router.save_pretrained(tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
+    config = inline_record(tmp_path)
     for key in ("exit_paths", "min_agreement", "confidence", "threshold_fraction", "path_grid"):
         config.pop(key)  # what a router saved before quality targets existed looks like
     (tmp_path / "config.json").write_text(json.dumps(config))

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import math
-import numbers
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -13,6 +11,8 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from .errors import TideArgumentError, TideArgumentTypeError, TideRouterFileError
+from .record import check_coverage, check_exit_paths, flatten_record, nest_record
+from .values import check_int, check_real, plain
 
 LABEL_KINDS = ("cosine", "top1", "kl", "top1_kl")
 # How an exited token's logits are made: "lens" runs the model's final norm and head on the checkpoint's state
@@ -24,11 +24,7 @@ MODES = ("select", "skip", "speculative")
 KV_POLICIES = ("propagate", "recompute")
 # Calibration text after each sample's prompt: the corpus itself (None) or the model's own continuation.
 CONTINUATIONS = ("greedy", "sample")
-# Exit paths for quality targets (see `tide_hf.modeling.targets`): top-1 agreement, perplexity change.
-PATH_KINDS = ("agreement", "perplexity")
 DEFAULT_EXIT_THRESHOLD = 0.85  # the global threshold of a router config (and of `TideOptions`) when none is given
-SUMSQ_SLACK = 1e-9  # relative rounding a stored table's NLL sums may carry (fp64 sums written as JSON)
-CLOSED = 1.0  # a per-checkpoint threshold that never exits
 SEED_BOUND = 2**63  # torch and the samplers take 64-bit seeds
 FIELD_NAME_CUTOFF = 0.85  # difflib similarity above which an unknown key is taken for a misspelled field
 TEXT_FIELDS = ("base_model_name_or_path", "base_model_revision", "base_architecture", "base_model_type",
@@ -45,41 +41,54 @@ def default_checkpoints(num_hidden_layers: int, interval: int) -> list[int]:
 
 
 class TideRouterConfig(PretrainedConfig):
-    """Everything needed to rebuild, pair and audit a TIDE router.
+    """Everything needed to rebuild, pair and audit a TIDE router: the config of the `TideRouter` sidecar.
 
-    Architecture: `hidden_size`, `router_bottleneck_dim`, `checkpoint_layers` (a checkpoint `k` scores
-    the output of the `k`-th decoder layer, 1-based). Provenance (what the router belongs to and how it
-    was made): the `base_*` fields, the label, the data and the training hyper-parameters. Training runs at
-    most `num_epochs` per router and stops after `early_stopping_patience` epochs without a better loss on the
-    validation samples (`validation_fraction`, in (0, 1): the ordering of the exit paths needs them too).
+    config.json holds architecture, settings and serving defaults at its top level, and the calibration record
+    (provenance and results) in its "calibration" section (`tide_hf.record`); this object holds every field.
+    `calibrate` fills it: build one by hand only for tests or to load weights you trained yourself.
 
-    `unique_documents`: calibration kept each repeated document of its text once (`load_texts`; routers made
-    before it did have False): evaluation on the same corpus loads it the same way, so that `held_out_texts` finds
-    the documents calibration never read.
-
-    Exit heads: with `exit_head="linear"` a token exiting at checkpoint `k` reads its logits from
-    `final_norm(E_k(final_norm(h_k)))` through the model's head, where `E_k` is a linear map fitted at calibration
-    (ridge least squares, `exit_head_ridge`) to predict the last layer's state (its direction, where the final
-    norm discards scale) from the checkpoint's: a "linear shortcut" (Din et al., 2023), far closer to the full
-    model's distribution than the model's head on `h_k` alone (`"lens"`, what routers made before exit heads
-    existed use). `exit_head_rank` r < hidden stores each map as hidden x r and r x hidden factors (the best
-    rank-r map, reduced-rank regression), for models whose hidden x hidden maps would make the sidecar large.
-
-    Quality targets: `exit_paths` holds the calibrated exit paths (see `tide_hf.modeling.targets`), ordered on
-    the validation samples with `path_grid` candidate thresholds per checkpoint and tested on the threshold
-    samples (`threshold_fraction`), which neither training nor the ordering saw. Serving defaults:
-    `min_agreement` at `confidence` when the router has paths and `min_agreement` is not None, else the
-    global `exit_threshold` (also what routers calibrated before paths existed use); `min_layers` always.
-    Draft vocabulary: `draft_vocab_coverage` maps candidate sizes n (as strings) to the held-out share of
-    tokens whose final top-1 is among the n tokens the model predicted most often on the training samples; the
-    router then holds that ranking (`TideRouter.draft_vocab`), and speculative drafts may compute logits over the
-    first n tokens only (see `tide_hf.calibration.vocab`). Empty: drafts use the whole vocabulary.
-    Calibration text: with `continuation` None the routers read the corpus as written; with "greedy" or "sample"
-    each sample keeps its first `continuation_prompt_len` tokens and the model writes the rest (see
-    `tide_hf.calibration.continuations`), so routers, exit heads and thresholds are fitted on text the model
-    wrote itself, as it does inside `generate()`.
-    Results: `metrics`, one dict per checkpoint, and `calibration_seconds` (writing continuations when asked,
-    model body, labelling, training).
+    Args:
+        hidden_size: the base model's hidden size (each router's input).
+        num_hidden_layers: the base model's decoder layers.
+        checkpoint_interval: a checkpoint every this many layers (when `checkpoint_layers` is not given).
+        checkpoint_layers: counts of executed layers a router scores after (1-based, increasing, never the last
+            layer: a router there would compare the final state with itself).
+        router_bottleneck_dim: each router MLP's hidden width.
+        label: when a token counts as converged: "top1" (its exit logits' top-1 is the final one), "cosine",
+            "kl" or "top1_kl" (see `CalibrationConfig`).
+        exit_head: how an exited token's logits are made. "linear": `final_norm(E_k(final_norm(h_k)))` through
+            the model's head, with `E_k` a ridge least-squares map to the last layer's state (a linear shortcut,
+            Din et al., 2023). "lens": the model's head on `h_k` (what files without the field mean).
+        exit_head_ridge: the ridge penalty of the linear exit heads.
+        exit_head_rank: None (full rank) or r < hidden: each map stored as hidden x r and r x hidden factors.
+        convergence_threshold: the cosine a "cosine" label needs.
+        kl_threshold: the KL a "kl" / "top1_kl" label allows.
+        exit_threshold: the global threshold on router scores, used when no quality target is served.
+        min_layers: no exit before this many layers (None: the first checkpoint).
+        base_model_name_or_path, base_model_revision, base_architecture, base_model_type: the model the routers
+            were calibrated on (provenance; `attach` checks the architecture).
+        base_fingerprint: a fingerprint of that model's weights (`attach` refuses other weights).
+        dataset: the calibration text's name.
+        unique_documents: calibration kept each repeated document once (`load_texts`), so evaluation on the same
+            corpus finds the documents calibration never read (`held_out_texts`).
+        num_samples, seq_len: how many samples of how many tokens calibration read.
+        continuation: None (the text as written), "greedy" or "sample" (the model writes each sample after its
+            first `continuation_prompt_len` tokens).
+        continuation_prompt_len: the tokens kept of each sample before a continuation.
+        learning_rate, num_epochs, early_stopping_patience, train_batch_size, max_train_tokens: router training
+            (see `CalibrationConfig`).
+        validation_fraction: the samples that pick each router's best epoch and order the exit paths.
+        threshold_fraction: the samples the exit paths are tested on (nothing else saw them).
+        path_grid: candidate thresholds per checkpoint when the exit paths are ordered.
+        min_agreement: the top-1 agreement `attach` serves by default (None: the global `exit_threshold`).
+        confidence: the probability with which a quality target holds (Learn-then-Test).
+        exit_paths: the calibrated exit paths per kind ("agreement", "perplexity"): threshold vectors and the
+            held-out losses quality targets are certified with (`tide_hf.modeling.targets`).
+        draft_vocab_coverage: candidate sizes n (as strings) -> held-out share of tokens whose final top-1 is
+            among the n tokens the model predicted most often (speculative drafts may score those only).
+        seed: the seed of sampling, splits and training.
+        metrics: per checkpoint (as a string), the held-out label rates, precision, recall and AUC.
+        calibration_seconds: the seconds each stage took (continuations, forward, labels, training).
     """
 
     model_type = "tide_router"
@@ -259,10 +268,15 @@ class TideRouterConfig(PretrainedConfig):
         """transformers' `from_dict`, with its keywords checked like the file's keys: it sets them after `__init__`
         has validated (an out-of-range value was kept) and drops one that is no attribute (a misspelling)."""
         check_field_names(kwargs, cls.field_names(), "TideRouterConfig")
-        config_dict = {"exit_head": LEGACY_EXIT_HEAD, **config_dict}  # a file without it predates exit heads
+        config_dict = {"exit_head": LEGACY_EXIT_HEAD, **flatten_record(config_dict)}  # no exit_head: older file
         result = super().from_dict(config_dict, **kwargs)
         (result[0] if isinstance(result, tuple) else result).validate()
         return result
+
+    def to_dict(self) -> dict[str, Any]:
+        """transformers' dict, with provenance and results in their own section (`tide_hf.record`): what
+        config.json holds."""
+        return nest_record(super().to_dict())
 
     @classmethod
     def field_names(cls) -> frozenset[str]:
@@ -278,115 +292,6 @@ def check_field_names(keys: Iterable[str], fields: frozenset[str], where: str) -
     for key in sorted(set(keys) - fields - set(dir(PretrainedConfig))):
         if close := difflib.get_close_matches(key, sorted(fields), n=1, cutoff=FIELD_NAME_CUTOFF):
             raise TideRouterFileError(f"{where}: {key!r} is not a TIDE router field; did you mean {close[0]!r}?")
-
-
-def check_int(name: str, value: Any, *, minimum: int | None = None) -> None:
-    """`value` is an int (not a bool, not a float such as 2.5), at least `minimum`; else an error naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TideArgumentTypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if minimum is not None and value < minimum:
-        raise TideArgumentError(f"{name} must be >= {minimum}, got {value}")
-
-
-def check_real(name: str, value: Any, *, low: float | None = None, high: float | None = None,
-               low_open: bool = False, high_open: bool = False) -> None:
-    """`value` is a finite real number (not a bool or a string) in the given range; else an error naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TideArgumentTypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
-    value = float(value)
-    out = not math.isfinite(value)
-    out |= low is not None and (value <= low if low_open else value < low)
-    out |= high is not None and (value >= high if high_open else value > high)
-    if out:
-        lo = "(-inf" if low is None else f"{'(' if low_open else '['}{low}"
-        hi = "inf)" if high is None else f"{high}{')' if high_open else ']'}"
-        raise TideArgumentError(f"{name} must be a finite number in {lo}, {hi}, got {value}")
-
-
-def check_coverage(coverage: Any) -> None:
-    """`draft_vocab_coverage`: a dict of positive integer sizes (as strings, JSON keys) to shares in [0, 1]."""
-    if not isinstance(coverage, dict):
-        raise TideArgumentTypeError(f"draft_vocab_coverage must be a dict of size -> coverage, got {coverage!r}")
-    for size, share in coverage.items():
-        if not (isinstance(size, str) and size.isdigit() and int(size) >= 1):
-            raise TideArgumentError(f"draft_vocab_coverage: sizes must be positive integers written as strings, "
-                                    f"got {size!r}")
-        check_real(f"draft_vocab_coverage[{size!r}]", share, low=0.0, high=1.0)
-
-
-def plain(value: Any) -> Any:
-    """`value` with every number inside (dicts, lists) a plain int / float / bool, as JSON writes them."""
-    if isinstance(value, dict):
-        return {key: plain(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(item) for item in value]
-    if isinstance(value, bool) or value is None or isinstance(value, str):
-        return value
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    if isinstance(value, numbers.Real):
-        return float(value)
-    return value
-
-
-def check_exit_paths(paths: Any, num_checkpoints: int) -> None:
-    """`exit_paths`: per kind in `PATH_KINDS`, threshold vectors (one per checkpoint, in [0, 1], the first all
-    closed: "no exit" is where a test starts) and, per vector, the held-out losses `select` tests."""
-    if not isinstance(paths, dict):
-        raise TideArgumentTypeError(f"exit_paths must be a dict of kind -> path, got {type(paths).__name__}")
-    for kind, path in paths.items():
-        name = f"exit_paths[{kind!r}]"
-        if kind not in PATH_KINDS:
-            raise TideArgumentError(f"exit_paths: kinds must be among {PATH_KINDS}, got {kind!r}")
-        if not isinstance(path, dict):
-            raise TideArgumentTypeError(f"{name} must be a dict, got {type(path).__name__}")
-        missing = {"thresholds", "errors", "n", "nll_sum", "nll_sumsq", "n_next"} - set(path)
-        if missing:
-            raise TideArgumentError(f"{name} lacks {sorted(missing)}")
-        points = path["thresholds"]
-        if not isinstance(points, list) or not points:
-            raise TideArgumentError(f"{name}['thresholds'] must be a non-empty list of threshold vectors")
-        for point in points:
-            if not isinstance(point, list) or len(point) != num_checkpoints:
-                raise TideArgumentError(f"{name}: every threshold vector needs one value per checkpoint "
-                                        f"({num_checkpoints}), got {point!r}")
-            for value in point:
-                check_real(f"{name} threshold", value, low=0.0, high=1.0)
-        if any(value != CLOSED for value in points[0]):
-            raise TideArgumentError(f"{name}: the first threshold vector must close every checkpoint (all "
-                                    f"{CLOSED}), got {points[0]}")
-        check_int(f"{name}['n']", path["n"], minimum=0)
-        check_int(f"{name}['n_next']", path["n_next"], minimum=0)
-        for key in ("errors", "nll_sum", "nll_sumsq"):
-            if not isinstance(path[key], list) or len(path[key]) != len(points):
-                raise TideArgumentError(f"{name}[{key!r}] must be a list with one entry per threshold vector "
-                                        f"({len(points)})")
-        for errors in path["errors"]:
-            check_int(f"{name} errors", errors, minimum=0)
-            if errors > path["n"]:
-                raise TideArgumentError(f"{name}: {errors} errors out of n={path['n']} tokens")
-        for value in path["nll_sum"] + path["nll_sumsq"]:
-            check_real(f"{name} NLL sums", value)
-        check_path_sizes(name, path)
-    sizes = {(path["n"], path["n_next"]) for path in paths.values()}
-    if len(sizes) > 1:
-        raise TideArgumentError(f"exit_paths: every kind is tested on the same threshold split, but their (n, "
-                                f"n_next) differ: {sorted(sizes)}")
-
-
-def check_path_sizes(name: str, path: dict) -> None:
-    """Losses a held-out test could have produced: at most `n` tokens with a next token, nothing lost where
-    nothing exits (the first point), sums of squares that are non-negative and at least the square of the sum
-    over `n_next` (Cauchy-Schwarz, up to rounding)."""
-    if path["n_next"] > path["n"]:
-        raise TideArgumentError(f"{name}: n_next={path['n_next']} tokens with a next token out of n={path['n']}")
-    if path["errors"][0] or path["nll_sum"][0] or path["nll_sumsq"][0]:
-        raise TideArgumentError(f"{name}: the first point closes every checkpoint, so its losses must be 0, got "
-                                f"errors {path['errors'][0]}, NLL sums {path['nll_sum'][0]}, {path['nll_sumsq'][0]}")
-    for total, squares in zip(path["nll_sum"], path["nll_sumsq"]):
-        if squares < 0 or total * total > squares * max(path["n_next"], 1) * (1 + SUMSQ_SLACK) + SUMSQ_SLACK:
-            raise TideArgumentError(f"{name}: NLL sum {total} and sum of squares {squares} over n_next="
-                                    f"{path['n_next']} tokens are impossible (sum^2 > n_next * sum of squares)")
 
 
 def check_threshold(value: Any) -> None:

@@ -55,12 +55,16 @@ def main_process_first() -> Any:
     return nullcontext() if state is None else state.main_process_first()
 
 
-def to_process_device(model: nn.Module) -> nn.Module:
-    """Under a launcher: `model` on this process's accelerator (`PartialState().device`); else unchanged."""
+def process_device() -> torch.device:
+    """Where this process computes: its accelerator under a launcher (`PartialState().device`), else the CPU."""
     state = _state()
-    if state is None or state.device.type == "cpu":
-        return model
-    return model.to(state.device)
+    return torch.device("cpu") if state is None else state.device
+
+
+def to_process_device(model: nn.Module) -> nn.Module:
+    """Under a launcher: `model` on this process's accelerator; else unchanged."""
+    device = process_device()
+    return model if device.type == "cpu" else model.to(device)
 
 
 def finish() -> None:

@@ -20,11 +20,13 @@ import torch
 from torch import nn
 
 from ..compat import model_revision
-from ..config import CLOSED, LABEL_KINDS, TideRouterConfig, check_int
+from ..config import LABEL_KINDS, TideRouterConfig
 from ..errors import TideArgumentError, TideArgumentTypeError
 from ..modeling import ModelAdapter, TideRouter, check_head, get_adapter, model_fingerprint, text_config
 from ..modeling.devices import execution_device
 from ..modeling.targets import select
+from ..record import CLOSED
+from ..values import check_int
 from .continuations import continue_samples
 from .data import dataset_label, load_texts
 from .distributed import is_main_process, main_process_first, train_on_main

@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from ..config import CLOSED, TideRouterConfig
+from ..config import TideRouterConfig
 from ..modeling import TideRouter
+from ..record import CLOSED
 from .labels import Collected
 
 DECIMALS = 6  # thresholds are rounded before they are evaluated, so the stored values are the tested ones

@@ -38,7 +38,7 @@ DEMO_CALIBRATION = {**ROUTER_DEFAULTS, "model": DEFAULT_MODEL, "dataset": "sotu"
                     "batch_size": DEMO_BATCH, "dtype": DTYPES[0], "exit_head": CALIBRATED_EXIT_HEAD,
                     "exit_head_rank": DEMO_EXIT_HEAD_RANK, "max_train_tokens": DEMO_TRAIN_TOKENS,
                     "continuation": None, "min_layers": None}
-DEMO_REPEATS = 5  # timed (stock, TIDE) pairs of the demo, after one warm-up each
+DEMO_REPEATS = 3  # timed (stock, TIDE) pairs of the demo, after one warm-up each (their median and range)
 
 
 def demo_settings(args: argparse.Namespace) -> argparse.Namespace:

@@ -5,7 +5,6 @@ router's kind never reads) is refused rather than ignored, and sizes that cannot
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 
@@ -59,10 +58,15 @@ def check_router_kind_flags(parser: argparse.ArgumentParser, args: argparse.Name
     routers = [routers] if isinstance(routers, str) else routers
     if name not in ROUTER_KIND_FLAGS or len(routers) != 1:
         return
+    folder = os.path.expanduser(routers[0])
+    if not os.path.isdir(folder):  # a Hub id, or nothing: loading it will say what is wrong
+        return
+    from ..config import TideRouterConfig  # transformers: imported when a router is named, not for --help
+    from ..errors import TideError
+
     try:
-        with open(os.path.join(os.path.expanduser(routers[0]), "config.json"), encoding="utf-8") as f:
-            has_paths = bool(json.load(f).get("exit_paths"))
-    except (OSError, ValueError, AttributeError):  # not a local router: loading it will say what is wrong
+        has_paths = bool(TideRouterConfig.from_pretrained(folder).exit_paths)
+    except (TideError, OSError, ValueError):  # not a router: loading it will say what is wrong
         return
     for flag, needs_paths in ROUTER_KIND_FLAGS[name].items():
         if changed(parser, args, (flag,)) and needs_paths != has_paths:

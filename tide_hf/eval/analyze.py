@@ -28,11 +28,12 @@ from ..calibration import held_out_texts, load_texts, make_samples, pad_right, p
 from ..calibration.labels import LABEL_CHUNK_ROWS, FinalDistribution
 from ..calibration.pipeline import check_context
 from ..calibration.thresholds import exit_index
-from ..config import check_real, default_checkpoints
+from ..config import default_checkpoints
 from ..errors import TideArgumentError, TideDataError
 from ..modeling import ModelAdapter, TideRouter, check_head, get_adapter, layer_output
 from ..modeling.files import check_results_folder
 from ..modeling.targets import select
+from ..values import check_real
 from .plots import convergence as plot_convergence
 from .plots import efficiency as plot_efficiency
 from .plots import heatmap as plot_heatmap

@@ -18,10 +18,10 @@ from tqdm.auto import tqdm
 
 from ..assets import default_dataset, load_model
 from ..calibration import pad_token_id
-from ..config import CLOSED
 from ..integrations import attach
 from ..modeling import TideRouter
 from ..modeling.files import check_results_folder
+from ..record import CLOSED
 from .measure import check_exit_depths, evaluation_text, generate, left_pad, match_rate, perplexity
 from .tables import (
     format_baselines,

@@ -24,9 +24,10 @@ from transformers.generation.streamers import BaseStreamer
 
 from ..assets import DEFAULT_MODEL, DEFAULT_TEXT, cache_dir, default_dataset, load_model
 from ..calibration.command import calibrate_from_args, print_metrics
-from ..calibration.distributed import is_main_process
+from ..calibration.distributed import is_main_process, process_device
 from ..errors import PlottingUnavailable, TideArgumentError
 from ..integrations import attach
+from ..kernels import build_in_background
 from ..modeling import TideRouter, get_adapter
 from ..modeling.files import check_save_target
 from .tables import percent
@@ -108,6 +109,8 @@ def get_router(args: argparse.Namespace) -> tuple[Any, Any, TideRouter | None, b
     if not args.output:  # a histogram older versions drew into the cache folder, not a router file
         (folder / "exits.png").unlink(missing_ok=True)
     check_save_target(folder, overwrite=True)  # only a router may be replaced: refused before the work
+    if is_main_process():  # the compiler runs beside calibration (the first attach waits for it)
+        build_in_background(process_device())
     print(f"tide_hf demo: calibrating routers on {args.num_samples} samples x {args.seq_len} tokens "
           f"(once; cached in {folder})")
     model, tokenizer, router = calibrate_from_args(args)

@@ -26,11 +26,12 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..config import CLOSED, TideRouterConfig, default_checkpoints
+from ..config import TideRouterConfig, default_checkpoints
 from ..errors import TideArgumentError
 from ..integrations import attach, attach_with
 from ..modeling import TideRouter
 from ..modeling.fingerprint import model_fingerprint
+from ..record import CLOSED
 from .measure import check_exit_depths
 from .modes import forced_rows, truncated
 

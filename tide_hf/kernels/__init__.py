@@ -6,7 +6,7 @@ PyTorch path and reads a model's final norm into a `NormSpec`.
 
 from __future__ import annotations
 
-from .build import active_backend, kernel_build_error
+from .build import active_backend, build_in_background, kernel_build_error
 from .ops import gather_rows, norm_router_scores, scatter_rows_
 from .reference import NORM_KINDS, NormSpec, apply_norm, norm_router_scores_reference, norm_spec
 
@@ -14,6 +14,7 @@ __all__ = [
     "NORM_KINDS",
     "NormSpec",
     "active_backend",
+    "build_in_background",
     "apply_norm",
     "gather_rows",
     "kernel_build_error",

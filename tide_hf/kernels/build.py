@@ -188,6 +188,14 @@ def active_backend(device: torch.device | str) -> str:
     return ("cpp" if flavour == "cpu" else "cuda") if extension(flavour) is not None else "pytorch"
 
 
+def build_in_background(device: torch.device | str) -> threading.Thread:
+    """Start building `device`'s kernels in a daemon thread and return it. The compiler runs while the caller
+    works (the demo calibrates meanwhile); the first use of a kernel waits for the build, or finds it done."""
+    thread = threading.Thread(target=extension, args=(flavour_of(device),), name="tide_hf kernel build", daemon=True)
+    thread.start()
+    return thread
+
+
 def kernel_build_error(device: torch.device | str) -> str | None:
     """Why `device` has no compiled kernels (no compiler, no device, build error), if it was tried."""
     return _build_errors.get(flavour_of(device) or "")

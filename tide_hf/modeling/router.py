@@ -14,8 +14,10 @@ from safetensors import SafetensorError
 from torch import nn
 from transformers import AutoConfig, AutoModel, PreTrainedModel
 
-from ..config import TideRouterConfig, check_coverage, check_field_names, plain
+from ..config import TideRouterConfig, check_field_names
 from ..errors import TideArgumentError, TideArgumentTypeError, TideCompatibilityError, TideRouterFileError
+from ..record import check_coverage
+from ..values import plain
 from .adapters import ModelAdapter, get_adapter, text_config
 from .devices import check_materialized
 from .files import (
@@ -68,6 +70,14 @@ class TideRouter(PreTrainedModel):
     one exit head (`ExitHead`, an affine hidden -> hidden map) per checkpoint: what an exited token's logits
     are made from (`exit_state`, `exit_logits`). With a calibrated `config.draft_vocab_coverage` it holds the
     draft vocabulary too: `draft_vocab`, token ids in order of how often they were the final top-1.
+
+    Args:
+        config: the routers' architecture, settings and calibration record (`TideRouterConfig`).
+
+    Example:
+        >>> router = tide_hf.calibrate(model, tok, "sotu")  # doctest: +SKIP
+        >>> router.save_pretrained("my-router")  # doctest: +SKIP
+        >>> router = tide_hf.TideRouter.from_pretrained("my-router")  # or a Hub id  # doctest: +SKIP
     """
 
     config_class = TideRouterConfig

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from ..config import CLOSED, PATH_KINDS
 from ..errors import TideArgumentTypeError, TideTargetError
+from ..record import CLOSED, PATH_KINDS
 
 
 def binomial_pvalue(errors: int, n: int, alpha: float) -> float:

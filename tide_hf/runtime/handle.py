@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from ..compat import cache_in
-from ..config import CLOSED
 from ..errors import TideArgumentError, TideArgumentTypeError, TideConcurrencyError, TideUnsupportedError
 from ..kernels import norm_router_scores
 from ..modeling import ModelAdapter, TideRouter, check_model, get_adapter, layer_output
+from ..record import CLOSED
 from .batching import guard_continuous_batching
 from .compiled import install_compiled_call
 from .kv import KVRecompute

@@ -9,10 +9,10 @@ from torch import nn
 
 from ..callers import caller_stacklevel
 from ..compat import is_stateful
-from ..config import CLOSED
 from ..errors import TideUnsupportedError
 from ..modeling import ModelAdapter, TideRouter, check_head, text_config
 from ..modeling.depth import check_depth_follows_config
+from ..record import CLOSED
 from .kv import propagate_support
 from .options import AUTO_MODE, DEFAULT_KV, TideConfig, TideOptions
 from .skip import LayerSkipper, SkipPlan

@@ -97,7 +97,21 @@ def _counter(counts: torch.Tensor | None) -> Counter:
 
 @dataclass
 class ExitStats:
-    """Per-call exit statistics (`handle.last_stats`)."""
+    """What one generate call did, per phase: `handle.last_stats` or `tide_hf.last_stats()`.
+
+    Args:
+        num_layers: the model's decoder layers.
+        checkpoints: the router's checkpoint layers.
+        prefill: the prompt's positions (`PhaseStats`: exits per layer, `exit_rate`, `mean_layers`,
+            `mean_executed`, `recomputed`).
+        decode: the generated tokens, likewise.
+        speculative: speculative mode's counters (drafted, accepted, rounds, fallback), else None.
+
+    Example:
+        >>> handle = tide_hf.attach(model, router)  # doctest: +SKIP
+        >>> model.generate(**inputs, max_new_tokens=20)  # doctest: +SKIP
+        >>> print(handle.last_stats.summary())  # doctest: +SKIP
+    """
 
     num_layers: int
     checkpoints: list[int]

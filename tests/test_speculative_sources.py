@@ -86,8 +86,14 @@ def test_lookup_is_transformers_prompt_lookup():
 
 # -- lossless, with drafts from the context -------------------------------------------------------------
 @pytest.mark.parametrize("gate", ["never", "always"])
-def test_greedy_identical_to_stock_with_lookup_drafts(gate):
-    """A closed gate leaves lookup alone; an open one lets both sources compete. Either way stock's tokens."""
+def test_greedy_identical_to_stock_with_lookup_drafts(gate, monkeypatch):
+    """A closed gate leaves lookup alone (its drafts are accepted); an open one lets both sources compete (here
+    early exit, nearly always right on this model, wins). Either way stock's tokens. Costs are fixed: a draft
+    forward costs its prior, a verification of w tokens 1 + (w - 1) / 10 plain steps (measured timings of a loaded
+    machine decided the competition at random). Which source wins at which estimates: the policy tests above."""
+    monkeypatch.setattr(DraftEstimates, "cost", property(lambda self: self.prior_cost))
+    monkeypatch.setattr(DraftEstimates, "verify_costs", property(
+        lambda self: {w: 1.0 + (w - 1) / 10 for w in range(2, LOOKUP_MAX_TOKENS + 2)}))
     model = make_model("random" if gate == "never" else "shallow")
     router = make_router(model, gate)
     totals = dict.fromkeys((EARLY_EXIT, LOOKUP), 0)
@@ -101,7 +107,7 @@ def test_greedy_identical_to_stock_with_lookup_drafts(gate):
         for name in totals:
             totals[name] += sources[name]["accepted"]
         assert sum(s["drafted"] for s in sources.values()) == stats.speculative["drafted"]
-    assert totals[LOOKUP] > 0  # the repeated phrase is drafted from the context
+    assert (totals[LOOKUP] > 0) == (gate == "never")  # the repeated phrase is drafted from the context
     assert (totals[EARLY_EXIT] > 0) == (gate == "always")
 
 

@@ -65,18 +65,24 @@ class TideRouterConfig(PretrainedConfig):
         kl_threshold: the KL a "kl" / "top1_kl" label allows.
         exit_threshold: the global threshold on router scores, used when no quality target is served.
         min_layers: no exit before this many layers (None: the first checkpoint).
-        base_model_name_or_path, base_model_revision, base_architecture, base_model_type: the model the routers
-            were calibrated on (provenance; `attach` checks the architecture).
+        base_model_name_or_path: the model the routers were calibrated on (its name or path).
+        base_model_revision: its Hub commit, when it came from the Hub.
+        base_architecture: its class name (`attach` refuses another).
+        base_model_type: its config's model_type.
         base_fingerprint: a fingerprint of that model's weights (`attach` refuses other weights).
         dataset: the calibration text's name.
         unique_documents: calibration kept each repeated document once (`load_texts`), so evaluation on the same
             corpus finds the documents calibration never read (`held_out_texts`).
-        num_samples, seq_len: how many samples of how many tokens calibration read.
+        num_samples: how many samples calibration read.
+        seq_len: the tokens of each sample.
         continuation: None (the text as written), "greedy" or "sample" (the model writes each sample after its
             first `continuation_prompt_len` tokens).
         continuation_prompt_len: the tokens kept of each sample before a continuation.
-        learning_rate, num_epochs, early_stopping_patience, train_batch_size, max_train_tokens: router training
-            (see `CalibrationConfig`).
+        learning_rate: the routers' learning rate.
+        num_epochs: at most this many epochs per router.
+        early_stopping_patience: stop a router after this many epochs without a better held-out loss (0: never).
+        train_batch_size: tokens per training step.
+        max_train_tokens: tokens kept per checkpoint, on average.
         validation_fraction: the samples that pick each router's best epoch and order the exit paths.
         threshold_fraction: the samples the exit paths are tested on (nothing else saw them).
         path_grid: candidate thresholds per checkpoint when the exit paths are ordered.

@@ -207,12 +207,14 @@ def why_slower(result: dict[str, Any]) -> str:
     """Why TIDE's median was below stock's on this machine, from what the run measured."""
     t, n = result["tide"], result["num_layers"]
     saved = 1 - t["layers"] / n
-    text = (f"why TIDE is slower here: {t['exit_rate']:.0%} of tokens exited, so {saved:.0%} of the layer runs "
-            "were skipped at most, less than what scoring the routers costs on this machine")
+    text = (f"why TIDE is slower here: {t['exit_rate']:.0%} of tokens exited, so at most {saved:.0%} of the layer "
+            "runs were skipped in their own step")
     if result["mode"] == "skip" and result["kv"] == "recompute":
-        text += ("; kv='recompute' also runs each exited token's skipped layers at the next step, beside the new "
-                 "token, which on a CPU saves only part of their cost")
-    return text + ". Skip mode saves time where more tokens exit, or where a step's cost is reading weights (a GPU)."
+        text += ("; under kv='recompute' those layers still run at the next step, beside the new token, so what "
+                 "is saved is only what running two tokens together costs less than running them apart")
+    return text + (", which did not cover TIDE's own work per step here (router scores, exit decisions, cache "
+                   "bookkeeping). Skip mode saves time where more tokens exit, or where a step's cost is reading "
+                   "weights (a GPU).")
 
 
 def print_comparison(result: dict[str, Any]) -> None:

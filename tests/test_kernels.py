@@ -403,6 +403,27 @@ def test_concurrent_first_use_builds_once(fresh_state: None, monkeypatch: pytest
     assert calls == ["cpu"]
 
 
+def test_a_background_build_is_the_one_first_use_waits_for(fresh_state: None, monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """The demo starts the build before calibrating: its first kernel call waits for that build (no second one),
+    and the caller goes on while the compiler runs."""
+    calls, built = [], object()
+
+    def slow_build(flavour: str) -> object:
+        calls.append(flavour)
+        time.sleep(0.5)
+        return built
+
+    monkeypatch.setattr(kernel_build, "_build", slow_build)
+    monkeypatch.setattr(kernel_build, "_toolchain_missing", lambda flavour: None)
+    started = time.perf_counter()
+    thread = kernels.build_in_background("cpu")
+    assert time.perf_counter() - started < 0.4 and thread.daemon  # the caller was not kept waiting
+    assert kernel_build.extension("cpu") is built and calls == ["cpu"]
+    thread.join()
+    assert calls == ["cpu"]
+
+
 def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_waited_for(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

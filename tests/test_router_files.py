@@ -19,7 +19,7 @@ from transformers import AutoConfig
 
 import tide_hf.modeling.files as files
 from tide_hf import TideRouter, TideRouterConfig
-from tide_hf.errors import TideMissingRouterError, TideRouterFileError
+from tide_hf.errors import TideArgumentError, TideMissingRouterError, TideRouterFileError
 
 
 @pytest.mark.parametrize("key,value", [("exit_heads.4.down.weight", float("nan")),
@@ -376,10 +376,13 @@ def test_provenance_and_results_are_a_section_of_config_json(tmp_path: Path) -> 
     assert written["label"] == "top1" and written["checkpoint_layers"] == router.config.checkpoint_layers
     loaded = [TideRouter.from_pretrained(tmp_path / "r").config, TideRouterConfig.from_pretrained(tmp_path / "r"),
               AutoConfig.from_pretrained(tmp_path / "r")]
+    loaded.append(TideRouterConfig.from_dict(router.config.to_dict()))
     for config in loaded:
         assert isinstance(config, TideRouterConfig) and not hasattr(config, "calibration")
         for name in TideRouterConfig.field_names():
             assert getattr(config, name) == getattr(router.config, name), name
+    with pytest.raises(TideArgumentError, match="build it with TideRouterConfig.from_dict"):
+        TideRouterConfig(**router.config.to_dict())  # the section's fields would have kept their defaults
 
 
 @pytest.mark.parametrize("edit,message", [

@@ -11,7 +11,7 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from .errors import TideArgumentError, TideArgumentTypeError, TideRouterFileError
-from .record import check_coverage, check_exit_paths, flatten_record, nest_record
+from .record import RECORD_KEY, check_coverage, check_exit_paths, flatten_record, nest_record
 from .values import check_int, check_real, plain
 
 LABEL_KINDS = ("cosine", "top1", "kl", "top1_kl")
@@ -268,6 +268,9 @@ class TideRouterConfig(PretrainedConfig):
         for name in self.field_names():  # a numpy number passes the checks above but cannot go into config.json
             setattr(self, name, plain(getattr(self, name)))
         check_field_names(vars(self), self.field_names(), "TideRouterConfig")  # transformers keeps unknown keys
+        if RECORD_KEY in vars(self):  # the fields inside would be lost to their defaults
+            raise TideArgumentError(f"TideRouterConfig got a {RECORD_KEY!r} section, config.json's layout (to_dict); "
+                                    "build it with TideRouterConfig.from_dict, which lays the section flat")
 
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:

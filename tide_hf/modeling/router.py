@@ -8,8 +8,7 @@ import tempfile
 from typing import Any
 
 import torch
-from huggingface_hub import CommitInfo, ModelCard, ModelCardData
-from huggingface_hub.utils import HFValidationError, validate_repo_id
+from huggingface_hub import CommitInfo, ModelCard
 from safetensors import SafetensorError
 from torch import nn
 from transformers import AutoConfig, AutoModel, PreTrainedModel
@@ -19,6 +18,7 @@ from ..errors import TideArgumentError, TideArgumentTypeError, TideCompatibility
 from ..record import check_coverage
 from ..values import plain
 from .adapters import ModelAdapter, get_adapter, text_config
+from .card import model_card
 from .devices import check_materialized
 from .files import (
     atomic_save,
@@ -157,6 +157,18 @@ class TideRouter(PreTrainedModel):
         given), and readable weights that match it exactly: every configured checkpoint's tensors, of the
         configured shapes, and no others, with finite values only; draft-vocabulary ids >= 0. Config values
         given as keywords are checked like the file's.
+
+        Args:
+            pretrained_model_name_or_path: a local router folder or a Hub repo id.
+            *args: passed to transformers' `from_pretrained`.
+            **kwargs: transformers' loading keywords (`revision`, `cache_dir`, `token`, `local_files_only`,
+                `subfolder`, ...) and config fields to set.
+
+        Returns:
+            The router (with `output_loading_info=True`: the router and transformers' loading info).
+
+        Raises:
+            TideRouterFileError: no router config, weights that do not match it, non-finite values, a pickle.
         """
         if kwargs.get("use_safetensors") is False:
             raise TideRouterFileError("TideRouter loads safetensors only; use_safetensors=False is not supported")
@@ -202,6 +214,16 @@ class TideRouter(PreTrainedModel):
         `push_to_hub=True` then uploads the saved files, as `push_to_hub` does, to `repo_id` (default: the
         folder's name, in your namespace); `commit_message`, `commit_description`, `private`, `token`,
         `revision` and `create_pr` go to the push. A repo id that is not valid is refused before saving.
+
+        Args:
+            save_directory: the folder to write.
+            *args: passed to transformers' `save_pretrained`.
+            overwrite: replace a TIDE router saved there before.
+            push_to_hub: upload the saved files too.
+            **kwargs: transformers' saving keywords, and the push's.
+
+        Raises:
+            TideRouterFileError: the folder holds something else, or `safe_serialization=False`.
         """
         if kwargs.get("safe_serialization") is False:
             raise TideRouterFileError("TideRouter saves safetensors only; safe_serialization=False is not supported")
@@ -248,6 +270,20 @@ class TideRouter(PreTrainedModel):
         model.safetensors under new shards), so the repo never serves this config with old weights. A repo
         whose config.json is not a TIDE router's (a model's) is refused before anything is uploaded
         (`TideRouterFileError`).
+
+        Args:
+            repo_id: the Hub repo ("owner/name", or a name in your namespace).
+            commit_message: the commit's message.
+            commit_description: the commit's description.
+            private: create the repo private.
+            token: the Hub token (default: the saved login).
+            revision: the branch to push to.
+            create_pr: open a pull request instead of committing to the branch.
+            max_shard_size: the largest weights file.
+            tags: Hub tags added to the card.
+
+        Returns:
+            The commit's info.
         """
         check_repo_id(repo_id)
         with tempfile.TemporaryDirectory() as tmp_dir:
@@ -264,48 +300,7 @@ class TideRouter(PreTrainedModel):
     def model_card(self) -> ModelCard:
         """A Hub model card: metadata (library, base model, tags), how to load the base model at the revision the
         routers were calibrated on, and the per-router validation table."""
-        cfg = self.config
-        data = ModelCardData(
-            library_name="tide_hf",
-            base_model=cfg.base_model_name_or_path if hub_id(cfg.base_model_name_or_path) else None,
-            tags=["tide", "early-exit", "router", cfg.label],
-            datasets=[cfg.dataset] if hub_id(cfg.dataset) and "/" in cfg.dataset else None,
-        )
-        rows = ["| layer | positive rate | precision | recall | AUC | predicted exit rate |",
-                "|---|---|---|---|---|---|"]
-        for k in cfg.checkpoint_layers:
-            m = cfg.metrics.get(str(k), {})
-            cells = [_fmt(m.get(f)) for f in ("positive_rate", "precision", "recall", "auc", "predicted_rate")]
-            rows.append(f"| {k} | " + " | ".join(cells) + " |")
-        body = (
-            f"# TIDE router for {cfg.base_model_name_or_path or 'a causal LM'}\n\n"
-            f"Early-exit routers ([TIDE](https://arxiv.org/abs/2603.21365)) made with `tide_hf` for "
-            f"{cfg.base_architecture} ("
-            + (f"model type `{cfg.base_model_type}`, " if cfg.base_model_type else "")
-            + f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}). "
-            f"Checkpoints after layers {cfg.checkpoint_layers}; label `{cfg.label}`; exit head `{cfg.exit_head}`; "
-            "calibrated on "
-            f"{cfg.num_samples} samples of {cfg.seq_len} tokens from `{cfg.dataset}`"
-            + (f" (the model's own {cfg.continuation} continuations of each sample's first "
-               f"{cfg.continuation_prompt_len} tokens)" if cfg.continuation else "") + ".\n\n"
-            "```python\nimport tide_hf\nfrom transformers import AutoModelForCausalLM\n"
-            f"model = AutoModelForCausalLM.from_pretrained({cfg.base_model_name_or_path or '<base model>'!r}"
-            # the Hub commit of the weights it was calibrated on (their fingerprint is checked at attach)
-            + (f", revision={cfg.base_model_revision!r}" if cfg.base_model_revision else "") + ")\n"
-            "router = tide_hf.TideRouter.from_pretrained('<this repo>')\n"
-            + (f"handle = tide_hf.attach(model, router)  # top-1 agreement >= {cfg.min_agreement} at confidence "
-               f"{cfg.confidence}; or min_agreement=, max_perplexity_increase=\n```\n\n"
-               if cfg.exit_paths and cfg.min_agreement is not None else
-               f"handle = tide_hf.attach(model, router, exit_threshold={cfg.exit_threshold})\n```\n\n")
-            +
-            f"## Validation (held-out {cfg.validation_fraction:.0%} of samples, threshold {cfg.exit_threshold})\n\n"
-            + "\n".join(rows) + "\n"
-        )
-        if cfg.draft_vocab_coverage:
-            body += ("\n## Draft vocabulary\n\nSpeculative drafts may compute logits over the n tokens the model "
-                     "predicted most often in calibration; held-out coverage of its top-1 by size: "
-                     + ", ".join(f"{n}: {share:.1%}" for n, share in cfg.draft_vocab_coverage.items()) + ".\n")
-        return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}")
+        return model_card(self.config)
 
     def check_consistent(self, state: dict[str, torch.Tensor] | None = None) -> None:
         """Raise where the config (edited after loading?) and the weights (`state`, default the router's own)
@@ -363,21 +358,6 @@ class TideRouter(PreTrainedModel):
                 f"this TIDE router was calibrated for {cfg.base_model_name_or_path or cfg.base_architecture} and "
                 "does not fit the given model: " + "; ".join(problems)
             )
-
-
-def hub_id(name: str | None) -> bool:
-    """`name` reads as a Hub repo id, not a local path (the card's metadata must not name a local folder)."""
-    if not name or os.path.isabs(name) or os.path.exists(name):
-        return False
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return False
-    return True
-
-
-def _fmt(value: Any) -> str:
-    return "n/a" if value is None else f"{value:.3f}"
 
 
 AutoConfig.register(TideRouterConfig.model_type, TideRouterConfig, exist_ok=True)

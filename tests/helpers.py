@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, CohereConfig, GraniteConfig, Llam
 
 import tide_hf
 from tide_hf import TideRouter, TideRouterConfig
+from tide_hf.record import flatten_record
 
 WORDS = ("the", "state", "of", "union", "is", "strong", "we", "will", "build", "a", "nation", "people",
          "work", "together", "for", "our", "children", "future", "and", "peace", "congress", "law")
@@ -64,9 +65,7 @@ def make_model(seed: int = 0, hidden: int = 64, layers: int = NUM_LAYERS) -> Lla
 def inline_record(folder: Path) -> dict:
     """Turn a saved router's config.json into the layout before its "calibration" section (release 0.1.0:
     provenance and results at the top level) and return its dict, for a test to edit and write back."""
-    config = json.loads((folder / "config.json").read_text())
-    for section in config.pop("calibration").values():
-        config.update(section)
+    config = flatten_record(json.loads((folder / "config.json").read_text()))
     (folder / "config.json").write_text(json.dumps(config))
     return config
 

@@ -405,20 +405,21 @@ def test_concurrent_first_use_builds_once(fresh_state: None, monkeypatch: pytest
 
 def test_a_background_build_is_the_one_first_use_waits_for(fresh_state: None, monkeypatch: pytest.MonkeyPatch
                                                             ) -> None:
-    """The demo starts the build before calibrating: its first kernel call waits for that build (no second one),
-    and the caller goes on while the compiler runs."""
-    calls, built = [], object()
+    """The demo starts the build before calibrating: the caller goes on while the compiler runs, and its first
+    kernel call waits for that build (no second one)."""
+    calls, built, running, release = [], object(), threading.Event(), threading.Event()
 
-    def slow_build(flavour: str) -> object:
+    def held_build(flavour: str) -> object:
         calls.append(flavour)
-        time.sleep(0.5)
+        running.set()
+        release.wait(10)  # the build runs until the test lets it finish
         return built
 
-    monkeypatch.setattr(kernel_build, "_build", slow_build)
+    monkeypatch.setattr(kernel_build, "_build", held_build)
     monkeypatch.setattr(kernel_build, "_toolchain_missing", lambda flavour: None)
-    started = time.perf_counter()
     thread = kernels.build_in_background("cpu")
-    assert time.perf_counter() - started < 0.4 and thread.daemon  # the caller was not kept waiting
+    assert running.wait(10) and thread.is_alive() and thread.daemon  # returned while the build still runs
+    release.set()
     assert kernel_build.extension("cpu") is built and calls == ["cpu"]
     thread.join()
     assert calls == ["cpu"]

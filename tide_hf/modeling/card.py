@@ -12,9 +12,8 @@ from huggingface_hub.utils import HFValidationError, validate_repo_id
 from ..config import TideRouterConfig
 
 
-def model_card(config: TideRouterConfig) -> ModelCard:
+def model_card(cfg: TideRouterConfig) -> ModelCard:
     """The card `TideRouter.save_pretrained` writes as README.md."""
-    cfg = config
     data = ModelCardData(
         library_name="tide_hf",
         base_model=cfg.base_model_name_or_path if hub_id(cfg.base_model_name_or_path) else None,

@@ -205,6 +205,25 @@ def test_batches_forced_rows_report_each_rows_depth_and_a_table() -> None:
     assert table.count("| 2 | propagate | 1 | 4 | 6.50 |") == 1
 
 
+def test_continuous_generate_batch_returns_each_prompts_stock_greedy_tokens_in_order() -> None:
+    """`bench continuous`'s call: one `generate_batch` over prompts of different lengths gives, in prompt order,
+    each prompt's tokens from stock greedy `generate` alone; its table row shows the figures."""
+    from tide_hf.eval.continuous import generate_batch
+    from tide_hf.eval.tables import format_continuous
+
+    model = make_tiny_llama()
+    prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in (7, 3, 5)]
+    out, seconds = generate_batch(model, prompts, 4)
+    alone = [model.generate(input_ids=p[None], max_new_tokens=4, min_new_tokens=4, do_sample=False)[0, len(p):]
+             for p in prompts]
+    assert torch.equal(out, torch.stack(alone)) and seconds > 0
+    row = {"target": 0.95, "kv": "propagate", "requests": 3, "new_tokens": 4, "decode_mean_executed_layers": 7.5,
+           "prefill_mean_executed_layers": 8.25, "decode_exit_rate": 0.25, "speedup_vs_stock": 1.05,
+           "top1_agreement": 0.9}
+    assert format_continuous({"continuous": [row]}).splitlines()[-1] == \
+        "| 0.95 | propagate | 3 x 4 | 7.50 | 8.25 | 25% | 1.05 | 90% |"
+
+
 def test_each_synthetic_configuration_runs_the_mode_it_is_named_after() -> None:
     """The GPU suite's and `bench synthetic`'s rows: a row named select attaches in select mode, one named skip in
     skip mode with the kv it names (attach's default mode would otherwise run skip mode under select's name)."""

@@ -78,8 +78,8 @@ def test_every_help_page_fits_a_screen(monkeypatch) -> None:
     bench's 126: 111 options in no groups)."""
     monkeypatch.setenv("COLUMNS", str(HELP_COLUMNS))
     pages = {"tide-hf": build_parser(), **subparsers()}
-    assert {"bench overhead", "bench modes", "bench batches", "bench baselines", "bench kernels", "bench synthetic",
-            "bench gpu", "calibrate", "demo", "analyze", "env"} <= set(pages)
+    assert {"bench overhead", "bench modes", "bench batches", "bench continuous", "bench baselines", "bench kernels",
+            "bench synthetic", "bench gpu", "calibrate", "demo", "analyze", "env"} <= set(pages)
     for name, parser in pages.items():
         lines = parser.format_help().splitlines()
         assert len(lines) <= HELP_LINES, f"{name} --help: {len(lines)} lines"
@@ -131,7 +131,7 @@ def test_every_option_has_help_and_every_command_a_description() -> None:
 def test_help_shows_defaults_and_bench_requires_router() -> None:
     parsers = subparsers()
     assert "(default: 256)" in " ".join(parsers["calibrate"].format_help().split())
-    for section in ("overhead", "batches", "baselines"):
+    for section in ("overhead", "batches", "continuous", "baselines"):
         usage = parsers[f"bench {section}"].format_usage()
         assert "--router" in usage and "[--router" not in usage, usage
     assert "overhead" in parsers["bench"].format_help() and "synthetic" in parsers["bench"].format_help()

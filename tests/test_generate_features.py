@@ -13,20 +13,16 @@ once it drafts, so its calm run uses a router whose gate never opens (batch 1: t
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 from helpers import constant_router, left_padded, make_model, new_router
-from transformers import GenerationConfig, GenerationMixin, TextIteratorStreamer
+from transformers import GenerationMixin, TextIteratorStreamer
 
 import tide_hf
-from tide_hf.errors import TideArgumentError, TideUnsupportedError
+from tide_hf.errors import TideArgumentError
 from tide_hf.integrations import SpeculativeFallbackWarning, draft
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -365,39 +361,3 @@ def test_custom_generate_callable(model, routers, mode, exits):
     if not exits or mode == "speculative":
         assert torch.equal(out, stock)
     check_stats(stats, mode, exits, fallback="custom_generate" if mode == "speculative" else None, warned=warned)
-
-
-# -- continuous batching ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", MODES)
-def test_continuous_batching_is_refused_with_a_clear_error(model, routers, mode):
-    """`generate_batch` runs its own scheduler over a paged cache, outside generate: refused before any work while
-    a router is attached (select / skip mode decoded it with exits nobody counted; speculative mode without
-    drafting); the model serves it again once the router is detached (not run here: stock continuous batching
-    takes seconds to start on a CPU)."""
-    config = GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    with attach(model, routers, mode, exits=True):
-        with pytest.raises(TideUnsupportedError, match="continuous batching.*detach"):
-            model.generate_batch([[5, 6, 7], [8, 9]], generation_config=config, warmup=False)
-        with pytest.raises(TideUnsupportedError, match="continuous batching"):
-            model.init_continuous_batching(generation_config=config)
-    assert getattr(model, "_cached_continuous_batching_manager", None) is None
-
-
-def test_continuous_batching_is_refused_before_any_generate_call():
-    """attach alone (no generate keyword enabled, no generate call before) refuses continuous batching on the model
-    it hooks; a fresh process, since this one enabled the keyword long ago."""
-    code = (
-        "import tide_hf, torch\n"
-        "from transformers import GenerationConfig\n"
-        "import helpers\n"
-        "model = helpers.make_model(hidden=32, layers=5)\n"
-        "tide_hf.attach(model, helpers.new_router(model))\n"
-        "try:\n"
-        "    model.generate_batch([[5, 6]], generation_config=GenerationConfig(max_new_tokens=1), warmup=False)\n"
-        "except tide_hf.TideError as err:\n"
-        "    print('refused:', type(err).__name__)\n")
-    here = Path(__file__).resolve().parent
-    path = os.pathsep.join(filter(None, [str(here.parent), str(here), os.environ.get("PYTHONPATH")]))
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "PYTHONPATH": path})
-    assert "refused: TideUnsupportedError" in result.stdout, result.stderr[-2000:]

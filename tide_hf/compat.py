@@ -13,6 +13,9 @@ outputs' field from `past_key_values` to `cache` (the old name still works, with
 takes `cache_params`): `cache_in`, `split_cache` and `with_cache` read and write it by any of these names.
 The GPU suite's dry run compiles on the CPU, which transformers allows only with `CompileConfig._compile_all_devices`
 (`compile_anywhere`).
+Continuous batching writes a paged KV cache (`PagedAttentionCache`), whose `update` takes the layer's keyword
+arguments (its read and write indices) since transformers 5.24; before, the attention function wrote it
+(`paged_cache_writes`, `write_kv`). Its manager's attention switch is undone with `_original_attn_impl`.
 Should transformers rename any of these, this module is the one to change.
 """
 
@@ -30,6 +33,7 @@ from transformers.generation.candidate_generator import (
     _prepare_position_ids,
     _prepare_token_type_ids,
 )
+from transformers.generation.continuous_batching import PagedAttentionCache
 from transformers.utils.output_capturing import _active_collector
 
 CANDIDATE_GENERATOR_FACTORY = "_get_candidate_generator"  # GenerationMixin method that builds the drafter
@@ -39,6 +43,39 @@ CACHE_KWARGS = ("cache", "past_key_values", "cache_params")
 # the name this transformers' generate keeps the cache under in its model kwargs (and passes to forward)
 CACHE_KWARG = next(name for name in CACHE_KWARGS
                    if name in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters)
+
+
+# transformers >= 5.24: the attention writes the paged cache through `update(..., kwargs=<the layer's kwargs>)`
+PAGED_UPDATE_TAKES_KWARGS = "kwargs" in inspect.signature(PagedAttentionCache.update).parameters
+
+
+def is_paged(cache: Any) -> bool:
+    """Whether `cache` is continuous batching's paged cache (one packed row of many requests)."""
+    return isinstance(cache, PagedAttentionCache)
+
+
+def writes_cache(kwargs: dict[str, Any]) -> bool:
+    """Whether a layer called with `kwargs` writes K/V: it has a cache, and `use_cache` is not False (continuous
+    batching passes `use_cache=False` to its layers and they write its paged cache all the same)."""
+    cache = cache_in(kwargs)
+    return cache is not None and (kwargs.get("use_cache", True) is not False or is_paged(cache))
+
+
+def write_kv(cache: Any, key: Any, value: Any, layer_idx: int, kwargs: dict[str, Any]) -> Any:
+    """Write `key` / `value` (B, heads, T, d) of layer `layer_idx` as the layer called with `kwargs` would: a
+    paged cache reads where to write from a copy of those kwargs (it edits the dict it gets)."""
+    if is_paged(cache):
+        return cache.update(key, value, layer_idx, kwargs=dict(kwargs))
+    return cache.update(key, value, layer_idx)
+
+
+def undo_attention_switch(manager: Any) -> None:
+    """Put back the attention implementation a continuous-batching manager switched its model to (flash or
+    paged eager), as its own `stop` does."""
+    original = getattr(manager, "_original_attn_impl", None)
+    if original is not None:
+        manager.model.set_attn_implementation(original)
+        manager._original_attn_impl = None
 
 
 def cache_in(kwargs: dict[str, Any]) -> Any:

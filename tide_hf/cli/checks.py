@@ -75,8 +75,9 @@ def check_router_kind_flags(parser: argparse.ArgumentParser, args: argparse.Name
                              f"{kind} exit paths (quality targets): use {use}")
 
 
-ONE_ROUTER = ("modes", "batches", "baselines")  # bench sections that measure one router
-DECODE_TOKENS = ("overhead", "modes", "batches", "baselines", "synthetic")  # sections timing decode tokens
+ONE_ROUTER = ("modes", "batches", "continuous", "baselines")  # bench sections that measure one router
+# sections timing decode tokens
+DECODE_TOKENS = ("overhead", "modes", "batches", "continuous", "baselines", "synthetic")
 BATCHED = ("overhead", "batches")  # sections whose batches are made of distinct prompts
 
 

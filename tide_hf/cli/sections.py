@@ -84,7 +84,7 @@ def batch_sizes(g: Any, what: str) -> None:
 def add_bench(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser(
         "bench", formatter_class=HelpFormatter, usage="tide-hf bench SECTION [options]",
-        help="stock generate vs TIDE in one run: overhead, modes, batches, baselines, kernels, GPU",
+        help="stock generate vs TIDE in one run: overhead, modes, batches, continuous, baselines, kernels, GPU",
         description="Stock generate vs TIDE, measured in one process: each SECTION is one benchmark with its own "
                     "flags (tide-hf bench SECTION --help) and writes SECTION's JSON and Markdown to --output.\n\n"
                     "example: tide-hf bench overhead --router router-smollm2 --output bench-out\n"
@@ -129,6 +129,16 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     g = add_prompts(p, quality_batch=False)
     batch_sizes(g, "batch sizes measured (at most --num-prompts)")
     add_output(p, "batches.json and batches.md")
+    p = section(sections, "continuous", "continuous batching (generate_batch) with TIDE vs stock",
+                "All --num-prompts prompts in one model.generate_batch call (continuous batching), skip mode "
+                "(kv='propagate') at each --targets against stock continuous batching: speed, layers executed per "
+                "decode token and prompt position, top-1 agreement.",
+                "--router router-smollm2 --num-prompts 32 --new-tokens 64", f"{CPU}: ~5 min with those flags",
+                "--router DIR [options]")
+    g = add_model(p, "one router folder / Hub id")
+    targets(g, "min_agreement targets (routers with exit paths)")
+    add_prompts(p, chunks=False, quality_batch=False)
+    add_output(p, "continuous.json and continuous.md")
     p = section(sections, "baselines", "TIDE vs fixed depth, static layer skipping and softmax confidence",
                 "TIDE vs fixed depth, static layer skipping and softmax-confidence exit: quality, layers and speed "
                 "on the same prompts and text, with a Pareto plot.", "--router router-smollm2 --output bench-out",

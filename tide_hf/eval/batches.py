@@ -34,7 +34,7 @@ def default_forced_depth(checkpoints: list[int], num_layers: int) -> int:
     return min(checkpoints, key=lambda k: abs(k - num_layers / 2))
 
 
-def _timed_runs(runs: dict[str, Any], reps: int, desc: str) -> dict[str, float]:
+def timed_runs(runs: dict[str, Any], reps: int, desc: str) -> dict[str, float]:
     """Median seconds of each named callable over `reps` interleaved repetitions (after one warm-up each); each
     returns the seconds of its own generate call or forward (attach and detach are not timed)."""
     for fn in runs.values():
@@ -99,7 +99,7 @@ def forced(model: Any, router: TideRouter, prompts: list[torch.Tensor], pad_id: 
         for kv in KV_POLICIES:
             runs[kv] = _skip_call(model, router, batch, new_tokens, stats[kv], exit_threshold=0.5, min_layers=depth,
                                   kv=kv, handle_class=forced_rows(exiting))
-        seconds = _timed_runs(runs, reps, f"forced per-row exits, batch {bs}")
+        seconds = timed_runs(runs, reps, f"forced per-row exits, batch {bs}")
         for kv in KV_POLICIES:
             executed = stats[kv]["decode"]
             ideal = _ideal(seconds["stock"], seconds["truncated"], depth, num_layers, executed)
@@ -137,7 +137,7 @@ def real_router(model: Any, router: TideRouter, prompts: list[torch.Tensor], chu
                 runs = {"stock": _stock_call(model, batch, new_tokens),
                         "tide": _skip_call(model, router, batch, new_tokens, stats, **options),
                         "truncated": _stock_call(model, batch, new_tokens, depth)}
-                seconds = _timed_runs(runs, reps, f"target {target} kv={kv} batch {bs}")
+                seconds = timed_runs(runs, reps, f"target {target} kv={kv} batch {bs}")
                 with attach(model, router, mode="skip", **options) as handle:
                     out, _ = generate(model, batch, new_tokens, tide=True)
                     executed = handle.last_stats.decode.mean_executed
@@ -164,7 +164,7 @@ def _prefill(model: Any, router: TideRouter, chunks: list[torch.Tensor], target:
     with attach(model, router, mode="skip", kv="propagate", min_agreement=target) as handle:
         runs = {"stock": _seconds(lambda: _stock_forward(model, handle, ids)),
                 "tide": _seconds(lambda: model(input_ids=ids))}
-        seconds = _timed_runs(runs, reps, f"prefill, target {target}")
+        seconds = timed_runs(runs, reps, f"prefill, target {target}")
         logits = model(input_ids=ids).logits
         stats = handle.last_stats.prefill
     agreement = float((logits.argmax(-1) == stock_logits.argmax(-1)).float().mean())

@@ -26,6 +26,7 @@ from .measure import check_exit_depths, evaluation_text, generate, left_pad, mat
 from .tables import (
     format_baselines,
     format_batches,
+    format_continuous,
     format_kernels,
     format_modes,
     format_speculative,
@@ -96,9 +97,10 @@ def run(args: Any) -> dict:
 
     `overhead`: overhead and quality of TIDE vs stock. `modes`: skip mode vs stock and ideal, and speculative mode
     vs stock and `assistant_early_exit` (`--near-identity-after K`: the same on the model with the layers after K
-    made near-identity). `batches`: skip mode in batches. `baselines`: TIDE vs fixed depth, static skipping and
-    softmax confidence. `kernels`: fused kernels vs the PyTorch path. `synthetic`: a real architecture's shape
-    with random weights. `gpu`: the GPU suite (`tide_hf.eval.gpu`).
+    made near-identity). `batches`: skip mode in batches. `continuous`: skip mode in continuous batching.
+    `baselines`: TIDE vs fixed depth, static skipping and softmax confidence. `kernels`: fused kernels vs the
+    PyTorch path. `synthetic`: a real architecture's shape with random weights. `gpu`: the GPU suite
+    (`tide_hf.eval.gpu`).
     """
     out, section = Path(args.output), args.section
     if section in ("gpu", "synthetic", "kernels"):  # no text read: no --dataset
@@ -127,7 +129,8 @@ def run(args: Any) -> dict:
         return _easy_modes(model, tokenizer, args, out)
     pad_id = pad_token_id(tokenizer)
     prompts, chunks = evaluation_text(tokenizer, default_dataset(args.dataset), list(routers.values()),
-                                      args.num_prompts, args.prompt_len, args.num_chunks, args.chunk_len)
+                                      args.num_prompts, args.prompt_len, getattr(args, "num_chunks", 0),
+                                      getattr(args, "chunk_len", 0))  # (continuous: no chunks)
     result = {"model": args.model, "device": str(next(model.parameters()).device),
               "torch_threads": torch.get_num_threads(),
               "settings": {k: v for k, v in vars(args).items() if k != "func"}}
@@ -147,6 +150,11 @@ def run(args: Any) -> dict:
             check_exit_depths([args.forced_depth], router.config.checkpoint_layers, "--forced-depth")
         result.update(run_batches(model, router, prompts, chunks, pad_id, args))
         return write_result(out, "batches", result, format_batches)
+    if section == "continuous":
+        from .continuous import run_continuous
+
+        result.update(run_continuous(model, router, prompts, pad_id, args))
+        return write_result(out, "continuous", result, format_continuous)
     if section == "modes":
         from .modes import run_modes
 

@@ -73,6 +73,18 @@ def format_batches(result: dict) -> str:
     return "\n".join(lines)
 
 
+def format_continuous(result: dict) -> str:
+    """Markdown table of the continuous section: skip mode in continuous batching at each target vs stock."""
+    lines = ["| target | kv | requests x new tokens | layers executed / decode token | layers executed / prompt "
+             "position | decode exit rate | speed vs stock | top-1 agreement |", "|---|---|---|---|---|---|---|---|"]
+    for r in result["continuous"]:
+        lines.append(f"| {r['target']} | {r['kv']} | {r['requests']} x {r['new_tokens']} | "
+                     f"{r['decode_mean_executed_layers']:.2f} | {r['prefill_mean_executed_layers']:.2f} | "
+                     f"{percent(r['decode_exit_rate'])} | {r['speedup_vs_stock']:.2f} | "
+                     f"{percent(r['top1_agreement'])} |")
+    return "\n".join(lines)
+
+
 def format_speculative(spec: dict) -> str:
     """Markdown table of the speculative section, a row per workload (open prose; `grounded`: prompts asking to
     repeat a passage, where measured), each lossless peer's speed beside ours and our acceptance per draft

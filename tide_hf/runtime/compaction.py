@@ -21,11 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compat import cache_in
+from ..compat import cache_in, writes_cache
 
 POSITION_DIM = 1  # hidden states, rotary embeddings and position ids are (B, T, ...)
 MASK_QUERY_DIM = 2  # 4-D attention masks are (B, 1, T, keys)
-COMPACT_ATTENTION = ("sdpa", "eager")  # implementations that take any 4-D mask (flash kernels take none)
+# implementations that take any 4-D mask (flash kernels take none; continuous batching runs eager as "paged|eager")
+COMPACT_ATTENTION = ("sdpa", "eager", "paged|eager")
 GROWING = -1  # a cache layer's `get_max_length()` when it grows with the sequence (one key slot per position)
 
 
@@ -169,7 +170,7 @@ def run_compacted(comp: Compaction, layer: nn.Module, original: Callable, hidden
     if small_kwargs is None:
         return None
     cache = cache_in(kwargs)
-    if cache is None or kwargs.get("use_cache", True) is False:
+    if not writes_cache(kwargs):
         out = original(comp.gather(hidden), **small_kwargs)
     else:
         cos, sin = (t.expand(batch, *t.shape[1:]) for t in kwargs["position_embeddings"])

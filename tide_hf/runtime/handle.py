@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compat import cache_in
+from ..compat import cache_in, is_paged
 from ..errors import TideArgumentError, TideArgumentTypeError, TideConcurrencyError, TideUnsupportedError
 from ..kernels import norm_router_scores
 from ..modeling import ModelAdapter, TideRouter, check_model, get_adapter, layer_output
 from ..record import CLOSED
-from .batching import guard_continuous_batching
+from .batching import commit_packed, decode_positions, guard_continuous_batching
 from .compiled import install_compiled_call
 from .kv import KVRecompute
 from .modes import resolve_mode
@@ -70,7 +70,7 @@ class TideHandle:
         self._norm_specs = place_routers(router, adapter)
         self._patches = Patches()
         self._patches.set_attr(model, "__reduce_ex__", refuse_pickling)  # pickle and copy look it up on the instance
-        if owner is None:  # attached in every thread: continuous batching (no thread's call scopes it) refuses
+        if owner is None:  # attached in every thread: continuous batching (no thread's call scopes it) is checked
             guard_continuous_batching(model, self, self._patches)
         self._patches.hook(model.register_forward_pre_hook(self._begin, with_kwargs=True))
         self._patches.hook(model.register_forward_hook(self._end, always_call=True))  # also when a forward raises
@@ -123,7 +123,8 @@ class TideHandle:
     # -- per-call state -------------------------------------------------------------------------
     @property
     def last_stats(self) -> ExitStats | None:
-        """Exit statistics of the latest generate call or plain forward on this model."""
+        """Exit statistics of the latest generate call or plain forward on this model (continuous batching: of its
+        manager's forwards so far)."""
         return _LAST_STATS.get(self.model)
 
     def _new_session(self, generating: bool, eos: torch.Tensor | None = None) -> Session:
@@ -159,8 +160,7 @@ class TideHandle:
             self._local.disabled = previous
 
     def is_disabled(self) -> bool:
-        """Inside `disabled()` in this thread: a nested `generate` (stock assisted decoding's assistant
-        calls it on the model itself) must run stock too."""
+        """Inside `disabled()` in this thread (a nested `generate`, as stock assisted decoding's, runs stock too)."""
         return getattr(self._local, "disabled", False)
 
     def _bypassed(self) -> bool:
@@ -194,25 +194,30 @@ class TideHandle:
             raise TideUnsupportedError("a training forward (model.train(), gradients on) while TIDE is attached: "
                                        "its exits would change the loss and gradients; detach first")
         session = getattr(self._local, "session", None)
-        if session is None or getattr(self._local, "auto", False):  # a plain forward is a call of its own
-            session = self._new_session(generating=False)
-            self._local.session = session
+        packed = is_paged(cache_in(kwargs))
+        if packed:  # continuous batching's manager thread: one session for all its forwards (`batching.py`)
+            session = self._local.session = self._local.packed = getattr(self._local, "packed", None) \
+                or self._new_session(generating=False)
+        elif session is None or getattr(self._local, "auto", False):  # a plain forward is a call of its own
+            session = self._local.session = self._new_session(generating=False)
             self._local.auto = True
         tokens = kwargs.get("input_ids", args[0] if args else None)
-        if tokens is None:
-            tokens = kwargs.get("inputs_embeds")
+        tokens = kwargs.get("inputs_embeds") if tokens is None else tokens
         if tokens is None:  # neither ids nor embeddings: the model itself will refuse this forward
             self._local.step = None
             return
         self._local.step = new_step(session, tokens, kwargs.get("attention_mask"), self.num_layers,
                                     running=self._skipper is not None and self.options.kv == "recompute",
-                                    cache=cache_in(kwargs))
+                                    cache=cache_in(kwargs), packed=decode_positions(kwargs, tokens) if packed else None)
 
     def _end(self, _module: nn.Module, _args: tuple, _output: Any) -> None:
         step, self._local.step = getattr(self._local, "step", None), None
         if step is None:
             return
         session = self._local.session
+        if step.packed is not None:  # counted and published now: continuous batching has no call end of its own
+            _LAST_STATS[self.model] = commit_packed(session, step, self.num_layers)
+            return
         session.pending.append(step)
         if getattr(self._local, "auto", False):
             self._local.auto = False

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..compat import cache_in
+from ..compat import cache_in, write_kv, writes_cache
 from ..kernels import norm_spec
 from .session import Step
 
@@ -75,10 +75,10 @@ def project_kv(layer: nn.Module, hidden: torch.Tensor, position_embeddings: tupl
 
 def propagate_kv(layer: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> None:
     """Append to the cache the K/V `layer` would produce for input `hidden` (B, T, H)."""
-    cache = cache_in(kwargs)
-    if cache is None or not kwargs.get("use_cache", True):
+    if not writes_cache(kwargs):
         return
-    cache.update(*project_kv(layer, hidden, kwargs["position_embeddings"]), layer.self_attn.layer_idx)
+    write_kv(cache_in(kwargs), *project_kv(layer, hidden, kwargs["position_embeddings"]), layer.self_attn.layer_idx,
+             kwargs)
 
 
 class FusedPropagation:
@@ -153,9 +153,9 @@ class FusedPropagation:
     @torch.no_grad()
     def write(self, after: int, hidden: torch.Tensor, kwargs: dict[str, Any]) -> None:
         """Append the K/V of every layer numbered > `after` for input `hidden` (B, T, H) to the cache."""
-        cache = cache_in(kwargs)
-        if cache is None or not kwargs.get("use_cache", True):
+        if not writes_cache(kwargs):
             return
+        cache = cache_in(kwargs)
         start = after + 1 - self.first_number
         layers = self.layers[start:]
         rows = slice(start * self.width, None)
@@ -169,7 +169,7 @@ class FusedPropagation:
         heads = keys.shape[1] // len(layers)
         for i, layer in enumerate(layers):
             part = slice(i * heads, (i + 1) * heads)
-            cache.update(keys[:, part], values[:, part], layer.self_attn.layer_idx)
+            write_kv(cache, keys[:, part], values[:, part], layer.self_attn.layer_idx, kwargs)
 
 
 def initialize_cache_layers(cache: Any, layers: list[nn.Module]) -> None:

@@ -36,6 +36,8 @@ class Step:
     segmented: bool = False  # compiled skip mode: the segment graphs make the exit decisions, not the hooks
     diverged_after: int | None = None  # compiled skip mode: not every row exited here; later layers run eager
     counted: bool = True  # a forward of the call's own decoding stream (see `Session.stream`)
+    # a continuous-batching step (requests side by side in one row, `batching.py`): its decode positions (1, T)
+    packed: torch.Tensor | None = None
 
 
 @dataclass
@@ -86,13 +88,14 @@ class Session:
 
 
 def new_step(session: Session, tokens: torch.Tensor, mask: Any, num_layers: int, *, running: bool,
-             cache: Any = None) -> Step:
+             cache: Any = None, packed: torch.Tensor | None = None) -> Step:
     """The `Step` of a forward over `tokens` (batch, width, ...) into `cache`, no exits yet: padding and the call's
     2-D mask from the forward's own 2-D mask, else from the session's prompt mask (the prefill: the whole prompt,
     its next chunk, or the last `width` columns of a call continuing a cache; rows repeated when generate
     expanded them, e.g. num_return_sequences) and, with `running`, `cache`'s running mask after it. In decode
     steps, rows that fed one of the EOS ids or finished earlier count as padding: generate discards their
-    outputs, so they neither hold skip mode's layers for the others nor count in the statistics."""
+    outputs, so they neither hold skip mode's layers for the others nor count in the statistics. `packed`: the
+    decode positions of a continuous-batching step."""
     batch, width = tokens.shape[:2]
     if torch.compiler.is_compiling():  # transformers' compiled decoding steps, the call's own stream (an id
         stream, counted = None, True  # read in a graph would be guarded on: one graph per call)
@@ -126,4 +129,4 @@ def new_step(session: Session, tokens: torch.Tensor, mask: Any, num_layers: int,
             ended = ended | session.finished.to(tokens.device)
         valid = torch.cat([valid[:, :-1], valid[:, -1:] & ~ended[:, None]], dim=1)
     exit_layer = torch.full((batch, width), num_layers, dtype=torch.long, device=tokens.device)
-    return Step(valid, exit_layer, mask2d=mask, counted=counted, cache=cache)
+    return Step(valid, exit_layer, mask2d=mask, counted=counted, cache=cache, packed=packed)

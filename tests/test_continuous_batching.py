@@ -92,6 +92,34 @@ def test_generate_batch_equals_generate_per_request(setup, mode, attention):
         assert stats.prefill.mean_executed == stats.decode.mean_executed == LAYERS
 
 
+def test_skip_mode_reads_only_the_keys_of_requests_still_running(setup):
+    """In a packed step, a layer after a checkpoint reads the cache slots of the requests with a running position
+    only: fewer keys than the first layer reads in the same forward, in some step (the tokens stay those of
+    `generate` alone: the test above)."""
+    model, router, prompts = setup
+    forwards: list[dict[int, int]] = []  # per forward: layer -> keys read (steps that read the cache)
+
+    def spy(number):
+        def hook(_module, _args, kwargs):
+            reads = kwargs.get("read_index")
+            if reads is not None and len(reads[0]):
+                forwards[-1][number] = len(reads[0])
+        return hook
+
+    layers = (0, LAYERS - 1)
+    hooks = [model.register_forward_pre_hook(lambda *_: forwards.append({}))]
+    hooks += [model.model.layers[n].self_attn.register_forward_pre_hook(spy(n), with_kwargs=True) for n in layers]
+    try:
+        with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=2, mode="skip", kv="propagate"):
+            run_batch(model, prompts)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    deep = [(step[0], step[LAYERS - 1]) for step in forwards if LAYERS - 1 in step]
+    assert deep and all(late <= first for first, late in deep)
+    assert any(late < first for first, late in deep)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_generate_batch_without_exits_equals_stock(setup, mode):
     """Exit threshold 1.0 (nothing exits): the tokens of stock continuous batching."""

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..compat import cache_in, writes_cache
+from ..compat import cache_in, is_paged, writes_cache
 
 POSITION_DIM = 1  # hidden states, rotary embeddings and position ids are (B, T, ...)
 MASK_QUERY_DIM = 2  # 4-D attention masks are (B, 1, T, keys)
@@ -44,6 +44,16 @@ class Compaction:
     out_positions: torch.Tensor
     slot_rows: torch.Tensor  # (N,) where each running position sits in (R, S): integer indices, no device sync
     slot_columns: torch.Tensor
+    memo: dict = field(default_factory=dict, repr=False)  # arguments gathered once for all layers (`remember`)
+
+    def remember(self, sources: tuple, make: Callable[[], Any]) -> Any:
+        """`make()`, computed once for the same `sources` objects: every layer of a forward gets the same mask,
+        rotary embeddings and position ids, so their gathered forms are shared by the layers after a checkpoint."""
+        key = tuple(map(id, sources))
+        hit = self.memo.get(key)
+        if hit is None or any(a is not b for a, b in zip(hit[0], sources)):
+            hit = self.memo[key] = (sources, make())
+        return hit[1]
 
     @classmethod
     def build(cls, running: torch.Tensor, flags: list[list[bool]]) -> Compaction | None:
@@ -139,13 +149,19 @@ def _gathered_kwargs(comp: Compaction, layer: nn.Module, kwargs: dict[str, Any],
     rotary = kwargs.get("position_embeddings")
     if not (isinstance(rotary, tuple) and len(rotary) == 2):  # the layer computes its own rotary: not gathered
         return None
-    out["position_embeddings"] = tuple(comp.gather(t) for t in rotary)
+    out["position_embeddings"] = comp.remember(rotary, lambda: tuple(comp.gather(t) for t in rotary))
     ids = kwargs.get("position_ids")
     if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] == width:
-        out["position_ids"] = comp.gather(ids)
+        out["position_ids"] = comp.remember((ids,), lambda: comp.gather(ids))
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 4:
-        out["attention_mask"] = comp.gather_mask(mask)
+        reads = kwargs.get("read_index")
+        if is_paged(cache_in(kwargs)) and isinstance(reads, list) and len(reads) == 1 \
+                and reads[0].shape[0] == mask.shape[-1]:  # (a step of fresh prompts reads nothing: its own keys)
+            out["attention_mask"], out["read_index"] = comp.remember((mask, reads[0]), lambda: paged_keys(comp, mask,
+                                                                                                        reads))
+        else:
+            out["attention_mask"] = comp.remember((mask,), lambda: comp.gather_mask(mask))
     elif mask is None and comp.index.shape[1] > 1:  # a causal forward without a mask (sdpa's is_causal)
         cache = cache_in(kwargs)
         layer_idx = layer.self_attn.layer_idx
@@ -157,6 +173,19 @@ def _gathered_kwargs(comp: Compaction, layer: nn.Module, kwargs: dict[str, Any],
     elif mask is not None:
         return None
     return out
+
+
+def paged_keys(comp: Compaction, mask: torch.Tensor, reads: list[torch.Tensor]
+               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The mask of the running queries of a continuous-batching step (one packed row over a paged cache) and the
+    cache slots they read: only the keys some running query attends to (a request with no running position is
+    left out, as the mask leaves it out of every running query's attention; one host read)."""
+    small = comp.gather_mask(mask)
+    allowed = small if small.dtype == torch.bool else small > torch.finfo(small.dtype).min
+    columns = allowed.reshape(-1, allowed.shape[-1]).any(0).nonzero().squeeze(1)
+    if len(columns) == allowed.shape[-1]:
+        return small, reads
+    return small[..., columns], [reads[0][columns.to(reads[0].device)]]
 
 
 def run_compacted(comp: Compaction, layer: nn.Module, original: Callable, hidden: torch.Tensor,
@@ -189,7 +218,7 @@ def run_compacted(comp: Compaction, layer: nn.Module, original: Callable, hidden
             full_k[comp.real_rows, :, comp.real_positions] = key[comp.slot_rows, :, comp.slot_columns]
             full_v[comp.real_rows, :, comp.real_positions] = value[comp.slot_rows, :, comp.slot_columns]
             keys, values = update(full_k, full_v, *args, **kw)
-            return keys[comp.rows], values[comp.rows]
+            return (keys, values) if len(comp.rows) == batch else (keys[comp.rows], values[comp.rows])
 
         with intercepted_update(cache, write):
             out = original(comp.gather(hidden), **small_kwargs)

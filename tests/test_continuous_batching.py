@@ -22,10 +22,13 @@ from helpers import left_padded, make_model, mixed_router
 from transformers import CompileConfig, ContinuousBatchingConfig, GenerationConfig
 
 import tide_hf
+from tide_hf.compat import PAGED_UPDATE_TAKES_KWARGS
 from tide_hf.errors import TideUnsupportedError
 from tide_hf.runtime.batching import manager_refusal
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+# transformers >= 5.24: the attention writes the paged cache through `update(..., kwargs=...)`, which TIDE serves
+serves = pytest.mark.skipif(not PAGED_UPDATE_TAKES_KWARGS, reason="this transformers' paged cache is refused")
 LAYERS, HIDDEN, NEW = 6, 32, 6  # checkpoints every 2 layers: [2, 4]
 # a small paged cache (the default sizes it from free memory: seconds to start on a CPU); 16 tokens per step, so
 # the 30-token prompt is prefilled in chunks, beside the other requests' decode tokens
@@ -59,6 +62,7 @@ def counts(phase) -> tuple[Counter, Counter]:
     return phase.exits, phase.executed
 
 
+@serves
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("mode", MODES)
 def test_generate_batch_equals_generate_per_request(setup, mode, attention):
@@ -92,6 +96,7 @@ def test_generate_batch_equals_generate_per_request(setup, mode, attention):
         assert stats.prefill.mean_executed == stats.decode.mean_executed == LAYERS
 
 
+@serves
 def test_skip_mode_reads_only_the_keys_of_requests_still_running(setup):
     """In a packed step, a layer after a checkpoint reads the cache slots of the requests with a running position
     only: fewer keys than the first layer reads in the same forward, in some step (the tokens stay those of
@@ -120,6 +125,7 @@ def test_skip_mode_reads_only_the_keys_of_requests_still_running(setup):
     assert any(late < first for first, late in deep)
 
 
+@serves
 @pytest.mark.parametrize("mode", MODES)
 def test_generate_batch_without_exits_equals_stock(setup, mode):
     """Exit threshold 1.0 (nothing exits): the tokens of stock continuous batching."""
@@ -130,6 +136,7 @@ def test_generate_batch_without_exits_equals_stock(setup, mode):
         assert handle.last_stats.decode.exit_rate == 0
 
 
+@serves
 @pytest.mark.parametrize("options, match", [
     ({"mode": "speculative", "draft_layer": 2}, "mode='speculative'.*nothing would be drafted"),
     ({"mode": "skip", "kv": "recompute"}, "kv='recompute'.*kv='propagate'"),
@@ -149,6 +156,7 @@ def test_modes_continuous_batching_cannot_serve_are_refused(setup, options, matc
     assert run_batch(model, prompts) == stock
 
 
+@serves
 def test_a_compiled_forward_is_refused_and_the_attention_put_back(setup):
     """A compiled continuous-batching forward would replay without TIDE's hooks: refused once the manager is
     set up, with the attention implementation it switched to put back."""
@@ -194,3 +202,14 @@ def test_refused_before_any_generate_call():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "PYTHONPATH": path})
     assert "refused: TideUnsupportedError" in result.stdout, result.stderr[-2000:]
+
+
+@pytest.mark.skipif(PAGED_UPDATE_TAKES_KWARGS, reason="this transformers' paged cache is served")
+def test_a_transformers_whose_attention_writes_the_paged_cache_is_refused(setup):
+    """Before transformers 5.24 the paged attention function writes the cache itself, out of TIDE's reach:
+    refused in every mode, before any work."""
+    model, router, prompts = setup
+    with tide_hf.attach(model, router, mode="select"):
+        with pytest.raises(TideUnsupportedError, match="needs transformers >= 5.24"):
+            run_batch(model, prompts)
+

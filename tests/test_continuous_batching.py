@@ -211,5 +211,5 @@ def test_a_transformers_whose_attention_writes_the_paged_cache_is_refused(setup)
     model, router, prompts = setup
     with tide_hf.attach(model, router, mode="select"):
         with pytest.raises(TideUnsupportedError, match="needs transformers >= 5.24"):
-            run_batch(model, prompts)
+            model.generate_batch(prompts, generation_config=greedy(), warmup=False, progress_bar=False)
 

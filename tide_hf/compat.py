@@ -15,7 +15,8 @@ The GPU suite's dry run compiles on the CPU, which transformers allows only with
 (`compile_anywhere`).
 Continuous batching writes a paged KV cache (`PagedAttentionCache`), whose `update` takes the layer's keyword
 arguments (its read and write indices) since transformers 5.24; before, the attention function wrote it
-(`paged_cache_writes`, `write_kv`). Its manager's attention switch is undone with `_original_attn_impl`.
+(`PAGED_UPDATE_TAKES_KWARGS`; `write_kv` writes it as a layer would). Its manager's attention switch is undone
+with `_original_attn_impl` (`undo_attention_switch`).
 Should transformers rename any of these, this module is the one to change.
 """
 

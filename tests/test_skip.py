@@ -264,11 +264,11 @@ def test_unsupported_attention_is_refused_before_any_patch():
                for m in model.modules())
 
 
-@pytest.mark.parametrize("rows", [1, 2])
-def test_recompute_fills_the_exact_deep_cache_in_the_next_full_step(rows):
+@pytest.mark.parametrize(("rows", "park_rows"), [(1, False), (2, False), (2, True)])
+def test_recompute_fills_the_exact_deep_cache_in_the_next_full_step(rows, park_rows):
     """kv='recompute': a skipped token's deep K/V are later computed from its exit state, which is its true
-    layer-k output, so after the next full-depth step every layer's cache equals the stock model's. One row:
-    the deep layers wait for the token, which runs them with the next step. Several rows (rows park, see
+    layer-k output, so after the next full-depth step every layer's cache equals the stock model's. The deep
+    layers wait for the step's tokens, which run them with the next step. Rows parked (`park_rows`, see
     `parked.py`): the deep layers hold a placeholder, and the call without TIDE catches the token up first."""
     model = make()
     prompt = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(1))[:rows]
@@ -279,19 +279,19 @@ def test_recompute_fills_the_exact_deep_cache_in_the_next_full_step(rows):
             model(input_ids=ids, past_key_values=stock_cache, use_cache=True)
         stock_logits = model(input_ids=t2, past_key_values=stock_cache, use_cache=True).logits
     handle = tide_hf.attach(model, router_for(model, 30.0), exit_threshold=0.5, min_layers=4, mode="skip",
-                            kv="recompute")
+                            kv="recompute", park_rows=park_rows)
     calls = count_mlp_calls(model)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         with handle.disabled():
             model(input_ids=prompt, past_key_values=cache, use_cache=True)
         model(input_ids=t1, past_key_values=cache, use_cache=True)  # every row exits at 4: layers 5-9 skipped
-        waiting = [6] * 4 + [5] * 5 if rows == 1 else [6] * NUM_LAYERS  # deep layers wait for t1, or hold zeros
+        waiting = [6] * NUM_LAYERS if park_rows else [6] * 4 + [5] * 5  # deep layers hold zeros, or wait for t1
         assert [layer.keys.shape[2] for layer in cache.layers] == waiting
         with handle.disabled():
             logits = model(input_ids=t2, past_key_values=cache, use_cache=True).logits
-    # layers 5-9 ran for the prompt and once for [t1, t2] together (one row), or for t1, then t2 (rows)
-    assert calls == [3] * 4 + [2 if rows == 1 else 3] * 5
+    # layers 5-9 ran for the prompt and once for [t1, t2] together, or for t1, then t2 (rows parked)
+    assert calls == [3] * 4 + [3 if park_rows else 2] * 5
     assert [layer.keys.shape[2] for layer in cache.layers] == [7] * NUM_LAYERS
     for ours, theirs in zip(cache.layers, stock_cache.layers):
         torch.testing.assert_close(ours.keys, theirs.keys)

@@ -1,9 +1,14 @@
 """`tide-hf bench batches`: skip mode in batches, where rows exit on their own, against stock and the ideal.
 
-Two sections, each at every `--batch-sizes`, timed against stock in the same run (interleaved repetitions):
+Three sections, each at every `--batch-sizes`, timed against stock in the same run (interleaved repetitions), each
+with the cache policies of `POLICIES` (`kv="recompute"` with and without `park_rows`):
+- the cost of a stock decode step at 1 row, at each batch size and at half of it: what running fewer rows saves
+  on this machine.
 - forced per-row exits: half the rows (the even ones; at batch 1, the one row) leave at `--forced-depth` at every
   step, the others run every layer. The ideal is the time of the mean executed depth, on a line through the
-  truncated model at that depth and the full model at the same batch size (layers cost alike).
+  truncated model at that depth and the full model at the same batch size (layers cost alike, and a layer on
+  half the rows costs half). The row-cost ideal instead prices the layers after the exit at the measured step
+  cost of the rows still running.
 - real router decisions at quality targets (`--targets`): layers executed per decode token beside the same prompts
   run one at a time, tokens/s against stock, realized / ideal, and the delivered top-1 agreement: the share of
   generated tokens equal to the full model's top-1 after the same prefix (one stock forward over the output).
@@ -20,13 +25,16 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from ..compat import with_cache
 from ..integrations import attach, attach_with
 from ..modeling import TideRouter
 from ..runtime import TideHandle
 from .measure import generate, left_pad
 from .modes import forced_rows, truncated
 
-KV_POLICIES = ("propagate", "recompute")
+STEP_COST_STEPS = 8  # decode steps timed per prefill in `step_cost` (their median)
+POLICIES = {"propagate": {"kv": "propagate"}, "recompute": {"kv": "recompute"},
+            "recompute, park_rows": {"kv": "recompute", "park_rows": True}}  # name -> attach options
 
 
 def default_forced_depth(checkpoints: list[int], num_layers: int) -> int:
@@ -75,6 +83,33 @@ def _skip_call(model: Any, router: TideRouter, batch: dict, new_tokens: int, sta
     return run
 
 
+@torch.no_grad()
+def step_cost(model: Any, prompts: list[torch.Tensor], pad_id: int, rows: list[int], steps: int, reps: int
+              ) -> list[dict]:
+    """Median seconds of a stock decode step at each number of `rows` (after a prefill of that many prompts; the
+    median over `steps` steps, each count in turn, `reps` times)."""
+    def one(n: int) -> float:
+        batch = left_pad(prompts[:n], pad_id)
+        out = model(**batch, use_cache=True)
+        cache, mask, seconds = out.past_key_values, batch["attention_mask"], []
+        token = out.logits[:, -1:].argmax(-1)
+        for _ in range(steps):
+            mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+            started = time.perf_counter()
+            out = model(input_ids=token, attention_mask=mask, use_cache=True, **with_cache({}, cache))
+            seconds.append(time.perf_counter() - started)
+            token = out.logits[:, -1:].argmax(-1)
+        return statistics.median(seconds)
+
+    samples: dict[int, list[float]] = {n: [] for n in rows}
+    for _ in tqdm(range(reps), desc="decode step cost by rows", leave=False):
+        for n in rows:
+            samples[n].append(one(n))
+    base = statistics.median(samples[rows[0]])
+    return [{"rows": n, "step_s": statistics.median(s), "over_first": statistics.median(s) / base}
+            for n, s in samples.items()]
+
+
 def _stock_call(model: Any, batch: dict, new_tokens: int, depth: int | None = None) -> Any:
     """A timed stock generate call; with `depth`, of the model truncated to its first `depth` layers."""
     def run() -> float:
@@ -86,27 +121,33 @@ def _stock_call(model: Any, batch: dict, new_tokens: int, depth: int | None = No
 
 
 def forced(model: Any, router: TideRouter, prompts: list[torch.Tensor], pad_id: int, batch_sizes: list[int],
-           depth: int, new_tokens: int, reps: int) -> list[dict]:
-    """Forced per-row exits at `depth`: skip mode (both kv policies) against stock and the ideal."""
+           depth: int, new_tokens: int, reps: int, costs: dict[int, float]) -> list[dict]:
+    """Forced per-row exits at `depth`: skip mode (each of `POLICIES`) against stock, the ideal, and the row-cost
+    ideal (`costs`: rows -> seconds of a stock decode step, `step_cost`)."""
     num_layers = router.config.num_hidden_layers
     rows = []
     for bs in batch_sizes:
         batch = left_pad(prompts[:bs], pad_id)
         exiting = torch.arange(bs) % 2 == 0
-        stats: dict[str, dict] = {kv: {} for kv in KV_POLICIES}
+        running = bs - int(exiting.sum())
+        stats: dict[str, dict] = {name: {} for name in POLICIES}
         runs = {"stock": _stock_call(model, batch, new_tokens),
                 "truncated": _stock_call(model, batch, new_tokens, depth)}
-        for kv in KV_POLICIES:
-            runs[kv] = _skip_call(model, router, batch, new_tokens, stats[kv], exit_threshold=0.5, min_layers=depth,
-                                  kv=kv, handle_class=forced_rows(exiting))
+        for name, options in POLICIES.items():
+            runs[name] = _skip_call(model, router, batch, new_tokens, stats[name], exit_threshold=0.5,
+                                    min_layers=depth, handle_class=forced_rows(exiting), **options)
         seconds = timed_runs(runs, reps, f"forced per-row exits, batch {bs}")
-        for kv in KV_POLICIES:
-            executed = stats[kv]["decode"]
+        deep = seconds["stock"] - seconds["truncated"]  # the layers after the exit, every row running
+        row_ideal = seconds["truncated"] + deep * (costs[running] / costs[bs] if running else 0.0)
+        for name, options in POLICIES.items():
+            executed = stats[name]["decode"]
             ideal = _ideal(seconds["stock"], seconds["truncated"], depth, num_layers, executed)
-            rows.append({"batch_size": bs, "kv": kv, "depth": depth, "exiting_rows": int(exiting.sum()),
-                         "mean_executed_layers": executed, "speedup_vs_stock": seconds["stock"] / seconds[kv],
-                         "realized_over_ideal": ideal / seconds[kv], "stock_s": seconds["stock"],
-                         "truncated_s": seconds["truncated"], "skip_s": seconds[kv]})
+            rows.append({"batch_size": bs, "kv": options["kv"], "park_rows": options.get("park_rows", False),
+                         "depth": depth, "exiting_rows": int(exiting.sum()), "mean_executed_layers": executed,
+                         "speedup_vs_stock": seconds["stock"] / seconds[name],
+                         "realized_over_ideal": ideal / seconds[name],
+                         "row_cost_ideal_speedup": seconds["stock"] / row_ideal, "stock_s": seconds["stock"],
+                         "truncated_s": seconds["truncated"], "skip_s": seconds[name]})
     return rows
 
 
@@ -129,15 +170,15 @@ def real_router(model: Any, router: TideRouter, prompts: list[torch.Tensor], chu
     num_layers = router.config.num_hidden_layers
     decode, prefill = [], []
     for target in targets:
-        for kv in KV_POLICIES:
-            options = {"min_agreement": target, "kv": kv}
+        for policy in POLICIES.values():
+            options = {"min_agreement": target, **policy}
             for bs in batch_sizes:
                 batch = left_pad(prompts[:bs], pad_id)
                 stats: dict = {}
                 runs = {"stock": _stock_call(model, batch, new_tokens),
                         "tide": _skip_call(model, router, batch, new_tokens, stats, **options),
                         "truncated": _stock_call(model, batch, new_tokens, depth)}
-                seconds = timed_runs(runs, reps, f"target {target} kv={kv} batch {bs}")
+                seconds = timed_runs(runs, reps, f"target {target} {policy} batch {bs}")
                 with attach(model, router, mode="skip", **options) as handle:
                     out, _ = generate(model, batch, new_tokens, tide=True)
                     executed = handle.last_stats.decode.mean_executed
@@ -146,7 +187,8 @@ def real_router(model: Any, router: TideRouter, prompts: list[torch.Tensor], chu
                         generate(model, left_pad([p], pad_id), new_tokens, tide=True)
                         alone.append(handle.last_stats.decode.mean_executed)
                 ideal = _ideal(seconds["stock"], seconds["truncated"], depth, num_layers, executed)
-                decode.append({"target": target, "kv": kv, "batch_size": bs, "mean_executed_layers": executed,
+                decode.append({"target": target, "kv": policy["kv"], "park_rows": policy.get("park_rows", False),
+                               "batch_size": bs, "mean_executed_layers": executed,
                                "alone_mean_executed_layers": statistics.mean(alone) if alone else executed,
                                "speedup_vs_stock": seconds["stock"] / seconds["tide"],
                                "realized_over_ideal": ideal / seconds["tide"],
@@ -181,9 +223,15 @@ def _stock_forward(model: Any, handle: Any, ids: torch.Tensor) -> Any:
 
 def run_batches(model: Any, router: TideRouter, prompts: list[torch.Tensor], chunks: list[torch.Tensor], pad_id: int,
                 args: Any) -> dict:
-    """The `batches` bench JSON: forced per-row exits and real router decisions, decode and prefill."""
+    """The `batches` bench JSON: the decode step's cost by rows, forced per-row exits and real router decisions,
+    decode and prefill."""
     depth = args.forced_depth or default_forced_depth(list(router.config.checkpoint_layers),
                                                       router.config.num_hidden_layers)
-    return {"forced": forced(model, router, prompts, pad_id, args.batch_sizes, depth, args.new_tokens, args.reps),
+    counts = sorted({1, *args.batch_sizes, *(bs - bs // 2 for bs in args.batch_sizes if bs > 1)})
+    costs = step_cost(model, prompts, pad_id, counts, STEP_COST_STEPS, args.reps)
+    by_rows = {c["rows"]: c["step_s"] for c in costs}
+    return {"step_cost": costs,
+            "forced": forced(model, router, prompts, pad_id, args.batch_sizes, depth, args.new_tokens, args.reps,
+                             by_rows),
             "router": real_router(model, router, prompts, chunks, pad_id, args.batch_sizes, args.targets,
                                   args.new_tokens, args.reps, depth)}

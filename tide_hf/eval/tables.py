@@ -51,17 +51,28 @@ def format_modes(result: dict) -> str:
 
 
 def format_batches(result: dict) -> str:
-    """Markdown tables of the batches section: forced per-row exits, real router decode, prefill."""
-    lines = ["| batch | kv | exiting rows | exit depth | layers executed / token | speed vs stock | realized / ideal |",
-             "|---|---|---|---|---|---|---|"]
+    """Markdown tables of the batches section: a decode step's cost by rows, forced per-row exits, real router
+    decode, prefill. Results written before a column existed (the step cost, `park_rows`, the row-cost ideal) show
+    "-" or leave it out."""
+    def policy(row: dict) -> str:
+        return f"{row['kv']}, park_rows" if row.get("park_rows") else row["kv"]
+
+    lines = []
+    if result.get("step_cost"):
+        lines += ["| rows | seconds per stock decode step | vs the fewest rows |", "|---|---|---|"]
+        lines += [f"| {c['rows']} | {c['step_s']:.4f} | {c['over_first']:.2f} |" for c in result["step_cost"]]
+        lines.append("")
+    lines += ["| batch | kv | exiting rows | exit depth | layers executed / token | speed vs stock | realized / ideal "
+              "| row-cost ideal speed |", "|---|---|---|---|---|---|---|---|"]
     for r in result["forced"]:
-        lines.append(f"| {r['batch_size']} | {r['kv']} | {r['exiting_rows']} | {r['depth']} | "
+        row_ideal = "-" if r.get("row_cost_ideal_speedup") is None else f"{r['row_cost_ideal_speedup']:.2f}"
+        lines.append(f"| {r['batch_size']} | {policy(r)} | {r['exiting_rows']} | {r['depth']} | "
                      f"{r['mean_executed_layers']:.2f} | {r['speedup_vs_stock']:.2f} | "
-                     f"{r['realized_over_ideal']:.2f} |")
+                     f"{r['realized_over_ideal']:.2f} | {row_ideal} |")
     lines += ["", "| target | kv | batch | layers executed / decode token (rows alone) | speed vs stock | "
               "realized / ideal | top-1 agreement |", "|---|---|---|---|---|---|---|"]
     for r in result["router"]["decode"]:
-        lines.append(f"| {r['target']} | {r['kv']} | {r['batch_size']} | {r['mean_executed_layers']:.2f} "
+        lines.append(f"| {r['target']} | {policy(r)} | {r['batch_size']} | {r['mean_executed_layers']:.2f} "
                      f"({r['alone_mean_executed_layers']:.2f}) | {r['speedup_vs_stock']:.2f} | "
                      f"{r['realized_over_ideal']:.2f} | {percent(r['top1_agreement'])} |")
     lines += ["", "| prefill | target | kv | layers executed / position | exit rate | speed vs stock | "

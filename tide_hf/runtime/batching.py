@@ -10,7 +10,8 @@ go through the paged cache's own write, with the step's write indices.
 
 What cannot be served is refused before any work, at `init_continuous_batching` (which `generate_batch` and
 `transformers serve` call): speculative mode (continuous batching has no draft-and-verify loop), skip mode with
-`kv="recompute"` (its parked tokens live in per-row cache layers that a paged cache has not), CUDA graphs or a
+`kv="recompute"` (its parked tokens wait for their own cache's next forward, and a paged cache's next step packs
+other requests), CUDA graphs or a
 compiled forward (the hooks decide in Python at every forward), and, in skip mode, attention other than sdpa /
 paged eager (flash kernels take the packed layout from cumulative lengths, which a gather would change).
 """
@@ -65,8 +66,8 @@ def mode_refusal(options: Any) -> str | None:
         return (f"with mode='speculative': continuous batching has no draft-and-verify loop, so nothing would be "
                 f"drafted; use mode='select' or 'skip'{way_out}")
     if options.mode == "skip" and options.kv == "recompute":
-        return (f"with mode='skip', kv='recompute': its tokens' skipped layers wait in per-row cache layers, which "
-                f"the paged cache has not; use kv='propagate'{way_out}")
+        return (f"with mode='skip', kv='recompute': its skipped tokens wait for their cache's next forward to run "
+                f"those layers, and a paged cache's next step packs other requests; use kv='propagate'{way_out}")
     return None
 
 

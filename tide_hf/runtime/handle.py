@@ -77,8 +77,9 @@ class TideHandle:
         for k in self.checkpoints:
             self._patches.hook(adapter.layers[k - 1].register_forward_hook(self._checkpoint_hook(k)))
         self._patches.hook(adapter.layers[-1].register_forward_hook(self._final_hook))
-        self._skipper = LayerSkipper(adapter.layers, self.open_checkpoints[0], skip_plan, options.kv, self.current_step,
-                                     self.recompute_state, self._patches) if skip_plan is not None else None
+        self._skipper = None if skip_plan is None else LayerSkipper(
+            adapter.layers, self.open_checkpoints[0], skip_plan, options.kv, self.current_step, self.recompute_state,
+            self._patches, options.park_rows)
         breaks = None if self._skipper is None else SegmentedDecoding.unsupported(adapter.layers)
         segments = SegmentedDecoding(model, adapter.layers, self.open_checkpoints, options.kv, options.threshold,
                                      self.score, self.exit_mask, self.exit_state, self.current_step,
@@ -123,8 +124,7 @@ class TideHandle:
     # -- per-call state -------------------------------------------------------------------------
     @property
     def last_stats(self) -> ExitStats | None:
-        """Exit statistics of the latest generate call or plain forward on this model (continuous batching: of its
-        manager's forwards so far)."""
+        """Exit statistics of the latest generate call or forward on this model (continuous batching: so far)."""
         return _LAST_STATS.get(self.model)
 
     def _new_session(self, generating: bool, eos: torch.Tensor | None = None) -> Session:

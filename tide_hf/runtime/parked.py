@@ -1,4 +1,5 @@
-"""`kv="recompute"` in a batch: positions that stop early park, and run their skipped layers later, with their row.
+"""`kv="recompute"` with `park_rows` in a batch: positions that stop early park, and run their skipped layers later,
+with their row.
 
 Where rows of a batch exit on their own (eager decoding into a `DynamicCache`), an exited position gets a zero
 placeholder in the cache of each layer it skips, so every row keeps one length, and parks: its state, the

@@ -4,7 +4,8 @@ The forward of every layer after the first checkpoint is replaced on the instanc
 `_old_forward` when the model is dispatched, so accelerate's device hooks keep running). Once every row
 of a step has exited, the replaced forwards pass the hidden state through untouched and keep the KV
 cache sound (see `kv.py`). While some rows or positions run on, the original forward runs on those only
-(`compaction.py`; `parked.py` under `kv="recompute"`). The replacements are recorded in the handle's
+(`compaction.py`). Under `kv="recompute"` it runs on the whole batch, or with `park_rows` on the running
+positions while the stopped ones park (`parked.py`). The replacements are recorded in the handle's
 `Patches`, whose `restore()` leaves the layers exactly as they were.
 """
 
@@ -64,17 +65,19 @@ class LayerSkipper:
 
     def __init__(self, layers: nn.ModuleList, first_checkpoint: int, plan: SkipPlan, kv: str,
                  current_step: Callable[[], Step | None], recompute_state: Callable[[Any], KVRecompute | None],
-                 patches: Patches) -> None:
+                 patches: Patches, park_rows: bool) -> None:
         """Replace the forwards of `layers` after `first_checkpoint` (recorded in `patches`) as `plan` says.
 
         `current_step()` gives the exit decisions of the forward running in this thread, `recompute_state(cache)`
-        the tokens of `cache` awaiting their deep layers (None unless kv="recompute").
+        the tokens of `cache` awaiting their deep layers (None unless kv="recompute"). `park_rows`: under
+        kv="recompute", a batch's stopped positions park (`parked.py`) instead of running with their batch.
         """
         self.current_step, self.recompute_state = current_step, recompute_state
         self._returns_tuple: dict[int, bool] = dict(plan.returns_tuple)
         self.originals: dict[int, Callable] = {}  # layer number -> the forward it replaced (compiled segments run it)
         self.fused = plan.fused
         self.recompute = kv == "recompute"
+        self.park_rows = park_rows
         self.layers = layers
         for number in range(first_checkpoint + 1, len(layers) + 1):
             layer = layers[number - 1]
@@ -83,13 +86,15 @@ class LayerSkipper:
 
     def decide(self, step: Step, layer: int, num_layers: int) -> None:
         """After checkpoint `layer` decided its exits: skip the later layers when no position runs on (one host
-        read); else gather the positions still running for them (`compaction.py`). Under `kv="recompute"` a
-        position stops only where no running position of its row follows it in the step (a prefill's later
-        positions read its deep K/V), and stopped positions park (`parked.py`); where rows cannot park (batch 1,
-        a static or compiled cache), the whole batch runs until every row has exited."""
+        read); else gather the positions still running for them (`compaction.py`). Under `kv="recompute"` the
+        whole batch runs until every row has exited: the layers a stopped position skips still run for it (at
+        the next step, or now with its batch), so parking it saves no work. With `park_rows` a position stops
+        where no running position of its row follows it in the step (a prefill's later positions read its deep
+        K/V), and stopped positions park (`parked.py`) where rows can (not at batch 1, with a static or
+        compiled cache)."""
         running = step.valid.to(step.exit_layer.device) & (step.exit_layer == num_layers)
         if step.per_row is None:
-            step.per_row = self.recompute and self._rows_can_park(step)
+            step.per_row = self.recompute and self.park_rows and self._rows_can_park(step)
         if self.recompute and not step.per_row:
             if not bool(running.any()):
                 step.skip_after = layer

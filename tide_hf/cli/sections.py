@@ -118,10 +118,11 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     add_prompts(p)
     add_output(p, "modes(-easy).json and .md")
     p = section(sections, "batches", "skip mode in batches, rows exiting on their own, vs stock and the ideal",
-                "Skip mode in batches at each --batch-sizes: forced per-row exits (half the rows) and real router "
-                "decisions at --targets, decode and prefill, vs stock and the ideal truncated model.",
-                "--router router-smollm2 --batch-sizes 1 8 32 --num-prompts 32",
-                f"{CPU}: not timed yet (overhead with the same flags: ~5-10 min)", "--router DIR [options]")
+                "Skip mode in batches at each --batch-sizes: a stock decode step's cost by rows, then forced "
+                "per-row exits (half the rows) and real router decisions at --targets, decode and prefill, with "
+                "kv='propagate', kv='recompute' and kv='recompute' with park_rows, vs stock and the ideals.",
+                "--router router-smollm2 --batch-sizes 1 8 32 --num-prompts 32 --targets 0.95 --new-tokens 64",
+                f"{CPU}: ~1 h with these flags (61 min measured with --num-chunks 8)", "--router DIR [options]")
     g = add_model(p, "one router folder / Hub id")
     targets(g, "min_agreement targets of the real-router rows (routers with exit paths)")
     g.add_argument("--forced-depth", type=positive_int, default=None, metavar="K",

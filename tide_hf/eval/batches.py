@@ -7,8 +7,8 @@ with the cache policies of `POLICIES` (`kv="recompute"` with and without `park_r
 - forced per-row exits: half the rows (the even ones; at batch 1, the one row) leave at `--forced-depth` at every
   step, the others run every layer. The ideal is the time of the mean executed depth, on a line through the
   truncated model at that depth and the full model at the same batch size (layers cost alike, and a layer on
-  half the rows costs half). The row-cost ideal instead prices the layers after the exit at the measured step
-  cost of the rows still running.
+  half the rows costs half). The row-cost ideal instead scales the time of the layers after the exit by a stock
+  step's measured cost at the rows still running over its cost at the whole batch.
 - real router decisions at quality targets (`--targets`): layers executed per decode token beside the same prompts
   run one at a time, tokens/s against stock, realized / ideal, and the delivered top-1 agreement: the share of
   generated tokens equal to the full model's top-1 after the same prefix (one stock forward over the output).
@@ -170,7 +170,7 @@ def real_router(model: Any, router: TideRouter, prompts: list[torch.Tensor], chu
     num_layers = router.config.num_hidden_layers
     decode, prefill = [], []
     for target in targets:
-        for policy in POLICIES.values():
+        for name, policy in POLICIES.items():
             options = {"min_agreement": target, **policy}
             for bs in batch_sizes:
                 batch = left_pad(prompts[:bs], pad_id)
@@ -178,7 +178,7 @@ def real_router(model: Any, router: TideRouter, prompts: list[torch.Tensor], chu
                 runs = {"stock": _stock_call(model, batch, new_tokens),
                         "tide": _skip_call(model, router, batch, new_tokens, stats, **options),
                         "truncated": _stock_call(model, batch, new_tokens, depth)}
-                seconds = timed_runs(runs, reps, f"target {target} {policy} batch {bs}")
+                seconds = timed_runs(runs, reps, f"target {target} {name} batch {bs}")
                 with attach(model, router, mode="skip", **options) as handle:
                     out, _ = generate(model, batch, new_tokens, tide=True)
                     executed = handle.last_stats.decode.mean_executed

@@ -43,8 +43,8 @@ class TideConfig:
             the next step (in a batch whose other rows run on: at once), so the quality target holds.
             "propagate": the exit state's keys and values, cheaper, with no quality guarantee (agreement drops
             in batches).
-        park_rows: skip mode with kv="recompute", in a batch: True parks a row's exited token until its row's
-            next step, which runs the skipped layers for both tokens. False (the default) runs the exited rows
+        park_rows: skip mode with kv="recompute", in a batch: True parks a row's exited token until its row
+            next runs the skipped layers, which then run for both tokens. False (the default) runs the exited rows
             through those layers with the batch at once. Both write the exact K/V and give the same tokens.
             Parking reads a row's cache once for two tokens, but widens its next step to two queries; on a
             2-core CPU at batch 8 it was slower (`docs/concepts/modes.md`).

@@ -62,7 +62,7 @@ def one_thread():
 @pytest.fixture
 def early_exit_only(monkeypatch):
     """No lookup drafts (no n-gram of the context ever matches): tests of the early-exit source alone."""
-    monkeypatch.setattr(ContextLookup, "draft", lambda *_: None)
+    monkeypatch.setattr(ContextLookup, "draft", lambda *_: (None, 0))
 
 
 # -- helpers ------------------------------------------------------------------------------------------
@@ -322,7 +322,7 @@ def frozen_costs(monkeypatch):
     return freeze
 
 
-def test_policy_drafts_the_optimal_length_when_drafts_are_right(frozen_costs):
+def test_policy_drafts_the_optimal_length_when_drafts_are_right(frozen_costs, early_exit_only):
     model = make_model("shallow")
     router = make_router(model, "always")
     est = frozen_costs(model, router, cost=0.3, slope=0.05)
@@ -362,7 +362,7 @@ def test_policy_falls_back_while_drafts_lose_and_probes(frozen_costs, early_exit
 
 # -- the model is left exactly as before ---------------------------------------------------------------
 @pytest.mark.parametrize("where", ["verification", "draft"])
-def test_model_restored_after_errors(where):
+def test_model_restored_after_errors(where, early_exit_only):
     """An error raised in a full-depth forward (a hook on the last layer) or inside a draft (a hook on the draft
     layer while `config.num_hidden_layers` is lowered) leaves the model exactly as before."""
     model = make_model("shallow")

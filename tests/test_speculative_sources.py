@@ -2,7 +2,7 @@
 lookup) beside early exit, one cost model choosing per round.
 
 References: stock generate on the same model (greedy token identity at batch 1 and per row of a batch of 8),
-the speculative-decoding optimum of each source's estimates, and transformers' own prompt lookup matcher.
+the speculative-decoding optimum of each arm's estimates, and the longest repeated suffix found by brute force.
 """
 
 from __future__ import annotations
@@ -12,10 +12,20 @@ import torch
 from test_speculative import make_model, make_router, one_thread, speculative  # noqa: F401 (autouse fixture)
 
 from tide_hf.integrations.draft import EARLY_EXIT, LOOKUP, DraftEstimates, best_draft_length, interpolated_verify
-from tide_hf.integrations.sources import LOOKUP_MAX_TOKENS, ContextLookup, SourcePolicy
+from tide_hf.integrations.sources import (
+    EARLY_EXIT_ARM,
+    LONGEST_MATCH,
+    LOOKUP_MAX_TOKENS,
+    MATCH_CLASSES,
+    ContextLookup,
+    SourcePolicy,
+    match_class,
+    succession_prior,
+)
 
 REPEATS = 4  # copies of a random phrase in a prompt: the continuation repeats it, lookup drafts pay
 PHRASE = 9  # tokens per phrase
+LOOKUP_ARM = (LOOKUP, 0)  # lookup drafts after a 1-token match
 
 
 def repeating(seed: int, rows: int = 1) -> torch.Tensor:
@@ -37,27 +47,27 @@ def estimates(acceptance: float, cost: float, verify: dict[int, float], max_draf
 def test_policy_drafts_from_the_source_with_the_best_optimum():
     flat = {w: 1.45 for w in range(2, LOOKUP_MAX_TOKENS + 2)}  # a CPU-like verification
     early, lookup = estimates(0.8, 0.4, flat, 8), estimates(0.9, 0.0, flat, LOOKUP_MAX_TOKENS)
-    policy = SourcePolicy({EARLY_EXIT: early, LOOKUP: lookup})
-    gains = {name: best_draft_length(est.acceptance, est.cost, interpolated_verify(flat), est.max_draft)
-             for name, est in policy.estimates.items()}
-    assert gains[LOOKUP][1] > gains[EARLY_EXIT][1] > 1.0  # precondition: both pay, lookup more
-    assert policy.choose({EARLY_EXIT: 50, LOOKUP: 50}) == (LOOKUP, gains[LOOKUP][0], False)
-    assert policy.choose({EARLY_EXIT: 50}) == (EARLY_EXIT, gains[EARLY_EXIT][0], False)  # no match: early exit
+    policy = SourcePolicy({EARLY_EXIT_ARM: early, LOOKUP_ARM: lookup})
+    gains = {arm: best_draft_length(est.acceptance, est.cost, interpolated_verify(flat), est.max_draft)
+             for arm, est in policy.estimates.items()}
+    assert gains[LOOKUP_ARM][1] > gains[EARLY_EXIT_ARM][1] > 1.0  # precondition: both pay, lookup more
+    assert policy.choose({EARLY_EXIT_ARM: 50, LOOKUP_ARM: 50}) == (LOOKUP_ARM, gains[LOOKUP_ARM][0], False)
+    assert policy.choose({EARLY_EXIT_ARM: 50}) == (EARLY_EXIT_ARM, gains[EARLY_EXIT_ARM][0], False)  # no match
     k, _ = best_draft_length(0.9, 0.0, interpolated_verify(flat), 3)
-    assert policy.choose({EARLY_EXIT: 50, LOOKUP: 3})[1:] == (k, False)  # a short match caps the lookup draft
+    assert policy.choose({EARLY_EXIT_ARM: 50, LOOKUP_ARM: 3})[1:] == (k, False)  # a short match caps the draft
     for _ in range(40):  # lookup drafts keep failing: its estimate falls below a plain step
         lookup.observe_round(proposed=LOOKUP_MAX_TOKENS, accepted=0)
-    assert policy.choose({EARLY_EXIT: 50, LOOKUP: 50})[0] == EARLY_EXIT
+    assert policy.choose({EARLY_EXIT_ARM: 50, LOOKUP_ARM: 50})[0] == EARLY_EXIT_ARM
 
 
 def test_policy_takes_plain_steps_and_probes_while_no_source_pays():
     flat = {w: 1.45 for w in range(2, LOOKUP_MAX_TOKENS + 2)}
     lookup = estimates(0.05, 0.0, flat, LOOKUP_MAX_TOKENS)
-    policy = SourcePolicy({EARLY_EXIT: estimates(0.05, 0.4, flat, 8), LOOKUP: lookup})
+    policy = SourcePolicy({EARLY_EXIT_ARM: estimates(0.05, 0.4, flat, 8), LOOKUP_ARM: lookup})
     interval = lookup.probe_interval()
     assert interval > 1
-    choices = [policy.choose({LOOKUP: 50}) for _ in range(3 * interval)]
-    assert choices.count((LOOKUP, 1, True)) == 3  # one one-token probe per interval of plain steps
+    choices = [policy.choose({LOOKUP_ARM: 50}) for _ in range(3 * interval)]
+    assert choices.count((LOOKUP_ARM, 1, True)) == 3  # one one-token probe per interval of plain steps
     assert choices.count((None, 0, False)) == 3 * (interval - 1)
 
 
@@ -66,29 +76,75 @@ def test_the_context_is_scanned_only_where_a_lookup_draft_could_pay_or_its_probe
     once per interval, as it does when every round is scanned (the test above)."""
     flat = {w: 1.45 for w in range(2, LOOKUP_MAX_TOKENS + 2)}
     losing = estimates(0.05, 0.0, flat, LOOKUP_MAX_TOKENS)
-    policy = SourcePolicy({EARLY_EXIT: estimates(0.05, 0.4, flat, 8), LOOKUP: losing})
+    policy = SourcePolicy({EARLY_EXIT_ARM: estimates(0.05, 0.4, flat, 8), LOOKUP_ARM: losing})
     interval = losing.probe_interval()
-    rounds = [policy.worth_looking(LOOKUP, LOOKUP_MAX_TOKENS) and policy.choose({LOOKUP: LOOKUP_MAX_TOKENS})
+    rounds = [policy.worth_looking(LOOKUP, LOOKUP_MAX_TOKENS) and policy.choose({LOOKUP_ARM: LOOKUP_MAX_TOKENS})
               for _ in range(3 * interval)]
-    assert rounds.count((LOOKUP, 1, True)) == 3 and rounds.count(False) == 3 * (interval - 1)
-    paying = SourcePolicy({LOOKUP: estimates(0.9, 0.0, flat, LOOKUP_MAX_TOKENS)})
+    assert rounds.count((LOOKUP_ARM, 1, True)) == 3 and rounds.count(False) == 3 * (interval - 1)
+    paying = SourcePolicy({LOOKUP_ARM: estimates(0.9, 0.0, flat, LOOKUP_MAX_TOKENS)})
     assert all(paying.worth_looking(LOOKUP, LOOKUP_MAX_TOKENS) for _ in range(3 * interval))
 
 
-def test_lookup_is_transformers_prompt_lookup():
-    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 5, 6, 7]])
-    lookup = ContextLookup(None, max_length=100)
-    assert torch.equal(lookup.draft(ids, 2), torch.tensor([[8, 9]]))  # after "5 6 7": "8 9 ..."
-    assert lookup.draft(torch.tensor([[5, 6, 7, 8]]), 4) is None  # nothing occurs twice
-    eos = ContextLookup(torch.tensor([9]), max_length=100)
-    assert torch.equal(eos.draft(ids, 4), torch.tensor([[8]]))  # a draft stops before an EOS id
+def test_the_policy_trusts_a_lookup_draft_by_its_match_length():
+    """Each class of match length keeps its own acceptance: long matches that keep being right are drafted in full
+    while 1-token matches that keep failing take plain steps, on the same costs."""
+    flat = {w: 1.45 for w in range(2, LOOKUP_MAX_TOKENS + 2)}
+    short, long = (LOOKUP, 0), (LOOKUP, MATCH_CLASSES - 1)
+    policy = SourcePolicy({short: estimates(0.05, 0.0, flat, LOOKUP_MAX_TOKENS),
+                           long: estimates(0.95, 0.0, flat, LOOKUP_MAX_TOKENS)})
+    assert policy.choose({long: LOOKUP_MAX_TOKENS}) == (long, LOOKUP_MAX_TOKENS, False)
+    assert policy.choose({short: LOOKUP_MAX_TOKENS}) == (None, 0, False)
+    assert policy.arms(LOOKUP) == [short, long] and policy.arms(EARLY_EXIT) == []
+
+
+def test_match_classes_and_their_priors():
+    assert [match_class(n) for n in (1, 2, 3, 4, 7, 8, 15, 16, 1000)] == [0, 1, 1, 2, 2, 3, 3, 4, 4]
+    assert LONGEST_MATCH == 2 ** (MATCH_CLASSES - 1)  # the last class starts where matches stop being measured
+    # Laplace's rule of succession: after n matched tokens, the next one matches with probability (n + 1) / (n + 2)
+    assert [succession_prior(c) for c in range(3)] == pytest.approx([2 / 3, 3 / 4, 5 / 6])
+
+
+def longest_suffix_match(ids: list[int]) -> tuple[int, int] | None:
+    """Brute force: (start of the continuation, match length) of the first earlier occurrence with the longest
+    common suffix with the whole context (capped at `LONGEST_MATCH`)."""
+    best = None
+    for end in range(len(ids) - 1):
+        length = 0
+        while length < min(LONGEST_MATCH, end + 1) and ids[end - length] == ids[len(ids) - 1 - length]:
+            length += 1
+        if length and (best is None or length > best[1]):
+            best = (end + 1, length)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_lookup_drafts_what_followed_the_longest_repeated_suffix(seed):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 4, (1, 40), generator=gen)  # 4 symbols: many matches of every length
+    ids[0, 25:40] = ids[0, 3:18]  # and one long one
+    found = ContextLookup(None).draft(ids, 6)
+    start, length = longest_suffix_match(ids[0].tolist())
+    assert found[1] == length
+    assert torch.equal(found[0], ids[:, start : start + 6])
+
+
+def test_lookup_prefers_the_longest_match_to_the_first_3_gram():
+    """transformers' prompt lookup drafts after the first occurrence of the last 3-gram; the place being copied is
+    where the longest suffix occurred."""
+    ids = torch.tensor([[1, 2, 3, 9, 9, 5, 1, 2, 3, 4, 5, 6, 7, 0, 5, 1, 2, 3]])
+    assert torch.equal(ContextLookup(None).draft(ids, 3)[0], torch.tensor([[4, 5, 6]]))  # after "5 1 2 3"
+    assert ContextLookup(None).draft(ids, 3)[1] == 4
+    assert ContextLookup(None).draft(torch.tensor([[5, 6, 7, 8]]), 4) == (None, 0)  # nothing occurs twice
+    eos = ContextLookup(torch.tensor([6]))
+    assert torch.equal(eos.draft(ids, 4)[0], torch.tensor([[4, 5]]))  # a draft stops before an EOS id
 
 
 # -- lossless, with drafts from the context -------------------------------------------------------------
 @pytest.mark.parametrize("gate", ["never", "always"])
 def test_greedy_identical_to_stock_with_lookup_drafts(gate, monkeypatch):
-    """A closed gate leaves lookup alone (its drafts are accepted); an open one lets both sources compete (here
-    early exit, nearly always right on this model, wins). Either way stock's tokens. Costs are fixed: a draft
+    """A closed gate leaves lookup alone (its drafts are accepted); an open one lets both sources compete (early
+    exit, nearly always right on this model, drafts where lookup's match is short). Either way stock's tokens. Costs
+    are fixed: a draft
     forward costs its prior, a verification of w tokens 1 + (w - 1) / 10 plain steps (measured timings of a loaded
     machine decided the competition at random). Which source wins at which estimates: the policy tests above."""
     monkeypatch.setattr(DraftEstimates, "cost", property(lambda self: self.prior_cost))
@@ -107,7 +163,10 @@ def test_greedy_identical_to_stock_with_lookup_drafts(gate, monkeypatch):
         for name in totals:
             totals[name] += sources[name]["accepted"]
         assert sum(s["drafted"] for s in sources.values()) == stats.speculative["drafted"]
-    assert (totals[LOOKUP] > 0) == (gate == "never")  # the repeated phrase is drafted from the context
+        by_match = stats.speculative["lookup_matches"].values()  # lookup's rounds split by match length
+        assert [sum(c[k] for c in by_match) for k in ("rounds", "accepted")] == [sources[LOOKUP][k]
+                                                                                 for k in ("rounds", "accepted")]
+    assert totals[LOOKUP] > 0  # the repeated phrase is drafted from the context
     assert (totals[EARLY_EXIT] > 0) == (gate == "always")
 
 

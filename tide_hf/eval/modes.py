@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..integrations import attach
-from ..integrations.draft import EARLY_EXIT, best_draft_length, interpolated_verify
+from ..integrations.draft import EARLY_EXIT, SOURCE_COUNTERS, best_draft_length, interpolated_verify, with_acceptance
 from ..modeling import TideRouter
 from ..runtime import Patches, TideHandle
 from .measure import generate, left_pad, match_rate, perplexity
@@ -164,10 +164,12 @@ def grounded_prompts(tokenizer: Any, passages: list[torch.Tensor]) -> list[torch
     return prompts
 
 
-def source_counts(totals: dict[str, dict[str, int]], spec: dict) -> dict[str, dict[str, int]]:
-    """`totals` plus one call's round counters per draft source (`last_stats.speculative["sources"]`)."""
-    return {name: {k: totals.get(name, {}).get(k, 0) + v for k, v in counts.items() if k != "acceptance_per_token"}
-            for name, counts in spec["sources"].items()}
+def source_counts(totals: dict[str, dict[str, int]], group: dict) -> dict[str, dict[str, int]]:
+    """`totals` plus one call's round counters per group (`last_stats.speculative["sources"]`: per draft source;
+    `["lookup_matches"]`: per class of lookup match length)."""
+    keys = {**totals, **group}
+    return {key: {k: totals.get(key, {}).get(k, 0) + group.get(key, {}).get(k, 0)
+                  for k in SOURCE_COUNTERS} for key in keys}
 
 
 def speculative(model: Any, router: TideRouter, batches: list[dict], batched: dict | None, new_tokens: int,
@@ -180,7 +182,8 @@ def speculative(model: Any, router: TideRouter, batches: list[dict], batched: di
     measured draft and verify costs (`realized_over_optimum` = speed ratio / E). `assistant_early_exit`
     drafts at `assisted_layer` (default: the draft layer speculative mode chose). `lookup_tokens`: also
     transformers' prompt lookup (`prompt_lookup_num_tokens`), the built-in lossless peer that needs no model.
-    `sources`: the rounds, drafts and acceptance per draft source (lookup, early exit). `batched`: prompts
+    `sources`: the rounds, drafts and acceptance per draft source (lookup, early exit); `lookup_matches`: those
+    of lookup per class of match length (keyed by the class's shortest length). `batched`: prompts
     decoded as one batch, checked token-identical to stock's batch (None: not checked).
     """
     handle = attach(model, router, mode="speculative")
@@ -198,6 +201,7 @@ def speculative(model: Any, router: TideRouter, batches: list[dict], batched: di
         tokens: dict[str, list[torch.Tensor]] = {name: [] for name in runs}
         counters = dict.fromkeys(SPECULATIVE_COUNTERS, 0)
         sources: dict[str, dict[str, int]] = {}
+        matches: dict[str, dict[str, int]] = {}
         for rep in tqdm(range(reps), desc="speculative vs stock", leave=False):
             for b in batches:
                 for name, kwargs in runs.items():
@@ -206,7 +210,9 @@ def speculative(model: Any, router: TideRouter, batches: list[dict], batched: di
                     tokens[name].append(out)
                     if name == "speculative":
                         counters = {k: v + handle.last_stats.speculative[k] for k, v in counters.items()}
-                        sources = source_counts(sources, handle.last_stats.speculative)
+                        sources = source_counts(sources, handle.last_stats.speculative["sources"])
+                        matches = source_counts(matches, {str(k): v for k, v in
+                                                          handle.last_stats.speculative["lookup_matches"].items()})
         batch_identical = None if batched is None else torch.equal(generate(model, batched, new_tokens, tide=False)[0],
                                                                    generate(model, batched, new_tokens, tide=True)[0])
         costs = {k: handle.last_stats.speculative[k]  # the latest
@@ -221,8 +227,7 @@ def speculative(model: Any, router: TideRouter, batches: list[dict], batched: di
               {"lookup_tokens": lookup_tokens, "lookup_speed_ratio": ratio["lookup"],
                "lookup_divergence": divergence["lookup"]})
     acceptance = counters["accepted"] / counters["trials"] if counters["trials"] else 0.0
-    for counts in sources.values():
-        counts["acceptance_per_token"] = counts["accepted"] / counts["trials"] if counts["trials"] else 0.0
+    sources, matches = ({key: with_acceptance(counts) for key, counts in group.items()} for group in (sources, matches))
     early = sources.get(EARLY_EXIT, {}).get("acceptance_per_token", 0.0)  # the optimum of early exit's drafts
     optimal_k, optimum = best_draft_length(early, costs["draft_cost"], interpolated_verify(costs["verify_costs"]))
     rounds = counters["rounds"]
@@ -237,7 +242,8 @@ def speculative(model: Any, router: TideRouter, batches: list[dict], batched: di
             "mean_draft_length": counters["drafted"] / rounds if rounds else 0.0,
             "mean_planned_length": counters["planned"] / rounds if rounds else 0.0,
             **costs, "optimal_draft_length": optimal_k, "optimal_speedup": optimum,
-            "realized_over_optimum": ratio["speculative"] / optimum, **lookup, **counters, "sources": sources}
+            "realized_over_optimum": ratio["speculative"] / optimum, **lookup, **counters, "sources": sources,
+            "lookup_matches": dict(sorted(matches.items(), key=lambda item: int(item[0])))}
 
 
 def run_modes(model: Any, tokenizer: Any, router: TideRouter, prompts: list[torch.Tensor], chunks: list[torch.Tensor],

@@ -229,6 +229,11 @@ class DraftEstimates:
 
 
 # -- statistics of a call ---------------------------------------------------------------------------------
+def with_acceptance(counts: dict[str, int]) -> dict[str, float]:
+    """Round counters and their per-token acceptance (accepted over trials)."""
+    return {**counts, "acceptance_per_token": counts["accepted"] / counts["trials"] if counts["trials"] else 0.0}
+
+
 @dataclass
 class SpeculativeStats:
     """Counters of one speculative call (all rows), published as `ExitStats.speculative` (a dict).
@@ -264,19 +269,29 @@ class SpeculativeStats:
     # per draft source (`DRAFT_SOURCES`): its share of the round counters above, which sum over the sources
     sources: dict[str, dict[str, int]] = field(
         default_factory=lambda: {name: dict.fromkeys(SOURCE_COUNTERS, 0) for name in DRAFT_SOURCES})
+    # lookup rounds by the shortest match length of their class (`sources.MATCH_CLASSES`): their share of
+    # `sources["lookup"]`, the classes met so far
+    lookup_matches: dict[int, dict[str, int]] = field(default_factory=dict)
 
-    def count_round(self, source: str, proposed: int, accepted: int) -> None:
+    def _groups(self, source: str, match: int | None) -> list[dict]:
+        """The counters a round of `source` adds to (`match`: its class's shortest match length, lookup only)."""
+        groups = [self.__dict__, self.sources[source]]
+        if match is not None:
+            groups.append(self.lookup_matches.setdefault(match, dict.fromkeys(SOURCE_COUNTERS, 0)))
+        return groups
+
+    def count_round(self, source: str, proposed: int, accepted: int, match: int | None = None) -> None:
         """A verified round of `proposed` drafts from `source`, `accepted` of them kept."""
         trials = accepted + (accepted < proposed)
-        for counts in (self.__dict__, self.sources[source]):
+        for counts in self._groups(source, match):
             counts["rounds"] += 1
             counts["drafted"] += proposed
             counts["accepted"] += accepted
             counts["trials"] += trials
 
-    def count_plan(self, source: str, planned: int, probe: bool) -> None:
+    def count_plan(self, source: str, planned: int, probe: bool, match: int | None = None) -> None:
         """A round drafting from `source`, `planned` tokens planned (`probe`: a one-token probe)."""
-        for counts in (self.__dict__, self.sources[source]):
+        for counts in self._groups(source, match):
             counts["planned"] += planned
             counts["probes"] += probe
 
@@ -285,9 +300,9 @@ class SpeculativeStats:
         early = self.sources[EARLY_EXIT]  # the optimum is early exit's: c and V below are its measured costs
         early_acceptance = early["accepted"] / early["trials"] if early["trials"] else 0.0
         k, gain = best_draft_length(early_acceptance, self.draft_cost, interpolated_verify(self.verify_costs))
-        sources = {name: {**counts, "acceptance_per_token": counts["accepted"] / counts["trials"]
-                          if counts["trials"] else 0.0} for name, counts in self.sources.items()}
-        return {**self.__dict__, "sources": sources,
+        sources, matches = ({key: with_acceptance(counts) for key, counts in group.items()}
+                            for group in (self.sources, self.lookup_matches))
+        return {**self.__dict__, "sources": sources, "lookup_matches": dict(sorted(matches.items())),
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
                 "acceptance_per_token": acceptance,
                 "mean_draft_length": self.drafted / self.rounds if self.rounds else 0.0,

@@ -63,19 +63,23 @@ from ..compat import CANDIDATE_GENERATOR_FACTORY, eos_token_tensor, extend_model
 from ..errors import TideConcurrencyError, TideUnsupportedError
 from ..modeling import layer_output
 from ..runtime import Patches, Session, TideHandle
-from .draft import EARLY_EXIT, LOOKUP, SpeculativeStats, draft_body, draft_plan
+from .draft import LOOKUP, SpeculativeStats, draft_body, draft_plan
 from .embeds import with_placeholder_ids, without_prompt
 from .outputs import stack_outputs
 from .processor import TideLogitsProcessor
 from .reuse import DraftReuse, install_reuse
 from .rows import count_full_depth, fallback_reason, row_kwargs, warn_fallback
 from .sources import (
+    EARLY_EXIT_ARM,
     LOOKUP_MAX_TOKENS,
+    Arm,
     ContextLookup,
     SourcePolicy,
     draft_estimates,
     lookup_estimates,
+    match_class,
     resolve_draft_layer,
+    shortest_match,
 )
 from .vocab import DraftHead
 
@@ -97,9 +101,8 @@ class TideCandidateGenerator(CandidateGenerator):
         self.model = handle.model
         self.body, self.config = draft_body(self.model, handle.adapter.layers)
         self.estimates = draft_estimates(handle, self.layer, stats.draft_vocab)
-        self.lookup_estimates = lookup_estimates(handle)
-        self.policy = SourcePolicy({EARLY_EXIT: self.estimates, LOOKUP: self.lookup_estimates})
-        self.lookup = ContextLookup(eos_token_tensor(generation_config), generation_config.max_length)
+        self.policy = SourcePolicy({EARLY_EXIT_ARM: self.estimates, **lookup_estimates(handle)})
+        self.lookup = ContextLookup(eos_token_tensor(generation_config))
         self.cache, self.kwargs = split_cache(model_kwargs)  # the cache stock verifies with, for the whole call
         self.processors = logits_processor
         self.do_sample = bool(generation_config.do_sample)
@@ -115,9 +118,9 @@ class TideCandidateGenerator(CandidateGenerator):
         self.pregate = False  # the router's verdict on the last token the verifier emitted
         self.round_start: float | None = None
         self.prefill = True  # the open round is the prefill (not a plain step's time)
-        # (source, proposed, draft forwards, their seconds, whether the verification is a timing sample) of the
+        # (arm, proposed, draft forwards, their seconds, whether the verification is a timing sample) of the
         # open round
-        self.last: tuple[str, int, int, float, bool] | None = None
+        self.last: tuple[Arm, int, int, float, bool] | None = None
         self.ended, self.draft_end = False, None  # whether the last round's draft ended with an EOS id; its last token
         self.since_plain = 0  # rounds since the last plain step (timed: drafting rounds leave no plain time)
 
@@ -150,25 +153,26 @@ class TideCandidateGenerator(CandidateGenerator):
         room = self.max_length - input_ids.shape[1] - 1  # tokens one round may draft, the verifier's own aside
         if self.cache.get_seq_length() != input_ids.shape[1] - 1 or room < 1:  # the prefill, or no room left
             return input_ids, None
-        rooms = {EARLY_EXIT: room} if self.pregate else {}
+        rooms = {EARLY_EXIT_ARM: room} if self.pregate else {}
         self.stats.gate_skips += not self.pregate
         self.since_plain += 1
         if self.estimates.plain_s is None or self.since_plain > PLAIN_TIMING_EVERY:  # time a plain step: the cost
             return input_ids, None  # unit of every estimate (never a loss against plain decoding)
-        found = None  # the ids are scanned only where a lookup draft could pay, or its probe is due
-        if self.policy.worth_looking(LOOKUP, min(room, LOOKUP_MAX_TOKENS)):
-            found = self.lookup.draft(input_ids, room)
+        # the ids are scanned only where a lookup draft could pay, or its probe is due
+        found, length = (self.lookup.draft(input_ids, room) if self.policy.worth_looking(LOOKUP, min(
+            room, LOOKUP_MAX_TOKENS)) else (None, 0))
         if found is not None:
-            rooms[LOOKUP] = found.shape[1]
+            rooms[LOOKUP, match_class(length)] = found.shape[1]
         if not rooms:
             return input_ids, None
-        source, k, probe = self.policy.choose(rooms)
-        if source is None:  # drafting loses by the estimates: a plain step
+        arm, k, probe = self.policy.choose(rooms)
+        if arm is None:  # drafting loses by the estimates: a plain step
             self.stats.plan_skips += 1
             return input_ids, None
-        self.stats.count_plan(source, k, probe)
-        if source == LOOKUP:  # the verification runs every layer: nothing to reuse, no gate to ask
-            self.last, self.window = (LOOKUP, k, k, time.perf_counter() - now, True), k + 1
+        source, match = self._counted(arm)
+        self.stats.count_plan(source, k, probe, match)
+        if arm[0] == LOOKUP:  # the verification runs every layer: nothing to reuse, no gate to ask
+            self.last, self.window = (arm, k, k, time.perf_counter() - now, True), k + 1
             self.ended = False  # (lookup drafts stop before an EOS id)
             return torch.cat([input_ids, found[:, :k]], dim=-1), None
         return self._draft(input_ids, k, now)
@@ -181,13 +185,19 @@ class TideCandidateGenerator(CandidateGenerator):
         if self.last is None or self.last[1] == 0:
             self.stats.plain_steps += 1
             return
-        source, proposed = self.last[:2]
+        arm, proposed = self.last[:2]
         if self.ended and matches == proposed - 1 and bool(input_ids[0, -1] == self.draft_end):
             matches = proposed  # stock counts a matched final EOS one short: it emits it as the verifier's own token
-        self.stats.count_round(source, proposed, matches)
-        self.policy.estimates[source].observe_round(proposed, matches)
+        source, match = self._counted(arm)
+        self.stats.count_round(source, proposed, matches, match)
+        self.policy.estimates[arm].observe_round(proposed, matches)
 
     # -- internals --
+    @staticmethod
+    def _counted(arm: Arm) -> tuple[str, int | None]:
+        """(source, the class's shortest match length for lookup, None for early exit): how a round is counted."""
+        return arm[0], shortest_match(arm[1]) if arm[0] == LOOKUP else None
+
     def _draft(self, input_ids: torch.LongTensor, room: int, start: float) -> tuple[torch.LongTensor, Tensor | None]:
         ids, scores, forwards, tail = input_ids, [], 0, False
         reuse = self.reuse.available()
@@ -221,7 +231,7 @@ class TideCandidateGenerator(CandidateGenerator):
         self.stats.draft_forwards += forwards
         self.stats.tail_forwards += tail
         # a verification whose first position the last draft forward ran is cheaper than the model's v(k + 1)
-        self.last, self.window = (EARLY_EXIT, proposed, forwards, draft_seconds, tail or not reuse), proposed + 1
+        self.last, self.window = (EARLY_EXIT_ARM, proposed, forwards, draft_seconds, tail or not reuse), proposed + 1
         self.draft_end = ids[0, -1]
         self.ended = proposed > 0 and self.eos is not None and bool(torch.isin(self.draft_end, self.eos.to(ids.device)))
         if proposed == 0:
@@ -253,15 +263,17 @@ class TideCandidateGenerator(CandidateGenerator):
             self._observe_plain(seconds)
             self.since_plain = 0
             return
-        source, proposed, forwards, draft_seconds, timed = self.last
-        estimates = self.policy.estimates[source]
-        estimates.observe_draft(draft_seconds / forwards)
+        arm, proposed, forwards, draft_seconds, timed = self.last
+        timings = [self.policy.estimates[a] for a in self.policy.arms(arm[0])]  # a source's arms share its costs
+        for estimates in timings:
+            estimates.observe_draft(draft_seconds / forwards)
         if not timed:  # the last draft forward did the verification's first layers: not the modelled cost
             return
         verify = seconds - draft_seconds
         if proposed == 0:  # the gate shut at the first draft forward: the verification was a plain step
             self._observe_plain(verify)
-        else:
+            return
+        for estimates in timings:
             estimates.observe_verify(verify, proposed + 1)
 
     def _observe_plain(self, seconds: float) -> None:
@@ -329,7 +341,7 @@ def generate(handle: TideHandle, original: Callable, model: nn.Module, args: tup
     finally:
         estimates = draft_estimates(handle, layer, vocab)
         stats.draft_cost, stats.verify_costs = estimates.cost, estimates.verify_costs
-        lookup = lookup_estimates(handle)
+        lookup = lookup_estimates(handle)[LOOKUP, 0]  # (its classes share the timings)
         stats.lookup_cost, stats.lookup_verify_costs = lookup.cost, lookup.verify_costs
         session.stats.speculative = stats.as_dict()
 

@@ -78,17 +78,25 @@ def test_speculative_section_reports_identical_output_and_consistent_counters():
 
     from tide_hf.eval.measure import left_pad
     from tide_hf.eval.modes import speculative
+    from tide_hf.eval.tables import format_speculative
 
     model = make_model()
     model.generation_config.eos_token_id = None
     router = constant_router(model, 30.0)  # always says "converged": drafting is attempted
-    prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 7)]
+    # phrases said 3 times: the context has matches of several lengths to draft after
+    prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).repeat(3) for n in (5, 7)]
     batches = [left_pad([p], 0) for p in prompts]
     res = speculative(model, router, batches, left_pad(prompts, 0), new_tokens=6, reps=1)
     assert res["identical_all_prompts"] and res["identical_batched"] and res["batched_rows"] == 2
     assert res["prompts"] == 2 and res["speed_ratio"] > 0
     assert res["acceptance_rate"] == (res["accepted"] / res["drafted"] if res["drafted"] else 0.0)
     assert res["mean_draft_length"] == (res["drafted"] / res["rounds"] if res["rounds"] else 0.0)
+    classes = res["lookup_matches"]  # lookup's rounds split by class of match length, summing to its own
+    assert classes and all(sum(c[k] for c in classes.values()) == res["sources"]["lookup"][k]
+                           for k in ("rounds", "drafted", "accepted", "trials"))
+    table = format_speculative(res)
+    for match, counts in classes.items():
+        assert f"| open prose | {match}+ | {counts['rounds']} | {counts['drafted']} | {counts['accepted']} |" in table
 
 
 def test_synthetic_forced_exits_and_table() -> None:

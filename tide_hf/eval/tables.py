@@ -99,8 +99,8 @@ def format_continuous(result: dict) -> str:
 def format_speculative(spec: dict) -> str:
     """Markdown table of the speculative section, a row per workload (open prose; `grounded`: prompts asking to
     repeat a passage, where measured), each lossless peer's speed beside ours and our acceptance per draft
-    source. Results written before a column existed (the drafting policy, prompt lookup, draft sources) show
-    "-" there."""
+    source; then lookup's rounds per class of match length. Results written before a column existed (the
+    drafting policy, prompt lookup, draft sources) show "-" there."""
     def cell(row: dict, key: str, fmt: str) -> str:
         return "-" if row.get(key) is None else format(row[key], fmt)
 
@@ -128,12 +128,19 @@ def format_speculative(spec: dict) -> str:
 
     rows = [("open prose", spec)] + ([("grounded", spec["grounded"])] if spec.get("grounded") else [])
     lookup = next((r["lookup_tokens"] for _, r in rows if r.get("lookup_tokens") is not None), "-")
-    return "\n".join([
+    table = "\n".join([
         f"| speculative | draft layer (vocabulary) | speed vs stock | prompt lookup ({lookup} tokens) speed | "
         "`assistant_early_exit` speed | acceptance per token (early exit / lookup) | rounds (early exit / lookup) "
         "| acceptance per token (all) | mean draft length (planned) | optimal early-exit length | optimum E | "
         "realized / optimum | divergence (ours / assisted / lookup) | identical (batched) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", *(line(name, row) for name, row in rows)])
+    classes = [f"| {name} | {match}+ | {c['rounds']} | {c['drafted']} | {c['accepted']} | "
+               f"{c['acceptance_per_token']:.1%} |"
+               for name, row in rows for match, c in (row.get("lookup_matches") or {}).items()]
+    if not classes:  # (results written before lookup kept classes)
+        return table
+    return "\n".join([table, "", "| lookup drafts | match length (tokens) | rounds | drafted | accepted | "
+                       "acceptance per token |", "|---|---|---|---|---|---|", *classes])
 
 
 def format_baselines(result: dict) -> str:

@@ -5,7 +5,7 @@ changes the output, only the speed:
 
 * lookup: what followed the earlier occurrence of the context's longest repeated suffix (prompt and generated
   text; prompt lookup decoding, with the occurrence chosen by the longest match rather than the first
-  3-gram). It costs next to nothing to make (c ~ 0: a scan of the ids), so it pays wherever the text repeats
+  n-gram). It costs next to nothing to make (c ~ 0: a scan of the ids), so it pays wherever the text repeats
   what it has seen (a copy, a quotation, a loop) and loses where its matches are wrong: a rejected draft still
   costs a verification of its width;
 * early exit: the first `draft_layer` layers (`speculative.py`), c ~ their share of the model's parameters,

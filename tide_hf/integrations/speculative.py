@@ -22,9 +22,10 @@ via `_get_candidate_generator`, replaced on the model instance for the duration 
   costs of a draft forward and of verifying k + 1 tokens. While the estimates say drafting loses it takes
   plain steps, probing with one-token drafts often enough to notice when drafting would pay again, at a
   bounded cost (`PROBE_LOSS`). The estimates live as long as the model and carry over between calls;
-* a round may draft from the context instead (`sources.py`): the continuation of an earlier occurrence of
-  its last n-gram (transformers' prompt lookup matcher), free to make, verified by every layer; the policy
-  drafts from the source whose optimum, by its own measured acceptance and costs, is highest.
+* a round may draft from the context instead (`sources.py`): what followed the earlier occurrence of its
+  longest repeated suffix (prompt lookup decoding), free to make, verified by every layer, trusted by the
+  match's length; the policy drafts from the arm whose optimum, by its own measured acceptance and costs, is
+  highest.
 
 Lossless means: every emitted token is the argmax (greedy) or the accepted sample (sampling) of the full
 model's logits computed in a verification forward; drafts only decide how many positions one

@@ -96,7 +96,7 @@ def test_speculative_section_reports_identical_output_and_consistent_counters():
                            for k in ("rounds", "drafted", "accepted", "trials"))
     table = format_speculative(res)
     for match, counts in classes.items():
-        assert f"| open prose | {match}+ | {counts['rounds']} | {counts['drafted']} | {counts['accepted']} |" in table
+        assert f"| open prose | {match} | {counts['rounds']} | {counts['drafted']} | {counts['accepted']} |" in table
 
 
 def test_synthetic_forced_exits_and_table() -> None:

@@ -183,7 +183,7 @@ def speculative(model: Any, router: TideRouter, batches: list[dict], batched: di
     drafts at `assisted_layer` (default: the draft layer speculative mode chose). `lookup_tokens`: also
     transformers' prompt lookup (`prompt_lookup_num_tokens`), the built-in lossless peer that needs no model.
     `sources`: the rounds, drafts and acceptance per draft source (lookup, early exit); `lookup_matches`: those
-    of lookup per class of match length (keyed by the class's shortest length). `batched`: prompts
+    of lookup per class of match length ("1", "2-3", ..., "16+"). `batched`: prompts
     decoded as one batch, checked token-identical to stock's batch (None: not checked).
     """
     handle = attach(model, router, mode="speculative")
@@ -211,8 +211,7 @@ def speculative(model: Any, router: TideRouter, batches: list[dict], batched: di
                     if name == "speculative":
                         counters = {k: v + handle.last_stats.speculative[k] for k, v in counters.items()}
                         sources = source_counts(sources, handle.last_stats.speculative["sources"])
-                        matches = source_counts(matches, {str(k): v for k, v in
-                                                          handle.last_stats.speculative["lookup_matches"].items()})
+                        matches = source_counts(matches, handle.last_stats.speculative["lookup_matches"])
         batch_identical = None if batched is None else torch.equal(generate(model, batched, new_tokens, tide=False)[0],
                                                                    generate(model, batched, new_tokens, tide=True)[0])
         costs = {k: handle.last_stats.speculative[k]  # the latest
@@ -243,7 +242,7 @@ def speculative(model: Any, router: TideRouter, batches: list[dict], batched: di
             "mean_planned_length": counters["planned"] / rounds if rounds else 0.0,
             **costs, "optimal_draft_length": optimal_k, "optimal_speedup": optimum,
             "realized_over_optimum": ratio["speculative"] / optimum, **lookup, **counters, "sources": sources,
-            "lookup_matches": dict(sorted(matches.items(), key=lambda item: int(item[0])))}
+            "lookup_matches": matches}
 
 
 def run_modes(model: Any, tokenizer: Any, router: TideRouter, prompts: list[torch.Tensor], chunks: list[torch.Tensor],

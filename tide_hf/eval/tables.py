@@ -134,7 +134,7 @@ def format_speculative(spec: dict) -> str:
         "| acceptance per token (all) | mean draft length (planned) | optimal early-exit length | optimum E | "
         "realized / optimum | divergence (ours / assisted / lookup) | identical (batched) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", *(line(name, row) for name, row in rows)])
-    classes = [f"| {name} | {match}+ | {c['rounds']} | {c['drafted']} | {c['accepted']} | "
+    classes = [f"| {name} | {match} | {c['rounds']} | {c['drafted']} | {c['accepted']} | "
                f"{c['acceptance_per_token']:.1%} |"
                for name, row in rows for match, c in (row.get("lookup_matches") or {}).items()]
     if not classes:  # (results written before lookup kept classes)

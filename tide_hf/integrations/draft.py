@@ -269,18 +269,18 @@ class SpeculativeStats:
     # per draft source (`DRAFT_SOURCES`): its share of the round counters above, which sum over the sources
     sources: dict[str, dict[str, int]] = field(
         default_factory=lambda: {name: dict.fromkeys(SOURCE_COUNTERS, 0) for name in DRAFT_SOURCES})
-    # lookup rounds by the shortest match length of their class (`sources.MATCH_CLASSES`): their share of
-    # `sources["lookup"]`, the classes met so far
-    lookup_matches: dict[int, dict[str, int]] = field(default_factory=dict)
+    # lookup rounds per class of match length (`sources.MATCH_LABELS`: "1", "2-3", ...): their share of
+    # `sources["lookup"]`
+    lookup_matches: dict[str, dict[str, int]] = field(default_factory=dict)
 
-    def _groups(self, source: str, match: int | None) -> list[dict]:
-        """The counters a round of `source` adds to (`match`: its class's shortest match length, lookup only)."""
+    def _groups(self, source: str, match: str | None) -> list[dict]:
+        """The counters a round of `source` adds to (`match`: its class of match length, lookup only)."""
         groups = [self.__dict__, self.sources[source]]
         if match is not None:
             groups.append(self.lookup_matches.setdefault(match, dict.fromkeys(SOURCE_COUNTERS, 0)))
         return groups
 
-    def count_round(self, source: str, proposed: int, accepted: int, match: int | None = None) -> None:
+    def count_round(self, source: str, proposed: int, accepted: int, match: str | None = None) -> None:
         """A verified round of `proposed` drafts from `source`, `accepted` of them kept."""
         trials = accepted + (accepted < proposed)
         for counts in self._groups(source, match):
@@ -289,7 +289,7 @@ class SpeculativeStats:
             counts["accepted"] += accepted
             counts["trials"] += trials
 
-    def count_plan(self, source: str, planned: int, probe: bool, match: int | None = None) -> None:
+    def count_plan(self, source: str, planned: int, probe: bool, match: str | None = None) -> None:
         """A round drafting from `source`, `planned` tokens planned (`probe`: a one-token probe)."""
         for counts in self._groups(source, match):
             counts["planned"] += planned
@@ -302,7 +302,7 @@ class SpeculativeStats:
         k, gain = best_draft_length(early_acceptance, self.draft_cost, interpolated_verify(self.verify_costs))
         sources, matches = ({key: with_acceptance(counts) for key, counts in group.items()}
                             for group in (self.sources, self.lookup_matches))
-        return {**self.__dict__, "sources": sources, "lookup_matches": dict(sorted(matches.items())),
+        return {**self.__dict__, "sources": sources, "lookup_matches": matches,
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
                 "acceptance_per_token": acceptance,
                 "mean_draft_length": self.drafted / self.rounds if self.rounds else 0.0,

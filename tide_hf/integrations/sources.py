@@ -57,6 +57,16 @@ def shortest_match(cls: int) -> int:
     return 2 ** cls
 
 
+def match_label(cls: int) -> str:
+    """The match lengths of class `cls` in words: "1", "2-3", ..., "16+"."""
+    shortest, longest = shortest_match(cls), 2 * shortest_match(cls) - 1
+    return f"{shortest}+" if cls == MATCH_CLASSES - 1 else str(shortest) if shortest == longest else \
+        f"{shortest}-{longest}"
+
+
+MATCH_LABELS = tuple(match_label(cls) for cls in range(MATCH_CLASSES))
+
+
 def succession_prior(cls: int) -> float:
     """Laplace's rule of succession at the class's shortest match n: (n + 1) / (n + 2)."""
     return (shortest_match(cls) + 1) / (shortest_match(cls) + 2)

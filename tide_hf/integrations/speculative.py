@@ -64,7 +64,7 @@ from ..compat import CANDIDATE_GENERATOR_FACTORY, eos_token_tensor, extend_model
 from ..errors import TideConcurrencyError, TideUnsupportedError
 from ..modeling import layer_output
 from ..runtime import Patches, Session, TideHandle
-from .draft import LOOKUP, SpeculativeStats, draft_body, draft_plan
+from .draft import LOOKUP, SOURCE_COUNTERS, SpeculativeStats, draft_body, draft_plan
 from .embeds import with_placeholder_ids, without_prompt
 from .outputs import stack_outputs
 from .processor import TideLogitsProcessor
@@ -73,14 +73,15 @@ from .rows import count_full_depth, fallback_reason, row_kwargs, warn_fallback
 from .sources import (
     EARLY_EXIT_ARM,
     LOOKUP_MAX_TOKENS,
+    MATCH_LABELS,
     Arm,
     ContextLookup,
     SourcePolicy,
     draft_estimates,
     lookup_estimates,
     match_class,
+    match_label,
     resolve_draft_layer,
-    shortest_match,
 )
 from .vocab import DraftHead
 
@@ -195,9 +196,9 @@ class TideCandidateGenerator(CandidateGenerator):
 
     # -- internals --
     @staticmethod
-    def _counted(arm: Arm) -> tuple[str, int | None]:
-        """(source, the class's shortest match length for lookup, None for early exit): how a round is counted."""
-        return arm[0], shortest_match(arm[1]) if arm[0] == LOOKUP else None
+    def _counted(arm: Arm) -> tuple[str, str | None]:
+        """(source, its class of match length for lookup, None for early exit): how a round is counted."""
+        return arm[0], match_label(arm[1]) if arm[0] == LOOKUP else None
 
     def _draft(self, input_ids: torch.LongTensor, room: int, start: float) -> tuple[torch.LongTensor, Tensor | None]:
         ids, scores, forwards, tail = input_ids, [], 0, False
@@ -312,7 +313,8 @@ def generate(handle: TideHandle, original: Callable, model: nn.Module, args: tup
         embeds.shape[0] if inputs is None and isinstance(embeds, torch.Tensor) and embeds.dim() == 3 else 0
     layer = resolve_draft_layer(handle)
     vocab, expected = draft_plan(handle.router, handle.adapter, layer)
-    stats = SpeculativeStats(layer, expected, vocab)
+    stats = SpeculativeStats(layer, expected, vocab,
+                             lookup_matches={label: dict.fromkeys(SOURCE_COUNTERS, 0) for label in MATCH_LABELS})
     stats.fallback = fallback_reason(model, args, kwargs, batch, config)
     warn_fallback(handle, stats.fallback)
     try:

@@ -22,7 +22,7 @@ from helpers import left_padded, make_model, mixed_router
 from transformers import CompileConfig, ContinuousBatchingConfig, GenerationConfig
 
 import tide_hf
-from tide_hf.compat import PAGED_UPDATE_TAKES_KWARGS
+from tide_hf.compat import PAGED_UPDATE_TAKES_KWARGS, paged_config
 from tide_hf.errors import TideUnsupportedError
 from tide_hf.runtime.batching import manager_refusal
 
@@ -32,7 +32,8 @@ serves = pytest.mark.skipif(not PAGED_UPDATE_TAKES_KWARGS, reason="this transfor
 LAYERS, HIDDEN, NEW = 6, 32, 6  # checkpoints every 2 layers: [2, 4]
 # a small paged cache (the default sizes it from free memory: seconds to start on a CPU); 16 tokens per step, so
 # the 30-token prompt is prefilled in chunks, beside the other requests' decode tokens
-SMALL = {"num_blocks": 32, "page_size": 16, "max_batch_tokens": 16}
+SMALL = {"num_blocks": 32, "max_batch_tokens": 16}
+SMALL_PAGE = 16  # tokens per page (`paged_config`: the keyword's name moved in transformers 5.24)
 LENGTHS = (9, 6, 30, 4)
 MODES = {"select": {"mode": "select"}, "skip": {"mode": "skip", "kv": "propagate"}}
 
@@ -53,7 +54,7 @@ def setup():
 
 def run_batch(model, prompts: list[list[int]], **small) -> list[list[int]]:
     out = model.generate_batch(prompts, generation_config=greedy(), warmup=False, progress_bar=False,
-                               continuous_batching_config=ContinuousBatchingConfig(**{**SMALL, **small}))
+                               continuous_batching_config=paged_config(SMALL_PAGE, **{**SMALL, **small}))
     assert all(r.error is None for r in out.values()), [r.error for r in out.values()]
     return [r.generated_tokens for r in out.values()]
 

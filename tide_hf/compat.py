@@ -16,7 +16,8 @@ The GPU suite's dry run compiles on the CPU, which transformers allows only with
 Continuous batching writes a paged KV cache (`PagedAttentionCache`), whose `update` takes the layer's keyword
 arguments (its read and write indices) since transformers 5.24; before, the attention function wrote it
 (`PAGED_UPDATE_TAKES_KWARGS`; `write_kv` writes it as a layer would). Its manager's attention switch is undone
-with `_original_attn_impl` (`undo_attention_switch`).
+with `_original_attn_impl` (`undo_attention_switch`). `ContinuousBatchingConfig`'s tokens per page are
+`page_size` since transformers 5.24, `block_size` before (`paged_config`).
 Should transformers rename any of these, this module is the one to change.
 """
 
@@ -28,7 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from transformers import GenerationConfig, GenerationMixin
+from transformers import ContinuousBatchingConfig, GenerationConfig, GenerationMixin
 from transformers.generation.candidate_generator import (
     _prepare_attention_mask,
     _prepare_position_ids,
@@ -48,6 +49,14 @@ CACHE_KWARG = next(name for name in CACHE_KWARGS
 
 # transformers >= 5.24: the attention writes the paged cache through `update(..., kwargs=<the layer's kwargs>)`
 PAGED_UPDATE_TAKES_KWARGS = "kwargs" in inspect.signature(PagedAttentionCache.update).parameters
+# transformers >= 5.24 names a paged cache's tokens per page `page_size` (`block_size` before)
+PAGE_SIZE_KEYWORD = ("page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig.__init__).parameters
+                     else "block_size")
+
+
+def paged_config(page_size: int, **kwargs: Any) -> ContinuousBatchingConfig:
+    """A `ContinuousBatchingConfig` with `page_size` tokens per page, under this transformers' name for it."""
+    return ContinuousBatchingConfig(**{PAGE_SIZE_KEYWORD: page_size}, **kwargs)
 
 
 def is_paged(cache: Any) -> bool:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
+from ..compat import paged_config
 from ..integrations import attach
 from ..modeling import TideRouter
 from .batches import decode_agreement, timed_runs
@@ -28,7 +29,7 @@ HEADROOM = 2  # pages per request beyond its prompt and output: the paged cache 
 def batch_config(prompts: list[torch.Tensor], new_tokens: int) -> ContinuousBatchingConfig:
     """A paged cache sized to the requests (the default sizes it from free memory: tens of seconds on a CPU)."""
     pages = sum(math.ceil((len(p) + new_tokens) / PAGE) + HEADROOM for p in prompts)
-    return ContinuousBatchingConfig(num_blocks=pages, page_size=PAGE, use_cuda_graph=False)
+    return paged_config(PAGE, num_blocks=pages, use_cuda_graph=False)
 
 
 def generate_batch(model: Any, prompts: list[torch.Tensor], new_tokens: int) -> tuple[torch.Tensor, float]:

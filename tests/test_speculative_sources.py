@@ -99,7 +99,11 @@ def test_the_policy_trusts_a_lookup_draft_by_its_match_length():
 
 def test_match_classes_and_their_priors():
     assert [match_class(n) for n in (1, 2, 3, 4, 7, 8, 15, 16, 1000)] == [0, 1, 1, 2, 2, 3, 3, 4, 4]
-    assert LONGEST_MATCH == 2 ** (MATCH_CLASSES - 1)  # the last class starts where matches stop being measured
+    # a match longer than LONGEST_MATCH is reported as LONGEST_MATCH, in the last class
+    phrase = torch.arange(3, 3 + 2 * LONGEST_MATCH)
+    found, length = ContextLookup(None).draft(torch.cat([phrase, torch.tensor([1]), phrase])[None], 4)
+    assert length == LONGEST_MATCH and match_class(length) == MATCH_CLASSES - 1
+    assert torch.equal(found, torch.tensor([[1, 3, 4, 5]]))  # what followed the phrase's first occurrence
     # Laplace's rule of succession: after n matched tokens, the next one matches with probability (n + 1) / (n + 2)
     assert [succession_prior(c) for c in range(3)] == pytest.approx([2 / 3, 3 / 4, 5 / 6])
 

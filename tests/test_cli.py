@@ -463,3 +463,25 @@ def test_env_prints_what_a_bug_report_needs(capsys) -> None:
     assert f"torch: {torch.__version__}" in lines and f"transformers: {transformers.__version__}" in lines
     assert f"kernels cpu: {active_backend('cpu')}" in lines
     assert f"tide_hf_cache: {cache_dir()}" in lines
+
+
+def test_env_warns_on_a_transformers_newer_than_the_newest_tested(capsys, monkeypatch) -> None:
+    """`tide-hf env` says when transformers is newer than the newest release the suite passed on, and names the
+    release to fall back to; on that release itself it says nothing."""
+    import transformers
+
+    from tide_hf.cli import main
+    from tide_hf.compat import NEWEST_TESTED_TRANSFORMERS
+    from tide_hf.eval import environment
+
+    main(["env"])
+    installed = transformers.__version__
+    warned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    assert bool(warned) == (environment.Version(installed) > environment.Version(NEWEST_TESTED_TRANSFORMERS))
+    newer = NEWEST_TESTED_TRANSFORMERS.split(".")[0] + ".999.0"
+    monkeypatch.setattr(transformers, "__version__", newer)
+    main(["env"])
+    warned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    assert warned == [f"warning: transformers {newer} is newer than {NEWEST_TESTED_TRANSFORMERS}, the newest release "
+                      f"tide_hf's test suite passed on: if something fails, try pip install "
+                      f"'transformers=={NEWEST_TESTED_TRANSFORMERS}'"]

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tide_hf"
-MAX_LINES = 400
+# a bound against a module growing unnoticed, well above every module: a module is split when it holds two concepts,
+# never to pass a line count
+MAX_LINES = 600
 # room -> rooms it may import. The base (errors, values: checks of numbers, record: a router's calibration record
 # file, config, plotting, assets, compat: transformers' private names, callers: the frame a warning names)
 # imports no room but errors (config, assets and plotting raise its errors; config also reads values and record);

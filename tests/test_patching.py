@@ -189,14 +189,15 @@ print(g.GenerationMixin.generate is before[1])
 
 @pytest.mark.parametrize("tide_first", [True, False])
 def test_import_changes_nothing_in_transformers(tide_first: bool) -> None:
-    """`import tide_hf` (before or after transformers) leaves `sys.meta_path`, `generate`, continuous batching and
-    the Auto mapping as they were; `enable_generate_keyword()` is what wraps `generate`. A fresh process: this one
-    enabled the keyword long ago."""
+    """`import tide_hf` (before or after transformers) leaves `sys.meta_path`, `generate` and continuous batching as
+    they were; `enable_generate_keyword()` is what wraps `generate`. After transformers it registers the router's
+    model type with the Auto classes (so `AutoModel.from_pretrained` reads a router folder); before, it imports no
+    transformers. A fresh process: this one enabled the keyword long ago."""
     first, second = ("import tide_hf", "") if tide_first else ("", "import tide_hf")
     script = IMPORT_CHECK.format(first=first, second=second)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["True", "False", str(len(tide_hf.__all__)), "False"]
+    assert proc.stdout.split() == ["True", str(not tide_first), str(len(tide_hf.__all__)), "False"]
     assert len(tide_hf.__all__) <= 13 and "__version__" in tide_hf.__all__
 
 

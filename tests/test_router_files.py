@@ -403,3 +403,22 @@ def test_a_damaged_calibration_section_is_named(tmp_path: Path, edit, message: s
     for load in (TideRouter.from_pretrained, TideRouterConfig.from_pretrained, AutoConfig.from_pretrained):
         with pytest.raises(TideRouterFileError, match=message):
             load(tmp_path / "r")
+
+
+def test_auto_classes_load_a_router_folder_after_import_tide_hf(tmp_path: Path) -> None:
+    """`from transformers import AutoModel; import tide_hf; AutoModel.from_pretrained(folder)` gives the router, its
+    weights as saved (a fresh process: this one imported `TideRouter` long ago, which registers it too)."""
+    router = new_router(make_model())
+    router.save_pretrained(tmp_path / "r")
+    script = (f"from transformers import AutoConfig, AutoModel\nimport tide_hf\n"
+              f"from safetensors.torch import save_file\n"
+              f"config = AutoConfig.from_pretrained({str(tmp_path / 'r')!r})\n"
+              f"model = AutoModel.from_pretrained({str(tmp_path / 'r')!r})\n"
+              f"save_file({{k: v.contiguous() for k, v in model.state_dict().items()}}, {str(tmp_path / 'w.st')!r})\n"
+              f"print(type(config).__name__, type(model).__name__)")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["TideRouterConfig", "TideRouter"]
+    loaded = load_file(tmp_path / "w.st")
+    assert loaded.keys() == router.state_dict().keys()
+    assert all(torch.equal(loaded[k], v) for k, v in router.state_dict().items())

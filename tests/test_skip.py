@@ -265,11 +265,10 @@ def test_unsupported_attention_is_refused_before_any_patch():
 
 
 @pytest.mark.parametrize(("rows", "park_rows"), [(1, False), (2, False), (2, True)])
-def test_recompute_fills_the_exact_deep_cache_in_the_next_full_step(rows, park_rows):
-    """kv='recompute': a skipped token's deep K/V are later computed from its exit state, which is its true
-    layer-k output, so after the next full-depth step every layer's cache equals the stock model's. The deep
-    layers wait for the step's tokens, which run them with the next step. Rows parked (`park_rows`, see
-    `parked.py`): the deep layers hold a placeholder, and the call without TIDE catches the token up first."""
+def test_recompute_a_plain_forward_returns_the_exact_deep_cache(rows, park_rows):
+    """kv='recompute': a skipped token's deep K/V are computed from its exit state, which is its true layer-k
+    output. A plain forward (outside generate) writes them before it returns, so its cache equals the stock model's
+    in every layer at once, and the next call, with TIDE or without, reads a complete cache."""
     model = make()
     prompt = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(1))[:rows]
     t1, t2 = torch.tensor([[7], [9]])[:rows], torch.tensor([[11], [13]])[:rows]
@@ -277,6 +276,7 @@ def test_recompute_fills_the_exact_deep_cache_in_the_next_full_step(rows, park_r
     with torch.no_grad():
         for ids in (prompt, t1):
             model(input_ids=ids, past_key_values=stock_cache, use_cache=True)
+        stock_after_t1 = [(layer.keys.clone(), layer.values.clone()) for layer in stock_cache.layers]
         stock_logits = model(input_ids=t2, past_key_values=stock_cache, use_cache=True).logits
     handle = tide_hf.attach(model, router_for(model, 30.0), exit_threshold=0.5, min_layers=4, mode="skip",
                             kv="recompute", park_rows=park_rows)
@@ -285,19 +285,42 @@ def test_recompute_fills_the_exact_deep_cache_in_the_next_full_step(rows, park_r
     with torch.no_grad():
         with handle.disabled():
             model(input_ids=prompt, past_key_values=cache, use_cache=True)
-        model(input_ids=t1, past_key_values=cache, use_cache=True)  # every row exits at 4: layers 5-9 skipped
-        waiting = [6] * NUM_LAYERS if park_rows else [6] * 4 + [5] * 5  # deep layers hold zeros, or wait for t1
-        assert [layer.keys.shape[2] for layer in cache.layers] == waiting
+        model(input_ids=t1, past_key_values=cache, use_cache=True)  # every row exits at 4: layers 5-9 caught up
+        assert handle.last_stats.prefill.exits[4] == rows  # (a plain forward counts as a prefill)
+        for ours, (keys, values) in zip(cache.layers, stock_after_t1):
+            torch.testing.assert_close(ours.keys, keys)
+            torch.testing.assert_close(ours.values, values)
         with handle.disabled():
             logits = model(input_ids=t2, past_key_values=cache, use_cache=True).logits
-    # layers 5-9 ran for the prompt and once for [t1, t2] together, or for t1, then t2 (rows parked)
-    assert calls == [3] * 4 + [3 if park_rows else 2] * 5
+    assert calls == [3] * NUM_LAYERS  # layers 5-9 ran for t1 once, before the forward returned
     assert [layer.keys.shape[2] for layer in cache.layers] == [7] * NUM_LAYERS
     for ours, theirs in zip(cache.layers, stock_cache.layers):
         torch.testing.assert_close(ours.keys, theirs.keys)
         torch.testing.assert_close(ours.values, theirs.values)
     torch.testing.assert_close(logits, stock_logits)
     handle.detach()
+
+
+@pytest.mark.parametrize("given", [None, "cache", "past_key_values"])
+def test_recompute_a_plain_prefill_whose_tokens_all_exit_returns_a_complete_cache(given):
+    """Every prompt token exits at the first checkpoint: the cache a plain forward returns (made by the model, or
+    given under either of transformers' cache keywords) equals a stock forward's in every layer (transformers'
+    own `test_past_key_values_format` read None keys in the deep layers)."""
+    model = make()
+    ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        stock = model(input_ids=ids, use_cache=True)
+        stock_cache = stock.past_key_values
+        with tide_hf.attach(model, router_for(model, 30.0), exit_threshold=0.5, min_layers=4, mode="skip",
+                            kv="recompute") as handle:
+            kwargs = {} if given is None else {given: DynamicCache(config=model.config)}
+            out = model(input_ids=ids, use_cache=True, **kwargs)
+            assert handle.last_stats.prefill.exits[4] == ids.numel()
+    cache = out.past_key_values if given is None else kwargs[given]
+    assert len(cache.layers) == NUM_LAYERS
+    for ours, theirs in zip(cache.layers, stock_cache.layers):
+        torch.testing.assert_close(ours.keys, theirs.keys)
+        torch.testing.assert_close(ours.values, theirs.values)
 
 
 def test_recompute_generate_matches_select_outputs_and_keeps_lengths_consistent():

@@ -3,7 +3,8 @@
 Speculative mode hands its candidates to stock assisted decoding through the instance attribute stock
 looks up (`_get_candidate_generator`), reads a call's settings as generate merges them
 (`_prepare_generation_config`), extends a prompt's model kwargs to a draft with stock's own helpers,
-reads the EOS ids generate prepared, and refuses the models transformers marks stateful (`_is_stateful`).
+reads the EOS ids generate prepared, and refuses the models with a recurrent state (`is_stateful`: a class flag
+before transformers 5.25, the config's cache layer types since).
 Calibration's continuations reset a model's decoding settings to the values generate fills in for unset ones
 (`GenerationConfig._get_default_generation_params`).
 Compiled skip mode reads transformers' output-capture collector the way transformers' own compiled forward
@@ -18,7 +19,8 @@ arguments (its read and write indices) since transformers 5.24; before, the atte
 (`PAGED_UPDATE_TAKES_KWARGS`; `write_kv` writes it as a layer would). Its manager's attention switch is undone
 with `_original_attn_impl` (`undo_attention_switch`). `ContinuousBatchingConfig`'s tokens per page are
 `page_size` since transformers 5.24, `block_size` before (`paged_config`).
-Should transformers rename any of these, this module is the one to change.
+transformers 5.25's assisted decoding reads a candidate generator's `num_drafting_tokens` (speculative mode provides
+it). Should transformers rename any of these, this module is the one to change.
 """
 
 from __future__ import annotations
@@ -38,7 +40,12 @@ from transformers.generation.candidate_generator import (
 from transformers.generation.continuous_batching import PagedAttentionCache
 from transformers.utils.output_capturing import _active_collector
 
+# The newest transformers release the whole test suite has passed on (CI installs the newest one pyproject allows:
+# raise this in the commit whose CI passes on a newer one); `tide-hf env` warns above it.
+NEWEST_TESTED_TRANSFORMERS = "5.25.0"
 CANDIDATE_GENERATOR_FACTORY = "_get_candidate_generator"  # GenerationMixin method that builds the drafter
+# config.layer_types whose cache layer keeps a recurrent or convolution state (transformers >= 5.25's cache_utils)
+RECURRENT_LAYER_TYPES = frozenset({"conv", "linear_attention", "hybrid", "hybrid_sliding"})
 # the KV cache's keyword: transformers >= 5.24's, then older ones' (generate >= 5.24 also takes state-space
 # models' `cache_params` as its cache)
 CACHE_KWARGS = ("cache", "past_key_values", "cache_params")
@@ -134,8 +141,13 @@ def default_generation_settings() -> dict[str, Any]:
 
 def is_stateful(model: Any) -> bool:
     """The model keeps a recurrent state besides (or instead of) a KV cache: Mamba, Jamba, Qwen3-Next, ...
-    (transformers' class flag; its assisted decoding refuses such models)."""
-    return bool(getattr(type(model), "_is_stateful", False))
+    Before transformers 5.25 a class flag says so (`_is_stateful`); since, the cache layer types of its config do
+    (`RECURRENT_LAYER_TYPES`)."""
+    if getattr(type(model), "_is_stateful", False):
+        return True
+    config = getattr(model, "config", None)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return any(kind in RECURRENT_LAYER_TYPES for kind in (getattr(text, "layer_types", None) or ()))
 
 
 def eos_token_tensor(generation_config: Any) -> Any:

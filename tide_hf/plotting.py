@@ -10,7 +10,7 @@ from .errors import PlottingUnavailable, TideArgumentError, TideArgumentTypeErro
 PLOT_DPI = 110
 
 
-PLOT_EXTRA = "pip install 'tide_hf[plot]'"
+PLOT_EXTRA = "pip install matplotlib"  # (the `plot` extra from a checkout: pip install '.[plot]')
 
 
 def pyplot() -> Any:
@@ -19,7 +19,7 @@ def pyplot() -> Any:
         import matplotlib
     except ImportError as err:
         raise PlottingUnavailable(f"drawing plots needs matplotlib, which a plain install leaves out: "
-                                  f"{PLOT_EXTRA} (or pip install matplotlib)") from err
+                                  f"{PLOT_EXTRA}") from err
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

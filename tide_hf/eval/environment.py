@@ -12,8 +12,10 @@ from typing import Any
 
 import torch
 from huggingface_hub.constants import HF_HUB_CACHE
+from packaging.version import Version
 
 from ..assets import cache_dir
+from ..compat import NEWEST_TESTED_TRANSFORMERS
 from ..kernels import active_backend, kernel_build_error
 
 
@@ -47,9 +49,22 @@ def environment() -> dict[str, Any]:
             "torch_extensions": os.environ.get("TORCH_EXTENSIONS_DIR", "(torch's default)")}
 
 
+def untested_transformers(installed: str) -> str | None:
+    """A warning when `installed` (a transformers version) is newer than the newest release the test suite passed
+    on (`NEWEST_TESTED_TRANSFORMERS`); None otherwise."""
+    if Version(installed) <= Version(NEWEST_TESTED_TRANSFORMERS):
+        return None
+    return (f"transformers {installed} is newer than {NEWEST_TESTED_TRANSFORMERS}, the newest release tide_hf's test "
+            f"suite passed on: if something fails, try pip install 'transformers=={NEWEST_TESTED_TRANSFORMERS}'")
+
+
 def run(_args: Any) -> dict[str, Any]:
-    """Print `environment()` as `name: value` lines (paste them into a bug report)."""
+    """Print `environment()` as `name: value` lines (paste them into a bug report), and a warning line when
+    transformers is newer than the newest release tide_hf was tested on."""
     env = environment()
+    warning = untested_transformers(env["transformers"])
+    if warning is not None:
+        print(f"warning: {warning}")
     for name, value in env.items():
         if isinstance(value, dict):
             for key, item in value.items():

@@ -146,6 +146,12 @@ class TideCandidateGenerator(CandidateGenerator):
                 "(the Llama family does)")
 
     # -- stock interface --
+    @property
+    def num_drafting_tokens(self) -> int:
+        """The most tokens one round may draft: stock assisted decoding (transformers >= 5.25) sizes the recurrent
+        states it keeps by it."""
+        return max(estimates.max_draft for estimates in self.policy.estimates.values())
+
     def get_candidates(self, input_ids: torch.LongTensor, **kwargs: Any) -> tuple[torch.LongTensor, Tensor | None]:
         now = time.perf_counter()
         if self.round_start is not None:

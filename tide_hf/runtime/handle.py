@@ -73,7 +73,7 @@ class TideHandle:
         if owner is None:  # attached in every thread: continuous batching (no thread's call scopes it) is checked
             guard_continuous_batching(model, self, self._patches)
         self._patches.hook(model.register_forward_pre_hook(self._begin, with_kwargs=True))
-        self._patches.hook(model.register_forward_hook(self._end, always_call=True))  # also when a forward raises
+        self._patches.hook(model.register_forward_hook(self._end, with_kwargs=True, always_call=True))  # also on errors
         for k in self.checkpoints:
             self._patches.hook(adapter.layers[k - 1].register_forward_hook(self._checkpoint_hook(k)))
         self._patches.hook(adapter.layers[-1].register_forward_hook(self._final_hook))
@@ -210,7 +210,7 @@ class TideHandle:
                                     running=self._skipper is not None and self.options.kv == "recompute",
                                     cache=cache_in(kwargs), packed=decode_positions(kwargs, tokens) if packed else None)
 
-    def _end(self, _module: nn.Module, _args: tuple, _output: Any) -> None:
+    def _end(self, _module: nn.Module, _args: tuple, _kwargs: dict, output: Any) -> None:
         step, self._local.step = getattr(self._local, "step", None), None
         if step is None:
             return
@@ -224,6 +224,9 @@ class TideHandle:
             self._local.session = None
             self.commit(session, None)
             _LAST_STATS[self.model] = session.stats
+            # a plain forward returns a complete cache: its tokens parked by kv="recompute" catch up now
+            made = cache_in(output) if isinstance(output, dict) else None  # (a cache the model made itself)
+            self.settle(step.cache if step.cache is not None else made)
 
     @torch.no_grad()
     def score(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:

@@ -306,6 +306,8 @@ def test_recompute_a_plain_prefill_whose_tokens_all_exit_returns_a_complete_cach
     """Every prompt token exits at the first checkpoint: the cache a plain forward returns (made by the model, or
     given under either of transformers' cache keywords) equals a stock forward's in every layer (transformers'
     own `test_past_key_values_format` read None keys in the deep layers)."""
+    if given == "cache" and CACHE_KWARG != "cache":
+        pytest.skip("transformers < 5.24 names the cache keyword past_key_values only")
     model = make()
     ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():

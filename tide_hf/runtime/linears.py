@@ -1,7 +1,8 @@
 """The CPU fast path of a model's linear layers: oneDNN's matmul on a copy of each weight packed once.
 
-Eager `nn.Linear` on the CPU multiplies by the weight as stored. oneDNN multiplies faster by a copy reordered
-once into its blocked layout (SmolLM2-135M fp32 on 2 cores: 42 vs 54 ms a step for 1 new token, 49 vs 93 for 2).
+Eager `nn.Linear` on the CPU multiplies by the weight as stored. oneDNN can multiply faster by a copy reordered
+once into its blocked layout (SmolLM2-135M fp32 on 2 cores, one probe run: 42 vs 54 ms a step for 1 new token, 49 vs
+93 for 2; with other jobs on the cores it measured slower for 1-2 tokens: whether it pays is the CPU's to say).
 `fast_linears` gives each `nn.Linear` it can serve a forward that calls oneDNN on that copy, through `Patches`
 (`forward_attribute`: under accelerate's hooks, its device hooks keep running around it); `undo` restores it.
 

@@ -1,12 +1,15 @@
 """Shared test helpers: a byte-level tokenizer, tiny random Llamas, routers with known decisions, the
-stock reference TIDE must reproduce, and small local text datasets (all offline)."""
+stock reference TIDE must reproduce, small local text datasets, and one tiny random model per family (all offline)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, CohereConfig, GraniteConfig, LlamaConfig, LlamaForCausalLM
 
 import tide_hf
@@ -179,3 +182,44 @@ def scaled_logit_model(family: str, scale: float, *, vocab: int, layers: int) ->
                                                                                                  logit_scale=scale)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).eval()
+
+
+# -- one tiny random model per family (the rows of docs/reference/architectures.md) ---------------------
+FAMILY_VOCAB, FAMILY_EOS = 128, 2
+_HIDDEN, _LAYERS = 32, 5
+# untied heads: with tied ones, a tiny random GPT-2 or Gemma picks the same tokens at every depth (the residual
+# stream still carries the token's own embedding), and an exit would not show in the tokens
+_SPECIAL = dict(vocab_size=FAMILY_VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=FAMILY_EOS,
+                tie_word_embeddings=False)
+_LLAMA_LIKE = dict(_SPECIAL, hidden_size=_HIDDEN, intermediate_size=2 * _HIDDEN, num_hidden_layers=_LAYERS,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+# family (the table's row) -> its tiny config
+FAMILIES: dict[str, Callable[[], Any]] = {
+    "llama": lambda: transformers.LlamaConfig(**_LLAMA_LIKE),
+    "mistral": lambda: transformers.MistralConfig(**_LLAMA_LIKE, sliding_window=None),
+    "mistral-window": lambda: transformers.MistralConfig(**_LLAMA_LIKE, sliding_window=4),  # as Mistral-7B-v0.1
+    "mixtral": lambda: transformers.MixtralConfig(**_LLAMA_LIKE, num_local_experts=2, num_experts_per_tok=1),
+    "qwen2": lambda: transformers.Qwen2Config(**_LLAMA_LIKE),
+    "qwen3": lambda: transformers.Qwen3Config(**_LLAMA_LIKE, head_dim=8),
+    "gemma": lambda: transformers.GemmaConfig(**_LLAMA_LIKE, head_dim=8),
+    "gemma2": lambda: transformers.Gemma2Config(**_LLAMA_LIKE, head_dim=8, sliding_window=4),
+    "gemma3": lambda: transformers.Gemma3TextConfig(**_LLAMA_LIKE, head_dim=8, sliding_window=4),
+    "phi": lambda: transformers.PhiConfig(**_LLAMA_LIKE),
+    "phi3": lambda: transformers.Phi3Config(**_LLAMA_LIKE),
+    "gpt2": lambda: transformers.GPT2Config(**_SPECIAL, n_embd=_HIDDEN, n_layer=_LAYERS, n_head=4, n_positions=64),
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(**_SPECIAL, hidden_size=_HIDDEN, intermediate_size=2 * _HIDDEN,
+                                                   num_hidden_layers=_LAYERS, num_attention_heads=4,
+                                                   max_position_embeddings=64),
+    "opt": lambda: transformers.OPTConfig(**_SPECIAL, hidden_size=_HIDDEN, ffn_dim=2 * _HIDDEN,
+                                          num_hidden_layers=_LAYERS, num_attention_heads=4,
+                                          max_position_embeddings=64, word_embed_proj_dim=_HIDDEN),
+    "falcon": lambda: transformers.FalconConfig(**_SPECIAL, hidden_size=_HIDDEN, num_hidden_layers=_LAYERS,
+                                                num_attention_heads=4, max_position_embeddings=64),
+}
+
+
+def make_family(family: str) -> torch.nn.Module:
+    """The family's tiny random model (seeded), in eval mode."""
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(FAMILIES[family]()).eval()

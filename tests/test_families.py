@@ -11,51 +11,19 @@ model as found.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 import transformers
-from helpers import constant_router, hooks, new_router
+from helpers import FAMILIES, FAMILY_EOS, FAMILY_VOCAB, constant_router, hooks, new_router
 
 import tide_hf
 from tide_hf.errors import TideError
 from tide_hf.modeling import get_adapter, layer_output
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
-HIDDEN, LAYERS, VOCAB, EOS = 32, 5, 128, 2
 CHECKPOINT = 2  # routers with checkpoint_interval=2: checkpoints [2, 4]; tokens that exit leave at 2
 NEW_TOKENS = 4
-# untied heads: with tied ones, a tiny random GPT-2 or Gemma picks the same tokens at every depth (the residual
-# stream still carries the token's own embedding), and an exit would not show in the tokens
-_SPECIAL = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=EOS, tie_word_embeddings=False)
-_LLAMA_LIKE = dict(_SPECIAL, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-
-# family (the table's row) -> its tiny config
-FAMILIES: dict[str, Callable[[], Any]] = {
-    "llama": lambda: transformers.LlamaConfig(**_LLAMA_LIKE),
-    "mistral": lambda: transformers.MistralConfig(**_LLAMA_LIKE, sliding_window=None),
-    "mistral-window": lambda: transformers.MistralConfig(**_LLAMA_LIKE, sliding_window=4),  # as Mistral-7B-v0.1
-    "mixtral": lambda: transformers.MixtralConfig(**_LLAMA_LIKE, num_local_experts=2, num_experts_per_tok=1),
-    "qwen2": lambda: transformers.Qwen2Config(**_LLAMA_LIKE),
-    "qwen3": lambda: transformers.Qwen3Config(**_LLAMA_LIKE, head_dim=8),
-    "gemma": lambda: transformers.GemmaConfig(**_LLAMA_LIKE, head_dim=8),
-    "gemma2": lambda: transformers.Gemma2Config(**_LLAMA_LIKE, head_dim=8, sliding_window=4),
-    "gemma3": lambda: transformers.Gemma3TextConfig(**_LLAMA_LIKE, head_dim=8, sliding_window=4),
-    "phi": lambda: transformers.PhiConfig(**_LLAMA_LIKE),
-    "phi3": lambda: transformers.Phi3Config(**_LLAMA_LIKE),
-    "gpt2": lambda: transformers.GPT2Config(**_SPECIAL, n_embd=HIDDEN, n_layer=LAYERS, n_head=4, n_positions=64),
-    "gpt_neox": lambda: transformers.GPTNeoXConfig(**_SPECIAL, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-                                                   num_hidden_layers=LAYERS, num_attention_heads=4,
-                                                   max_position_embeddings=64),
-    "opt": lambda: transformers.OPTConfig(**_SPECIAL, hidden_size=HIDDEN, ffn_dim=2 * HIDDEN,
-                                          num_hidden_layers=LAYERS, num_attention_heads=4,
-                                          max_position_embeddings=64, word_embed_proj_dim=HIDDEN),
-    "falcon": lambda: transformers.FalconConfig(**_SPECIAL, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
-                                                num_attention_heads=4, max_position_embeddings=64),
-}
 MODES: dict[str, dict[str, str]] = {
     "select": dict(mode="select"),
     "skip-propagate": dict(mode="skip", kv="propagate"),
@@ -83,7 +51,7 @@ def setup(family: str) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
     """(the family's tiny random model, a 2-row prompt, stock's greedy tokens for it)."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(FAMILIES[family]()).eval()
-    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, FAMILY_VOCAB, (2, 6), generator=torch.Generator().manual_seed(1))
     return model, ids, generate(model, ids)
 
 
@@ -110,7 +78,7 @@ def assert_picked_from_the_checkpoint(model: torch.nn.Module, prompt: torch.Tens
     finally:
         hook.remove()
     logits = adapter.logits(states[0]).float()[:, prompt.shape[1] - 1 : -1]
-    logits[..., EOS] = -float("inf")
+    logits[..., FAMILY_EOS] = -float("inf")
     picked = logits.gather(-1, out[:, prompt.shape[1]:, None]).squeeze(-1)
     assert torch.all(picked >= logits.max(-1).values - 1e-4), (picked, logits.max(-1).values)
 

@@ -26,7 +26,7 @@ _API = {  # public name -> the room that holds it
     "ExitStats": "runtime", "TideConfig": "runtime",
     "calibrate": "calibration", "CalibrationConfig": "calibration", "TideRouterConfig": "config",
     "TideRouter": "modeling",
-    "TideError": "errors", "enable_generate_keyword": "integrations",
+    "TideError": "errors", "enable_generate_keyword": "integrations", "fast_linears": "runtime",
 }
 
 

@@ -20,17 +20,23 @@ arguments (its read and write indices) since transformers 5.24; before, the atte
 with `_original_attn_impl` (`undo_attention_switch`). `ContinuousBatchingConfig`'s tokens per page are
 `page_size` since transformers 5.24, `block_size` before (`paged_config`).
 transformers 5.25's assisted decoding reads a candidate generator's `num_drafting_tokens` (speculative mode provides
-it). Should transformers rename any of these, this module is the one to change.
+it).
+The CPU fast path of linear layers (`runtime/linears.py`) calls oneDNN's prepacked matmul, which torch exposes
+only as private ops (`torch.ops.mkldnn._reorder_linear_weight`, `_linear_pointwise`, since torch 2.1; inductor's
+CPU backend uses them): `onednn_available`, `onednn_dtypes`, `prepack_linear_weight` and `packed_linear`.
+Should transformers or torch rename any of these, this module is the one to change.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig, GenerationMixin
 from transformers.generation.candidate_generator import (
     _prepare_attention_mask,
@@ -180,3 +186,34 @@ def compile_anywhere(config: Any) -> Any:
     unless its private `_compile_all_devices` is set. Returns `config`."""
     config._compile_all_devices = True
     return config
+
+
+ONEDNN_OPS = ("_reorder_linear_weight", "_linear_pointwise")  # torch.ops.mkldnn's prepacked linear (torch >= 2.1)
+# dtype -> torch's check that oneDNN computes it on this CPU (fp32 needs none)
+ONEDNN_DTYPE_CHECKS = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}
+
+
+@functools.cache
+def onednn_available() -> bool:
+    """Whether this torch build has oneDNN and its prepacked linear ops."""
+    return torch.backends.mkldnn.is_available() and all(hasattr(torch.ops.mkldnn, op) for op in ONEDNN_OPS)
+
+
+@functools.cache
+def onednn_dtypes() -> frozenset[torch.dtype]:
+    """The weight dtypes oneDNN's prepacked linear computes on this CPU (none without oneDNN)."""
+    if not onednn_available():
+        return frozenset()
+    checks = {dtype: getattr(torch.ops.mkldnn, name, None) for dtype, name in ONEDNN_DTYPE_CHECKS.items()}
+    return frozenset({torch.float32, *(dtype for dtype, check in checks.items() if check is not None and check())})
+
+
+def prepack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A copy of a CPU linear weight (out, in) in oneDNN's blocked layout, for `packed_linear` (no autograd)."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ weight.T + bias` for 2-D `x` (rows, in) with the weight as `prepack_linear_weight` packed it."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -1,14 +1,16 @@
 """Serving: attach / detach (`TideHandle`), per-call state, skip mode and its KV policies, exit statistics,
-and the one reversible patching mechanism they all use."""
+the CPU fast path of linear layers (`fast_linears`), and the one reversible patching mechanism they all use."""
 
 from __future__ import annotations
 
 from .handle import TideHandle, attach_for_call, detach, get_handle, hook_model, last_stats
+from .linears import LinearPath, LinearPathWarning, fast_linears
 from .modes import ModeFallbackWarning
 from .options import TideConfig, TideOptions
 from .patching import Patches
 from .session import Session, Step
 from .stats import ExitStats, PhaseStats
 
-__all__ = ["ExitStats", "ModeFallbackWarning", "Patches", "PhaseStats", "Session", "Step", "TideConfig", "TideHandle",
-           "TideOptions", "attach_for_call", "detach", "get_handle", "hook_model", "last_stats"]
+__all__ = ["ExitStats", "LinearPath", "LinearPathWarning", "ModeFallbackWarning", "Patches", "PhaseStats", "Session",
+           "Step", "TideConfig", "TideHandle", "TideOptions", "attach_for_call", "detach", "fast_linears", "get_handle",
+           "hook_model", "last_stats"]

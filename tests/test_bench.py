@@ -264,3 +264,30 @@ def test_each_synthetic_configuration_runs_the_mode_it_is_named_after() -> None:
                 continue
             mode, kv = expected[key]
             assert handle.options.mode == mode and (kv is None or handle.options.kv == kv), key
+
+
+def test_linears_bench_times_both_paths_and_checks_tokens_against_the_same_path():
+    """`bench linears`: a cost per k and path (each also in one-token steps of its path), then generation rows for
+    stock on both paths and each method on the fast path; lossless methods give stock's tokens on the same path,
+    skip mode with a router that never exits too; the fast path's stock gives eager stock's tokens here (fp32)."""
+    from tide_hf.eval.linears import FORWARD_TOKENS, METHODS, format_linears, forward_costs, generation
+    from tide_hf.eval.measure import left_pad
+
+    model = make_tiny_llama()
+    costs = forward_costs(model, cache_len=8, repeats=1, vocab=256)
+    assert set(costs) == {"eager", "fast"} and all(len(ms) == len(FORWARD_TOKENS) for ms in costs.values())
+    assert all(m > 0 for ms in costs.values() for m in ms)
+    prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 7)]
+    result = generation(model, constant_router(model, -30.0), [left_pad([p], 0) for p in prompts], new_tokens=4,
+                        reps=2)
+    rows = {(row["path"], row["method"]): row for row in result["rows"]}
+    assert set(rows) == {("eager", "stock"), *(("fast", name) for name in METHODS)}
+    assert all(row["identical_to_stock_same_path"] == 1.0 for row in rows.values())
+    assert rows["eager", "stock"]["ratio_vs_stock_eager"] == 1.0
+    assert rows["fast", "stock"]["ratio_vs_stock_same_path"] == 1.0
+    assert result["stock_fast_identical_to_eager"] == 1.0
+    assert result["skip_layers_per_decode_token"] == model.config.num_hidden_layers  # the router never exits
+    table = format_linears({"forward_costs": [{"dtype": "float32", "path": p, "ms": ms,
+                                               "steps": [m / ms[0] for m in ms]} for p, ms in costs.items()],
+                            "generation": result})
+    assert table.count("| float32 |") == 2 and "| fast | speculative | " in table

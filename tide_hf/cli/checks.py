@@ -75,9 +75,9 @@ def check_router_kind_flags(parser: argparse.ArgumentParser, args: argparse.Name
                              f"{kind} exit paths (quality targets): use {use}")
 
 
-ONE_ROUTER = ("modes", "batches", "continuous", "baselines")  # bench sections that measure one router
+ONE_ROUTER = ("modes", "batches", "continuous", "baselines", "linears")  # bench sections that measure one router
 # sections timing decode tokens
-DECODE_TOKENS = ("overhead", "modes", "batches", "continuous", "baselines", "synthetic")
+DECODE_TOKENS = ("overhead", "modes", "batches", "continuous", "baselines", "synthetic", "linears")
 BATCHED = ("overhead", "batches")  # sections whose batches are made of distinct prompts
 
 

@@ -160,6 +160,22 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
                    help="tokens per static-skipping calibration sample")
     add_prompts(p, reps=False)
     add_output(p, "baselines.json / .md, pareto.png")
+    p = section(sections, "linears", "eager vs fast-path linear layers: forward cost by k, stock and TIDE modes",
+                "Where the CPU speed comes from: a forward over 1-16 new tokens with eager nn.Linear and with the "
+                "fast path (fast_linears: oneDNN on packed weights), per --dtypes; then batch-1 greedy generation, "
+                "interleaved: stock on both paths, prompt lookup and each TIDE mode on the fast path, against stock "
+                "on the same path and against stock eager.",
+                "--router router-smollm2 --num-prompts 4 --new-tokens 64 --output bench-out",
+                f"{CPU}: ~10 min with those flags", "--router DIR [options]")
+    g = add_model(p, "one router folder / Hub id")
+    g.add_argument("--dtypes", nargs="+", default=["float32"], choices=DTYPES, metavar="DTYPE",
+                   help=f"dtypes of the forward-cost table: {', '.join(DTYPES)}")
+    g.add_argument("--cache-len", type=positive_int, default=128, metavar="N",
+                   help="tokens in the cache each costed forward reads")
+    g.add_argument("--cost-repeats", type=positive_int, default=15, metavar="N",
+                   help="timed forwards per cost (the median is kept)")
+    add_prompts(p, chunks=False, quality_batch=False)
+    add_output(p, "linears.json and linears.md")
     p = section(sections, "kernels", "the fused kernels vs the PyTorch path (no model or router)",
                 "Microbenchmark of the fused kernels against the PyTorch path on this machine's device.",
                 "--dtype bfloat16 --output bench-out", f"{CPU}: ~15 s", None)

@@ -98,7 +98,8 @@ def run(args: Any) -> dict:
     `overhead`: overhead and quality of TIDE vs stock. `modes`: skip mode vs stock and ideal, and speculative mode
     vs stock and `assistant_early_exit` (`--near-identity-after K`: the same on the model with the layers after K
     made near-identity). `batches`: skip mode in batches. `continuous`: skip mode in continuous batching.
-    `baselines`: TIDE vs fixed depth, static skipping and softmax confidence. `kernels`: fused kernels vs the
+    `baselines`: TIDE vs fixed depth, static skipping and softmax confidence. `linears`: eager vs fast-path linear
+    layers, forward costs and generation. `kernels`: fused kernels vs the
     PyTorch path. `synthetic`: a real architecture's shape with random weights. `gpu`: the GPU suite
     (`tide_hf.eval.gpu`).
     """
@@ -155,6 +156,11 @@ def run(args: Any) -> dict:
 
         result.update(run_continuous(model, router, prompts, pad_id, args))
         return write_result(out, "continuous", result, format_continuous)
+    if section == "linears":
+        from .linears import format_linears, run_linears
+
+        result.update(run_linears(model, router, prompts, pad_id, args))
+        return write_result(out, "linears", result, format_linears)
     if section == "modes":
         from .modes import run_modes
 

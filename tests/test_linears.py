@@ -68,7 +68,7 @@ def assert_restored(model: nn.Module, before: dict) -> None:
 def quiet_fast_linears(model: nn.Module) -> linears.LinearPath:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LinearPathWarning)
-        return tide_hf.fast_linears(model)
+        return tide_hf.fast_linears(model, rows_from=1)
 
 
 def tied_llama() -> nn.Module:
@@ -109,13 +109,13 @@ def test_family_runs_fast_as_eager_and_is_restored(family: str) -> None:
 def test_one_warning_names_each_reason_and_count() -> None:
     model = make_family("gpt2")
     with pytest.warns(LinearPathWarning) as record:
-        path = tide_hf.fast_linears(model)
+        path = tide_hf.fast_linears(model, rows_from=1)
     messages = [str(w.message) for w in record if issubclass(w.category, LinearPathWarning)]
     assert len(messages) == 1 and "Conv1D" in messages[0] and f": {path.left[linears.CONV1D]})" in messages[0]
     path.undo()
     with warnings.catch_warnings():
         warnings.simplefilter("error", LinearPathWarning)  # every layer switched: nothing to warn about
-        tide_hf.fast_linears(make_family("llama")).undo()
+        tide_hf.fast_linears(make_family("llama"), rows_from=1).undo()
 
 
 def test_layers_it_must_leave_alone() -> None:
@@ -144,7 +144,7 @@ def test_layers_it_must_leave_alone() -> None:
     eager = model(x).detach()
     before = snapshot(model)
     with pytest.warns(LinearPathWarning, match="OwnForward has a forward of its own"):
-        path = tide_hf.fast_linears(model)
+        path = tide_hf.fast_linears(model, rows_from=1)
     assert path.switched == 3  # Tagged, the adapter's base layer and its lora layer
     assert path.left == {"OwnForward has a forward of its own (a quantized or adapter layer)": 1,
                          "weight computed from other tensors (parametrized or weight-normed)": 1}
@@ -164,7 +164,7 @@ def test_changed_weights_are_packed_again() -> None:
     version counter sees, after `repack()`."""
     model = tied_llama()
     reference = copy.deepcopy(model)
-    path = tide_hf.fast_linears(model)
+    path = tide_hf.fast_linears(model, rows_from=1)
     original = logits(model)
 
     def check(change, tol: float = FP32_TOL) -> None:
@@ -198,7 +198,7 @@ def test_weights_it_cannot_pack_run_eagerly() -> None:
     back, the fast path serves it again. An input of another dtype, or under autocast, runs eagerly too."""
     model = tied_llama()
     reference = copy.deepcopy(model).to(torch.float64)
-    path = tide_hf.fast_linears(model)
+    path = tide_hf.fast_linears(model, rows_from=1)
     model.to(torch.float64)
     fast, calls = packed_calls(model, PROMPT)
     assert calls == 0 and torch.equal(fast, logits(reference))
@@ -219,7 +219,7 @@ def test_no_packed_copy_in_the_models_state(tmp_path) -> None:
     params, buffers = list(model.parameters()), list(model.buffers())
     state = model.state_dict()
     model.save_pretrained(tmp_path / "stock")
-    with tide_hf.fast_linears(model):
+    with tide_hf.fast_linears(model, rows_from=1):
         assert [id(p) for p in model.parameters()] == [id(p) for p in params]
         assert [id(b) for b in model.buffers()] == [id(b) for b in buffers]
         assert {k: v.data_ptr() for k, v in model.state_dict().items()} == {k: v.data_ptr() for k, v in state.items()}
@@ -236,7 +236,7 @@ def test_a_copy_of_the_model_computes_with_its_own_weights() -> None:
     model, reference = tied_llama(), tied_llama()
     with torch.no_grad():
         reference.model.layers[0].mlp.up_proj.weight.mul_(2)
-    with tide_hf.fast_linears(model) as path:
+    with tide_hf.fast_linears(model, rows_from=1) as path:
         for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
             with torch.no_grad():
                 copied.model.layers[0].mlp.up_proj.weight.mul_(2)
@@ -248,7 +248,7 @@ def test_a_copy_of_the_model_computes_with_its_own_weights() -> None:
 def test_inference_mode_runs_fast() -> None:
     model = tied_llama()
     eager = logits(model)
-    with tide_hf.fast_linears(model) as path, torch.inference_mode(), profile() as prof:
+    with tide_hf.fast_linears(model, rows_from=1) as path, torch.inference_mode(), profile() as prof:
         fast = model(PROMPT).logits
     assert sum(event.name == PACKED_OP for event in prof.events()) == path.switched
     assert_close(fast, eager)
@@ -258,7 +258,7 @@ def test_training_keeps_eager_gradients() -> None:
     """Under autograd every call runs eagerly: the same loss and gradients bit for bit; an optimizer step edits the
     weights in place, and the next no-grad forward serves the updated weights."""
     model, reference = tied_llama(), tied_llama()
-    path = tide_hf.fast_linears(model)
+    path = tide_hf.fast_linears(model, rows_from=1)
     results = []
     for net in (model, reference):
         net.train()
@@ -297,7 +297,7 @@ def test_offloaded_layers_stay_and_hooked_ones_switch(tmp_path) -> None:
     eager = logits(model)
     before = snapshot(model)
     with pytest.warns(LinearPathWarning, match="meta device"):
-        path = tide_hf.fast_linears(model)
+        path = tide_hf.fast_linears(model, rows_from=1)
     layer = model.model.layers[0].mlp.up_proj
     assert "_old_forward" in vars(layer) and vars(layer)["_old_forward"] is not before["dicts"][
         "model.layers.0.mlp.up_proj"]["_old_forward"]
@@ -319,7 +319,7 @@ def test_cpu_offload_leaves_every_layer() -> None:
     eager = logits(model)
     before = snapshot(model)
     with pytest.warns(LinearPathWarning):
-        path = tide_hf.fast_linears(model)
+        path = tide_hf.fast_linears(model, rows_from=1)
     assert path.switched == 0 and sum(path.left.values()) == sum(isinstance(m, nn.Linear) for m in model.modules())
     assert torch.equal(logits(model), eager)
     path.undo()
@@ -342,7 +342,7 @@ def test_smollm2_generates_eagers_tokens(smollm2) -> None:
     with torch.no_grad():
         eager = model(**enc).logits
         stock = model.generate(**enc, max_new_tokens=16, do_sample=False)
-        with tide_hf.fast_linears(model) as path:
+        with tide_hf.fast_linears(model, rows_from=1) as path:
             assert path.switched == sum(isinstance(m, nn.Linear) for m in model.modules()) and not path.left
             assert_close(model(**enc).logits, eager)
             assert torch.equal(model.generate(**enc, max_new_tokens=16, do_sample=False), stock)
@@ -355,8 +355,70 @@ def test_smollm2_bf16_picks_eagers_tokens(smollm2) -> None:
     enc = smollm2[1](["The capital of France is"], return_tensors="pt")
     with torch.no_grad():
         eager = model(**enc).logits
-        with tide_hf.fast_linears(model):
+        with tide_hf.fast_linears(model, rows_from=1):
             fast, calls = packed_calls(model, enc["input_ids"])
     assert calls > 0
     assert_close(fast, eager, BF16_TOL)
     assert torch.equal(fast[0, -1].argmax(), eager[0, -1].argmax())
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.0, "4"])
+def test_rows_from_must_be_a_positive_int(bad) -> None:
+    model = tied_llama()
+    with pytest.raises(tide_hf.TideError, match="rows_from must be a positive int"):
+        tide_hf.fast_linears(model, rows_from=bad)
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_calls_with_fewer_rows_than_rows_from_run_eagerly() -> None:
+    """rows_from=4: a forward of 1 x 2 rows runs every layer eagerly (bit for bit as eager), one of 2 x 6 rows runs
+    every switched layer on the packed copies."""
+    model = tied_llama()
+    eager_small = logits(model, PROMPT[:1, :2])
+    with tide_hf.fast_linears(model, rows_from=4) as path:
+        small, small_calls = packed_calls(model, PROMPT[:1, :2])
+        large, large_calls = packed_calls(model, PROMPT)
+    assert path.rows_from == 4 and small_calls == 0 and torch.equal(small, eager_small)
+    assert large_calls == path.switched > 0
+    assert_close(large, logits(model))
+
+
+@pytest.mark.parametrize(("packed_wins", "expected"), [
+    ({1: False, 2: False, 4: True, 8: True, 16: True}, 4),
+    ({1: False, 2: True, 4: False, 8: True, 16: True}, 8),  # from where it wins at every larger count
+    ({1: True, 2: True, 4: True, 8: True, 16: True}, 1),
+    ({1: True, 2: True, 4: True, 8: True, 16: False}, None),  # eager at the largest count: nothing switched
+])
+def test_measured_rows_from_is_where_the_packed_sweep_wins_from_on(monkeypatch, packed_wins, expected) -> None:
+    """The measured choice follows the sweep's timings (replaced here by given ones); it is measured once per model,
+    dtype and thread count; where eager wins at the largest count no layer is switched and the warning says so."""
+    sweeps = []
+
+    def sweep(packs, rows, packed):
+        sweeps.append((rows, packed))
+        return 1.0 if packed == packed_wins[rows] else 2.0  # the winner takes less time
+
+    monkeypatch.setattr(linears, "sweep_seconds", sweep)
+    model = tied_llama()
+    if expected is None:
+        with pytest.warns(LinearPathWarning, match="oneDNN measured slower than eager"):
+            path = tide_hf.fast_linears(model)
+        assert path.switched == 0 and path.rows_from is None
+        assert all("forward" not in vars(m) for m in model.modules())
+        return
+    path = tide_hf.fast_linears(model)
+    assert path.rows_from == expected and path.switched > 0
+    path.undo()
+    measured = len(sweeps)
+    assert measured == 2 * len(linears.ROW_COUNTS)
+    tide_hf.fast_linears(model).undo()  # the same model, dtype and threads: not measured again
+    assert len(sweeps) == measured
+
+
+def test_the_sweep_times_both_paths_on_real_layers() -> None:
+    """`sweep_seconds` runs (positive seconds on each path) and `measured_rows_from` returns a count it timed or
+    None."""
+    model = tied_llama()
+    with tide_hf.fast_linears(model, rows_from=1) as path:
+        assert linears.sweep_seconds(path.packs, 2, True) > 0 and linears.sweep_seconds(path.packs, 2, False) > 0
+        assert linears.measured_rows_from(path.packs) in (*linears.ROW_COUNTS, None)

@@ -20,6 +20,8 @@ once into its blocked layout (SmolLM2-135M fp32 on 2 cores, one probe run: 42 vs
 from __future__ import annotations
 
 import copy
+import statistics
+import time
 import warnings
 import weakref
 from collections import Counter
@@ -27,11 +29,13 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, SupportsIndex
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from ..callers import caller_stacklevel
 from ..compat import onednn_available, onednn_dtypes, packed_linear, prepack_linear_weight
+from ..errors import TideArgumentError
 from .patching import Patches, forward_attribute
 
 PLAIN_TENSORS = (torch.Tensor, nn.Parameter)  # what oneDNN reads as stored (not a quantized or sharded subclass)
@@ -39,6 +43,9 @@ CPU = "cpu"
 CONV1D = "transformers Conv1D (GPT-2's projections), not nn.Linear"
 NO_ONEDNN = "oneDNN or its prepacked linear ops missing from this torch build"
 UNPACKED = "oneDNN refused to pack the weight"
+SLOWER = "oneDNN measured slower than eager at every row count timed"
+ROW_COUNTS = (1, 2, 4, 8, 16)  # rows (tokens x batch) a sweep is timed at to choose where oneDNN starts serving
+SWEEP_REPEATS = 3  # timed sweeps per path and row count (the median is kept), after one untimed
 
 
 class LinearPathWarning(UserWarning):
@@ -147,13 +154,14 @@ class FastForward:
     and the `LinearPath` that undoes it belong to this model (a copy computing with this model's weights would
     be wrong)."""
 
-    def __init__(self, pack: PackedWeight, eager: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.pack, self.eager = pack, eager
+    def __init__(self, pack: PackedWeight, eager: Callable[[torch.Tensor], torch.Tensor], rows_from: int) -> None:
+        self.pack, self.eager, self.rows_from = pack, eager, rows_from
 
     def __call__(self, input: torch.Tensor) -> torch.Tensor:
         module = self.pack.module
         weight, bias = module.weight, module.bias
-        packed = None if runs_eagerly(input, weight, bias) else self.pack.current(weight)
+        eager = runs_eagerly(input, weight, bias) or input.numel() < self.rows_from * input.shape[-1]
+        packed = None if eager else self.pack.current(weight)
         if packed is None:
             return self.eager(input)
         out = packed_linear(input.reshape(-1, input.shape[-1]), packed, bias)
@@ -172,10 +180,13 @@ class LinearPath:
     Attributes:
         switched: how many linear layers the fast path serves.
         left: why the other linear layers stayed eager: reason -> how many.
+        rows_from: the fewest rows (tokens x batch) of a call oneDNN serves; fewer run eagerly (None: no layer
+            switched).
     """
 
-    def __init__(self, packs: list[PackedWeight], left: dict[str, int], patches: Patches) -> None:
-        self.switched, self.left = len(packs), left
+    def __init__(self, packs: list[PackedWeight], left: dict[str, int], patches: Patches, rows_from: int | None
+                 ) -> None:
+        self.switched, self.left, self.rows_from = len(packs), left, rows_from
         self.packs, self.patches = packs, patches
 
     def __enter__(self) -> LinearPath:
@@ -185,7 +196,7 @@ class LinearPath:
         self.undo()
 
     def __repr__(self) -> str:
-        return f"LinearPath(switched={self.switched}, left={self.left})"
+        return f"LinearPath(switched={self.switched}, left={self.left}, rows_from={self.rows_from})"
 
     def undo(self) -> None:
         """Give every switched layer its forward back and drop the packed copies (idempotent)."""
@@ -201,7 +212,45 @@ class LinearPath:
             pack.pack()
 
 
-def fast_linears(model: nn.Module) -> LinearPath:
+def sweep_seconds(packs: list[PackedWeight], rows: int, packed: bool) -> float:
+    """Median seconds of one pass over every packed layer with `rows` random rows, eagerly or on the packed copies:
+    each weight is read once, as a forward reads it (a single layer timed alone would stay in the CPU's cache)."""
+    inputs = {(p.module.in_features, p.module.weight.dtype): torch.randn(rows, p.module.in_features,
+                                                                        dtype=p.module.weight.dtype) for p in packs}
+    times = []
+    with torch.no_grad():
+        for _ in range(SWEEP_REPEATS + 1):  # the first pass is untimed
+            started = time.perf_counter()
+            for p in packs:
+                x = inputs[p.module.in_features, p.module.weight.dtype]
+                if packed:
+                    packed_linear(x, p.state.packed, p.module.bias)
+                else:
+                    F.linear(x, p.module.weight, p.module.bias)
+            times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+
+
+def measured_rows_from(packs: list[PackedWeight]) -> int | None:
+    """The fewest rows of `ROW_COUNTS` from which the packed copies ran faster than eager, there and at every larger
+    count timed (None: eager won at the largest). Where oneDNN pays depends on the CPU: its cache, its matmul
+    kernels, the threads."""
+    faster = [sweep_seconds(packs, rows, True) < sweep_seconds(packs, rows, False) for rows in ROW_COUNTS]
+    if not faster[-1]:
+        return None
+    first = len(faster) - 1
+    while first > 0 and faster[first - 1]:
+        first -= 1
+    return ROW_COUNTS[first]
+
+
+# model -> rows_from measured on it (per dtype and thread count): a model's path is chosen once, so its outputs do
+# not change from call to call with the machine's load
+_MEASURED: weakref.WeakKeyDictionary[nn.Module, dict[tuple[torch.dtype, int], int | None]] = \
+    weakref.WeakKeyDictionary()
+
+
+def fast_linears(model: nn.Module, rows_from: int | None = None) -> LinearPath:
     """Run `model`'s linear layers through oneDNN on the CPU, on a copy of each weight packed once.
 
     Each `nn.Linear` (or subclass that keeps its forward) with a plain CPU weight oneDNN computes (fp32, and
@@ -213,11 +262,19 @@ def fast_linears(model: nn.Module) -> LinearPath:
     `torch.inference_mode()` (as `generate` runs). Memory: one extra copy of the switched layers' weights,
     outside the model's state (not in `state_dict` or `save_pretrained`); `undo` frees it.
 
+    Where oneDNN pays depends on the CPU. With `rows_from=None` it is measured once per model, dtype and thread
+    count: a pass over every layer is timed eagerly and packed at 1 to 16 rows (about a second). Calls with fewer
+    rows than where packed first won (and won at every larger count) run eagerly. Where eager won at 16 rows, no
+    layer is switched (the warning says so).
+
     Args:
         model: the model (any `nn.Module`); its linear layers are changed in place until `undo`.
+        rows_from: the fewest rows (tokens x batch) of a call served by oneDNN; fewer run eagerly. None: measured
+            (see above). 1: every call oneDNN can serve.
 
     Returns:
-        A `LinearPath`: `switched` (layers served), `left` (reason -> count of layers left eager), `undo()`,
+        A `LinearPath`: `switched` (layers served), `left` (reason -> count of layers left eager), `rows_from`,
+        `undo()`,
         `repack()` (after editing weights through `.data`); a context manager that undoes on exit.
 
     Example:
@@ -225,12 +282,14 @@ def fast_linears(model: nn.Module) -> LinearPath:
         >>> import tide_hf
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
         >>> x = torch.randn(3, 8)
-        >>> with torch.no_grad(), tide_hf.fast_linears(model) as path:
+        >>> with torch.no_grad(), tide_hf.fast_linears(model, rows_from=1) as path:
         ...     fast = model(x)
         >>> torch.allclose(fast, model(x), atol=1e-5)
         True
     """
-    patches, packs, left = Patches(), [], Counter()
+    if rows_from is not None and (isinstance(rows_from, bool) or not isinstance(rows_from, int) or rows_from < 1):
+        raise TideArgumentError(f"rows_from must be a positive int or None (measured), got {rows_from!r}")
+    packs, left = [], Counter()
     for module in model.modules():
         if isinstance(module, Conv1D):
             left[CONV1D] += 1
@@ -241,11 +300,24 @@ def fast_linears(model: nn.Module) -> LinearPath:
         if pack is None or pack.state is None:
             left[reason or UNPACKED] += 1
             continue
-        attr = forward_attribute(module)
-        patches.set_attr(module, attr, FastForward(pack, getattr(module, attr)))
         packs.append(pack)
+    if rows_from is None and packs:
+        key = (frozenset(p.module.weight.dtype for p in packs), torch.get_num_threads())
+        measured = _MEASURED.setdefault(model, {})
+        if key not in measured:
+            measured[key] = measured_rows_from(packs)
+        rows_from = measured[key]
+        if rows_from is None:  # eager won at every row count: nothing is switched, no copy kept
+            left[SLOWER] += len(packs)
+            for pack in packs:
+                pack.release()
+            packs = []
+    patches = Patches()
+    for pack in packs:
+        attr = forward_attribute(pack.module)
+        patches.set_attr(pack.module, attr, FastForward(pack, getattr(pack.module, attr), rows_from))
     if left:
         reasons = "; ".join(f"{reason}: {count}" for reason, count in left.items())
         warnings.warn(f"tide_hf: fast_linears left {sum(left.values())} linear layer(s) of {type(model).__name__} "
                       f"eager ({reasons})", LinearPathWarning, stacklevel=caller_stacklevel())
-    return LinearPath(packs, dict(left), patches)
+    return LinearPath(packs, dict(left), patches, rows_from if packs else None)

@@ -270,8 +270,9 @@ def test_linears_bench_times_both_paths_and_checks_tokens_against_the_same_path(
     """`bench linears`: a cost per k and path (each also in one-token steps of its path), then generation rows for
     stock on both paths and each method on the fast path; lossless methods give stock's tokens on the same path,
     skip mode with a router that never exits too; the fast path's stock gives eager stock's tokens here (fp32)."""
-    from tide_hf.eval.linears import FORWARD_TOKENS, METHODS, format_linears, forward_costs, generation
+    from tide_hf.eval.linears import FORWARD_TOKENS, METHODS, forward_costs, generation
     from tide_hf.eval.measure import left_pad
+    from tide_hf.eval.tables import format_linears
 
     model = make_tiny_llama()
     costs = forward_costs(model, cache_len=8, repeats=1, vocab=256)
@@ -289,7 +290,7 @@ def test_linears_bench_times_both_paths_and_checks_tokens_against_the_same_path(
     assert rows["fast", "stock"]["ratio_vs_stock_same_path"] == 1.0
     assert result["stock_fast_identical_to_eager"] == 1.0
     assert result["skip_layers_per_decode_token"] == model.config.num_hidden_layers  # the router never exits
-    table = format_linears({"forward_costs": [{"dtype": "float32", "path": p, "ms": ms,
+    table = format_linears({"forward_costs": [{"dtype": "float32", "path": p, "ms": ms, "tokens": FORWARD_TOKENS,
                                                "steps": [m / ms[0] for m in ms]} for p, ms in costs.items()],
                             "generation": result})
     assert table.count("| float32 |") == 2 and "| fast | speculative | " in table

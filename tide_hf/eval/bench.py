@@ -28,6 +28,7 @@ from .tables import (
     format_batches,
     format_continuous,
     format_kernels,
+    format_linears,
     format_modes,
     format_speculative,
     format_synthetic,
@@ -157,7 +158,7 @@ def run(args: Any) -> dict:
         result.update(run_continuous(model, router, prompts, pad_id, args))
         return write_result(out, "continuous", result, format_continuous)
     if section == "linears":
-        from .linears import format_linears, run_linears
+        from .linears import run_linears
 
         result.update(run_linears(model, router, prompts, pad_id, args))
         return write_result(out, "linears", result, format_linears)

@@ -300,3 +300,24 @@ def format_gpu_suite(result: dict) -> str:
         lines += ["", "#### Speculative mode, near-identity after layer " f"{spec['near_identity_after']} "
                   f"(x {spec['near_identity_scale']})", "", format_speculative(spec["speculative"])]
     return "\n".join(lines)
+
+
+def format_linears(result: dict) -> str:
+    """The `linears` bench as two Markdown tables: forward costs by k, then generation ratios."""
+    tokens = result["forward_costs"][0]["tokens"]
+    lines = ["| dtype | linear path | " + " | ".join(f"k = {k}" for k in tokens) + " |",
+             "|---|---|" + "---|" * len(tokens)]
+    for row in result["forward_costs"]:
+        cells = " | ".join(f"{ms:.1f} ms ({steps:.2f}x)" for ms, steps in zip(row["ms"], row["steps"]))
+        served = row.get("rows_from")
+        label = row["path"] if served is None else f"{row['path']} (oneDNN from {served} rows)"
+        lines.append(f"| {row['dtype']} | {label} | {cells} |")
+    gen = result["generation"]
+    lines += ["", "| linear path | method | vs stock, same path | vs stock eager | identical to stock, same path |",
+              "|---|---|---|---|---|"]
+    for row in gen["rows"]:
+        lines.append(f"| {row['path']} | {row['method']} | {row['ratio_vs_stock_same_path']:.3f}x | "
+                     f"{row['ratio_vs_stock_eager']:.3f}x | {row['identical_to_stock_same_path']:.0%} |")
+    lines += ["", f"Stock on the fast path gave stock eager's tokens on {gen['stock_fast_identical_to_eager']:.0%} of "
+              "the prompts."]
+    return "\n".join(lines)

@@ -367,3 +367,34 @@ def test_summary_and_plot(tmp_path):
         with pytest.raises(tide_hf.errors.TideArgumentError, match=message):
             stats.plot(tmp_path / bad if bad else bad)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.png", "exits.png"]
+
+
+def test_attaching_again_reuses_the_model_checks_until_the_weights_change():
+    """Skip mode's probe forward and speculative mode's depth check run once per model state: attaching again to
+    the same weights runs no model forward; an in-place edit or a cast of the weights runs them again."""
+    model = make_model()
+    router = constant_router(model, -30.0)
+    forwards = Counter()
+    model.model.embed_tokens.register_forward_hook(lambda *_: forwards.update(["embed"]))
+    for mode in ("skip", "speculative"):
+        tide_hf.attach(model, router, mode=mode, exit_threshold=0.5).detach()
+        first = forwards["embed"]
+        assert first >= 1, mode  # the check ran a forward
+        tide_hf.attach(model, router, mode=mode, exit_threshold=0.5).detach()
+        assert forwards["embed"] == first, mode  # remembered
+        with torch.no_grad():
+            model.model.layers[-1].mlp.down_proj.weight.mul_(1.0)  # same values, a new version: checked again
+        tide_hf.attach(model, router, mode=mode, exit_threshold=0.5, ignore_fingerprint=True).detach()
+        assert forwards["embed"] > first, mode
+        forwards.clear()
+
+
+def test_a_router_config_edited_after_a_passing_attach_is_still_refused():
+    """attach reuses a router's consistency check only while its config and weight shapes are unchanged."""
+    model = make_model()
+    router = constant_router(model, -30.0)
+    tide_hf.attach(model, router, mode="select").detach()
+    router.config.router_bottleneck_dim = 8  # the weights hold routers of width 16
+    with pytest.raises(tide_hf.TideError, match="config and its weights do not agree"):
+        tide_hf.attach(model, router, mode="select")
+    assert tide_hf.get_handle(model) is None

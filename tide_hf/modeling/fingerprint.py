@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -41,9 +44,42 @@ def in_model(module: nn.Module, owned: set[int]) -> list[nn.Module]:
     return [part for child in module.children() for part in in_model(child, owned)]
 
 
-@torch.no_grad()
+T = TypeVar("T")
+# model -> {check: (the model state it passed on, its result)}: work that reads the whole model (the weights hash,
+# skip mode's probe forward, speculative mode's depth check) is done once per model state: attaching again is cheap
+_REMEMBERED: weakref.WeakKeyDictionary[nn.Module, dict[Any, tuple[tuple, Any]]] = weakref.WeakKeyDictionary()
+
+
+def model_state(model: nn.Module) -> tuple:
+    """What a check of `model` depends on: each parameter's name, storage, dtype and version (a load, a cast, a
+    move), each module's own forward (a patch) and the config's fields."""
+    params = tuple((name, "meta" if p.device.type == "meta" else p.data_ptr(), p.dtype, p._version)
+                   for name, p in model.named_parameters())
+    forwards = tuple(id(vars(module).get("forward")) for module in model.modules())
+    config = getattr(model, "config", None)
+    return params, forwards, dict(vars(config)) if config is not None else None
+
+
+def remembered(model: nn.Module, check: Any, compute: Callable[[], T]) -> T:
+    """`compute()` (a check of `model` named by `check`), or its result from an earlier call on the same model
+    state (`model_state`); a check that raises is not remembered."""
+    memo = _REMEMBERED.setdefault(model, {})
+    state = model_state(model)
+    if check in memo and memo[check][0] == state:
+        return memo[check][1]
+    result = compute()
+    memo[check] = (state, result)
+    return result
+
+
 def model_fingerprint(model: nn.Module, adapter: ModelAdapter | None = None, version: int = FINGERPRINT_VERSION
                       ) -> str:
+    """`weights_hash` of `model`, remembered per model state (`remembered`): attaching again hashes nothing."""
+    return remembered(model, ("fingerprint", version), lambda: weights_hash(model, adapter, version))
+
+
+@torch.no_grad()
+def weights_hash(model: nn.Module, adapter: ModelAdapter | None = None, version: int = FINGERPRINT_VERSION) -> str:
     """A short hash of the names, shapes and the sign bits of a strided sample of the values of the embeddings,
     every decoder layer, the final norm and the head (`version=1`: the embeddings, first and last layer, which
     missed a model whose middle layers alone differ, e.g. a fine-tune of some layers; kept to check routers

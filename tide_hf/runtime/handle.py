@@ -324,7 +324,7 @@ def hook_model(handle_class: type[TideHandle], model: nn.Module, router: TideRou
     if isinstance(router, (str, os.PathLike)):
         router = TideRouter.from_pretrained(router)  # checked as it loads
     elif isinstance(router, TideRouter):
-        router.check_consistent()  # its config edited since its weights were made: named, not a KeyError mid-attach
+        router.check_consistent(reuse=True)  # its config edited since its weights were made: named, not a KeyError
     else:
         raise TideArgumentTypeError(f"router must be a TideRouter, a router folder or a Hub repo id; got "
                                     f"{type(router).__name__}")

@@ -12,6 +12,7 @@ from ..compat import is_stateful
 from ..errors import TideUnsupportedError
 from ..modeling import ModelAdapter, TideRouter, check_head, text_config
 from ..modeling.depth import check_depth_follows_config
+from ..modeling.fingerprint import remembered
 from ..record import CLOSED
 from .kv import propagate_support
 from .options import AUTO_MODE, DEFAULT_KV, TideConfig, TideOptions
@@ -36,10 +37,13 @@ def check_mode(model: nn.Module, adapter: ModelAdapter, options: TideOptions, ro
             "cache; use mode='select'")
     if options.mode == "speculative":  # the way out names skip mode where its layers have the parts it needs
         skips = all(propagate_support(layer) is None for layer in adapter.layers)
-        check_depth_follows_config(model, adapter, options.draft_layer or min(router.checkpoint_layers),
-                                   "use mode='select' or 'skip'" if skips else "use mode='select'")
+        layer = options.draft_layer or min(router.checkpoint_layers)
+        remembered(model, ("depth follows config", layer), lambda: check_depth_follows_config(
+            model, adapter, layer, "use mode='select' or 'skip'" if skips else "use mode='select'"))
     if options.mode == "speculative" and router.config.draft_vocab_coverage:
-        check_head(model, adapter)
+        head = (id(adapter.final_norm), id(adapter.pre_head), id(adapter.lm_head), adapter.logit_scale,
+                adapter.logit_softcap)  # what the adapter computes logits with
+        remembered(model, ("head", head), lambda: check_head(model, adapter))
     return None
 
 

@@ -23,6 +23,7 @@ from transformers.cache_utils import DynamicLayer
 
 from ..compat import cache_in, is_stateful, with_cache
 from ..errors import TideUnsupportedError
+from ..modeling.fingerprint import remembered
 from .compaction import Compaction, Plan, compactable, run_compacted, run_planned
 from .kv import FusedPropagation, KVRecompute, project_kv, propagate_kv, propagate_support, recompute_support
 from .parked import ParkedRows
@@ -61,7 +62,9 @@ class LayerSkipper:
                                            f"{reason}; use {way_out}")
         fused = FusedPropagation.build(list(layers)[first_checkpoint:], first_checkpoint + 1) \
             if kv == "propagate" else None
-        return SkipPlan(fused, probe_skipped_layers(model, layers, first_checkpoint, kv, fused, text_config))
+        returns = remembered(model, ("skip probe", first_checkpoint, kv, fused is not None),
+                             lambda: probe_skipped_layers(model, layers, first_checkpoint, kv, fused, text_config))
+        return SkipPlan(fused, dict(returns))
 
     def __init__(self, layers: nn.ModuleList, first_checkpoint: int, plan: SkipPlan, kv: str,
                  current_step: Callable[[], Step | None], recompute_state: Callable[[Any], KVRecompute | None],

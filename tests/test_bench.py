@@ -290,6 +290,9 @@ def test_linears_bench_times_both_paths_and_checks_tokens_against_the_same_path(
     assert rows["fast", "stock"]["ratio_vs_stock_same_path"] == 1.0
     assert result["stock_fast_identical_to_eager"] == 1.0
     assert result["skip_layers_per_decode_token"] == model.config.num_hidden_layers  # the router never exits
+    ablation = result["speculative_sources"]
+    assert ablation["speculative, early-exit drafts only"].get("lookup", {}).get("rounds", 0) == 0
+    assert ablation["speculative, lookup drafts only"].get("early_exit", {}).get("rounds", 0) == 0
     table = format_linears({"forward_costs": [{"dtype": "float32", "path": p, "ms": ms, "tokens": FORWARD_TOKENS,
                                                "steps": [m / ms[0] for m in ms]} for p, ms in costs.items()],
                             "generation": result})

@@ -226,3 +226,28 @@ def test_smollm2_grounded_prompt_identical_to_stock():
                              do_sample=False, draft_layer=None)
     assert torch.equal(out, stock)
     assert stats.speculative["sources"][LOOKUP]["accepted"] > 0
+
+
+def test_only_sources_restricts_the_draft_sources_in_this_thread_and_keeps_the_tokens() -> None:
+    """`only_sources` (the bench's ablation): with lookup alone no early-exit round runs, with early exit alone no
+    lookup round runs; tokens stay stock's either way; the setting ends with the block; bad names are refused."""
+    from tide_hf.errors import TideArgumentError
+    from tide_hf.integrations.speculative import only_sources
+
+    import tide_hf
+
+    model = make_model("shallow")  # layer-4 drafts mostly right: early-exit rounds run where allowed
+    router = make_router(model, "always")
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]])  # repeats: lookup has matches
+    stock = model.generate(ids, max_new_tokens=12, do_sample=False)
+    with tide_hf.attach(model, router, mode="speculative", draft_layer=4) as handle:
+        for sources, absent in ((("lookup",), "early_exit"), (("early_exit",), "lookup")):
+            with only_sources(*sources):
+                assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False), stock)
+            counts = handle.last_stats.speculative["sources"]
+            assert counts.get(absent, {}).get("rounds", 0) == 0, sources
+            assert counts.get(sources[0], {}).get("rounds", 0) > 0, sources
+    for bad in ((), ("tree",)):
+        with pytest.raises(TideArgumentError, match="only_sources takes some of"):
+            with only_sources(*bad):
+                pass

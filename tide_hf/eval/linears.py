@@ -21,7 +21,8 @@ from tqdm.auto import tqdm
 from ..assets import load_model
 from ..compat import cache_in, with_cache
 from ..integrations import attach
-from ..integrations.draft import with_acceptance
+from ..integrations.draft import EARLY_EXIT, LOOKUP, with_acceptance
+from ..integrations.speculative import DRAFT_SOURCES, only_sources
 from ..modeling import TideRouter
 from ..runtime import fast_linears
 from .measure import generate, left_pad, match_rate
@@ -31,12 +32,15 @@ FORWARD_TOKENS = (1, 2, 4, 8, 16)  # new tokens per forward in the cost table
 WARMUP_FORWARDS = 3  # untimed forwards before each cost's timed ones
 LOOKUP_PEER_TOKENS = 10  # prompt lookup's draft length (transformers' recommended setting)
 EAGER, FAST = "eager", "fast"
-# method -> (generate keywords, TIDE mode attached or None). Stock runs on both paths, the rest on the fast path.
-METHODS: dict[str, tuple[dict[str, Any], str | None]] = {
-    "stock": ({}, None),
-    "lookup": ({"prompt_lookup_num_tokens": LOOKUP_PEER_TOKENS}, None),
-    "speculative": ({}, "speculative"),
-    "skip": ({}, "skip"),
+# method -> (generate keywords, TIDE mode attached or None, the draft sources speculative mode may use). Stock runs
+# on both paths, the rest on the fast path; speculative mode with one source alone is the ablation of the other.
+METHODS: dict[str, tuple[dict[str, Any], str | None, tuple[str, ...]]] = {
+    "stock": ({}, None, DRAFT_SOURCES),
+    "lookup": ({"prompt_lookup_num_tokens": LOOKUP_PEER_TOKENS}, None, DRAFT_SOURCES),
+    "speculative": ({}, "speculative", DRAFT_SOURCES),
+    "speculative, early-exit drafts only": ({}, "speculative", (EARLY_EXIT,)),
+    "speculative, lookup drafts only": ({}, "speculative", (LOOKUP,)),
+    "skip": ({}, "skip", DRAFT_SOURCES),
 }
 
 
@@ -104,18 +108,20 @@ def generation(model: Any, router: TideRouter, batches: list[dict], new_tokens: 
     runs = [(EAGER, "stock"), *((FAST, name) for name in METHODS)]
     seconds = {run: [0.0] * reps for run in runs}
     tokens: dict[tuple[str, str], list[torch.Tensor]] = {run: [] for run in runs}
-    sources: dict[str, dict[str, int]] = {}
+    sources: dict[str, dict[str, dict[str, int]]] = {}  # speculative method -> its rounds per draft source
     executed, decoded = 0.0, 0
     for rep in tqdm(range(reps), desc="linear paths", leave=False):
         for batch in batches:
             for path, name in runs:
-                kwargs, mode = METHODS[name]
+                kwargs, mode, allowed = METHODS[name]
                 linear_path = fast_linears(model) if path == FAST else None
                 handle = attach(model, router, mode=mode) if mode is not None else None
                 try:
-                    out, s = generate(model, batch, new_tokens, **kwargs, tide=mode is not None)
+                    with only_sources(*allowed):
+                        out, s = generate(model, batch, new_tokens, **kwargs, tide=mode is not None)
                     if mode == "speculative":
-                        sources = source_counts(sources, handle.last_stats.speculative["sources"])
+                        found = sources.setdefault(name, {})
+                        sources[name] = source_counts(found, handle.last_stats.speculative["sources"])
                     elif mode == "skip":
                         decode = handle.last_stats.decode
                         executed, decoded = executed + decode.mean_executed * decode.tokens, decoded + decode.tokens
@@ -139,7 +145,8 @@ def generation(model: Any, router: TideRouter, batches: list[dict], new_tokens: 
     fast_vs_eager = match_rate(stock_tokens[FAST], stock_tokens[EAGER])[0]
     return {"rows": rows, "stock_fast_identical_to_eager": fast_vs_eager,
             "stock_fast_speedup": statistics.median(a / b for a, b in zip(eager_stock, fast_stock)),
-            "speculative_sources": {key: with_acceptance(counts) for key, counts in sources.items()},
+            "speculative_sources": {name: {key: with_acceptance(counts) for key, counts in found.items()}
+                                    for name, found in sources.items()},
             "skip_layers_per_decode_token": executed / decoded if decoded else None}
 
 

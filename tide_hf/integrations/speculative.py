@@ -50,6 +50,7 @@ owning the layers): a speculative call runs alone, other threads' calls of the m
 from __future__ import annotations
 
 import copy
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -61,10 +62,10 @@ from transformers import GenerationConfig, LogitsProcessorList
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..compat import CANDIDATE_GENERATOR_FACTORY, eos_token_tensor, extend_model_kwargs, split_cache, with_cache
-from ..errors import TideConcurrencyError, TideUnsupportedError
+from ..errors import TideArgumentError, TideConcurrencyError, TideUnsupportedError
 from ..modeling import layer_output
 from ..runtime import Patches, Session, TideHandle
-from .draft import LOOKUP, SOURCE_COUNTERS, SpeculativeStats, draft_body, draft_plan
+from .draft import EARLY_EXIT, LOOKUP, SOURCE_COUNTERS, SpeculativeStats, draft_body, draft_plan
 from .embeds import with_placeholder_ids, without_prompt
 from .outputs import stack_outputs
 from .processor import TideLogitsProcessor
@@ -90,6 +91,22 @@ from .vocab import DraftHead
 # for exits whose tokens are emitted).
 GATE_THRESHOLD = 0.5
 PLAIN_TIMING_EVERY = 16  # drafting rounds between plain steps that keep the plain-step time current
+DRAFT_SOURCES = (EARLY_EXIT, LOOKUP)
+_ALLOWED = threading.local()  # the sources `only_sources` leaves on in this thread
+
+
+@contextmanager
+def only_sources(*sources: str) -> Iterator[None]:
+    """Draft only from `sources` (of `DRAFT_SOURCES`) in this thread's speculative calls: the bench's ablation of
+    early-exit and lookup drafts. Output is unchanged (lossless); only the speed and the rounds per source move."""
+    unknown = [s for s in sources if s not in DRAFT_SOURCES]
+    if unknown or not sources:
+        raise TideArgumentError(f"only_sources takes some of {DRAFT_SOURCES}, got {sources!r}")
+    previous, _ALLOWED.sources = getattr(_ALLOWED, "sources", DRAFT_SOURCES), tuple(sources)
+    try:
+        yield
+    finally:
+        _ALLOWED.sources = previous
 
 
 # -- the candidate generator ------------------------------------------------------------------------------
@@ -161,14 +178,15 @@ class TideCandidateGenerator(CandidateGenerator):
         room = self.max_length - input_ids.shape[1] - 1  # tokens one round may draft, the verifier's own aside
         if self.cache.get_seq_length() != input_ids.shape[1] - 1 or room < 1:  # the prefill, or no room left
             return input_ids, None
-        rooms = {EARLY_EXIT_ARM: room} if self.pregate else {}
+        allowed = getattr(_ALLOWED, "sources", DRAFT_SOURCES)
+        rooms = {EARLY_EXIT_ARM: room} if self.pregate and EARLY_EXIT in allowed else {}
         self.stats.gate_skips += not self.pregate
         self.since_plain += 1
         if self.estimates.plain_s is None or self.since_plain > PLAIN_TIMING_EVERY:  # time a plain step: the cost
             return input_ids, None  # unit of every estimate (never a loss against plain decoding)
         # the ids are scanned only where a lookup draft could pay, or its probe is due
-        found, length = (self.lookup.draft(input_ids, room) if self.policy.worth_looking(LOOKUP, min(
-            room, LOOKUP_MAX_TOKENS)) else (None, 0))
+        found, length = (self.lookup.draft(input_ids, room) if LOOKUP in allowed and self.policy.worth_looking(
+            LOOKUP, min(room, LOOKUP_MAX_TOKENS)) else (None, 0))
         if found is not None:
             rooms[LOOKUP, match_class(length)] = found.shape[1]
         if not rooms:

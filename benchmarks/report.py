@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from tide_hf.cli import command_error
 from tide_hf.errors import TideArgumentError, TideDataError, TideError
 from tide_hf.eval.tables import (
     format_analysis,
@@ -58,7 +59,11 @@ def _load(folder: Path, name: str) -> dict | None:
 
 def _command(result: dict) -> str:
     command = result.get("command") or result.get("settings", {}).get("command")
-    return f"`{command}`" if command else "(command not recorded)"
+    if not command:
+        return "(command not recorded)"
+    if command_error(command) is not None:  # recorded by an older CLI: how the figures were made, not a recipe
+        return f"`{command}` (historical: an older `tide-hf` ran it; this one does not take it)"
+    return f"`{command}`"
 
 
 def _calibration(result: dict) -> list[str]:

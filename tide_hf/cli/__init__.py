@@ -3,7 +3,7 @@ once) and its commands (each imports its room when it runs)."""
 
 from __future__ import annotations
 
-from .arguments import build_parser
+from .arguments import build_parser, command_error
 from .commands import main
 from .values import (
            CALIBRATED_EXIT_HEAD,
@@ -19,4 +19,5 @@ from .values import (
 )
 
 __all__ = ["CALIBRATED_EXIT_HEAD", "CONTINUATIONS", "EXIT_HEADS", "LABEL_KINDS", "OWN_FLAGS", "ROUTER_DEFAULTS",
-           "SAMPLING_DEFAULTS", "SET_FIELDS", "SYNTHETIC_CONFIGS", "SYNTHETIC_SHAPES", "build_parser", "main"]
+           "SAMPLING_DEFAULTS", "SET_FIELDS", "SYNTHETIC_CONFIGS", "SYNTHETIC_SHAPES", "build_parser", "command_error",
+           "main"]

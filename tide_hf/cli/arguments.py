@@ -4,7 +4,10 @@ that need no torch, so `tide-hf --help` and a bad argument answer at once."""
 from __future__ import annotations
 
 import argparse
+import io
 import os
+import shlex
+from contextlib import redirect_stderr, redirect_stdout
 
 from ..assets import DEFAULT_MODEL
 from .sections import add_bench
@@ -187,7 +190,8 @@ def check_router_paths(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tide-hf", formatter_class=HelpFormatter,
-        description="TIDE early exit for HuggingFace causal LMs.\n\nStart with `tide-hf demo` (~2 min " + CPU + ")."
+        description="TIDE early exit for HuggingFace causal LMs.\n\nStart with `tide-hf demo` (~4 min the first "
+                    "time " + CPU + ")."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_calibrate(sub)
@@ -200,3 +204,23 @@ def build_parser() -> argparse.ArgumentParser:
                    f"time {CPU}: ~10 s (torch's import and the kernels' load)")
     add_analyze(sub)
     return parser
+
+
+def command_error(line: str) -> str | None:
+    """Why the shell line `line` (`tide-hf ...`) would not parse with this CLI, without running it; None where it
+    parses. The docs' commands are checked with it, and the results page marks recorded commands it refuses."""
+    try:
+        argv = shlex.split(line, comments=True)
+    except ValueError as err:
+        return f"not a shell command line: {err}"
+    if not argv or argv[0] != "tide-hf":
+        return "not a tide-hf command line"
+    err = io.StringIO()
+    try:
+        with redirect_stderr(err), redirect_stdout(io.StringIO()):
+            build_parser().parse_args(argv[1:])
+    except SystemExit as exit_:
+        if exit_.code:
+            lines = err.getvalue().strip().splitlines()
+            return lines[-1] if lines else str(exit_.code)
+    return None

@@ -231,10 +231,9 @@ def test_smollm2_grounded_prompt_identical_to_stock():
 def test_only_sources_restricts_the_draft_sources_in_this_thread_and_keeps_the_tokens() -> None:
     """`only_sources` (the bench's ablation): with lookup alone no early-exit round runs, with early exit alone no
     lookup round runs; tokens stay stock's either way; the setting ends with the block; bad names are refused."""
+    import tide_hf
     from tide_hf.errors import TideArgumentError
     from tide_hf.integrations.speculative import only_sources
-
-    import tide_hf
 
     model = make_model("shallow")  # layer-4 drafts mostly right: early-exit rounds run where allowed
     router = make_router(model, "always")

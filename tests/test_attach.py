@@ -398,31 +398,3 @@ def test_a_router_config_edited_after_a_passing_attach_is_still_refused():
     with pytest.raises(tide_hf.TideError, match="config and its weights do not agree"):
         tide_hf.attach(model, router, mode="select")
     assert tide_hf.get_handle(model) is None
-
-
-def test_on_the_cpu_a_checkpoint_where_nothing_exits_makes_no_exit_state(monkeypatch):
-    """Select mode with a router that scores every checkpoint and never passes: no exit state is computed (the
-    exit head is TIDE's work per step that saves nothing when no position exits), the logits are stock's; a
-    router that always passes still computes them."""
-    model = make_model()
-    ids, mask = left_padded()
-    with torch.no_grad():
-        stock = model(input_ids=ids, attention_mask=mask).logits
-    calls = Counter()
-    real = tide_hf.TideRouter.exit_state
-
-    def counted(self, *args, **kwargs):
-        calls["exit_state"] += 1
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(tide_hf.TideRouter, "exit_state", counted)
-    with tide_hf.attach(model, constant_router(model, -30.0), exit_threshold=0.5, mode="select") as handle:
-        with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=mask).logits
-        assert handle.open_checkpoints  # scored, never passed
-    assert calls["exit_state"] == 0
-    torch.testing.assert_close(logits, stock, rtol=0, atol=0)
-    with tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, mode="select"):
-        with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask)
-    assert calls["exit_state"] > 0

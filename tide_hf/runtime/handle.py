@@ -268,14 +268,8 @@ class TideHandle:
                     f"forward got {tuple(step.exit_layer.shape)}: a forward pre-hook registered on the model after "
                     "attach changed its inputs; register it before attach")
             fresh = step.exit_layer == self.num_layers
-            scores = self.score(layer, hidden)
-            if hidden.device.type == "cpu" and not bool((fresh & (scores >= threshold)).any()):
-                # no position exits here, and on the CPU reading that costs nothing: no exit state to make
-                if self._skipper is not None:
-                    self._skipper.decide(step, layer, self.num_layers)
-                return
-            exits = fresh & self.exit_mask(scores, hidden, threshold).to(fresh.device)
-            # Device-side writes only (no `exits.any()`, no row indices): select mode never waits for a GPU.
+            exits = fresh & self.exit_mask(self.score(layer, hidden), hidden, threshold).to(fresh.device)
+            # Device-side writes only (no `exits.any()`, no row indices): select mode never waits for the device.
             step.exit_layer = step.exit_layer.masked_fill(exits, layer)
             # (speculative mode never swaps exit states in: no exit head to run there)
             state = hidden if self.options.mode == "speculative" else self.exit_state(layer, hidden)

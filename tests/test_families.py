@@ -5,12 +5,15 @@ hooks and replaced forwards in place), and, with a router that always exits at t
 every decoded token exiting there: select and skip mode then give the tokens the model's head picks from that
 checkpoint's state (a plain forward, read by hand), speculative mode stock's tokens with every step's draft gate
 open. A refused cell raises its `TideError` at attach, naming the model, the mode and the way out, and leaves the
-model as found.
+model as found. The table's first column, what a plain `attach(model, router)` serves, is checked too: skip mode with
+kv="recompute", or select mode with a `ModeFallbackWarning`.
 """
 
 from __future__ import annotations
 
 import functools
+import re
+import warnings
 
 import pytest
 import torch
@@ -20,6 +23,7 @@ from helpers import FAMILIES, FAMILY_EOS, FAMILY_VOCAB, constant_router, hooks, 
 import tide_hf
 from tide_hf.errors import TideError
 from tide_hf.modeling import get_adapter, layer_output
+from tide_hf.runtime import ModeFallbackWarning
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 CHECKPOINT = 2  # routers with checkpoint_interval=2: checkpoints [2, 4]; tokens that exit leave at 2
@@ -44,6 +48,8 @@ REFUSED: dict[tuple[str, str], str] = {
     **{(family, "speculative"): _DEPTH for family in ("gpt2", "gpt_neox", "opt", "falcon")},
 }
 CELLS = [(family, mode) for family in FAMILIES for mode in MODES]
+# families on which a plain attach (mode "auto") falls back to select mode: skip mode with kv="recompute" is refused
+FALLS_BACK = {family for family, mode in REFUSED if mode == "skip-recompute"}
 
 
 @functools.cache
@@ -117,3 +123,21 @@ def test_refused_cell(family: str, mode: str) -> None:
     if mode == "speculative" and (family, "skip-propagate") in REFUSED:  # no way out that is refused too
         assert "'skip'" not in message, message
     assert tide_hf.get_handle(model) is None and hooks(model) == before
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_plain_attach(family: str) -> None:
+    """A plain `attach(model, router)` serves skip mode with kv="recompute", or, where the family refuses that,
+    select mode (every layer; no compute saved) with a `ModeFallbackWarning` naming the reason."""
+    model, _, _ = setup(family)
+    router = constant_router(model, 30.0, checkpoint_interval=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tide_hf.attach(model, router) as handle:
+            served = handle.options.mode, handle.options.kv
+    fallbacks = [str(w.message) for w in caught if issubclass(w.category, ModeFallbackWarning)]
+    if family in FALLS_BACK:
+        assert served[0] == "select" and len(fallbacks) == 1, (served, fallbacks)
+        assert "no compute saved" in fallbacks[0] and re.search(REFUSED[family, "skip-recompute"], fallbacks[0])
+    else:
+        assert served == ("skip", "recompute") and not fallbacks, (served, fallbacks)

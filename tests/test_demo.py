@@ -252,3 +252,30 @@ def test_a_slower_tide_is_explained_with_the_run_s_own_figures(capsys) -> None:
     faster = {**result, "tide": {**result["tide"], "tok_s": 11.0, "tok_s_runs": [11.0]}, "pair_ratios": [1.1]}
     demo.print_comparison(faster)
     assert "why TIDE is slower" not in capsys.readouterr().out
+
+
+def test_the_demo_writes_its_figures_beside_the_router(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tide-hf demo` writes what it printed as JSON (`<router folder>-demo.json`): the comparison's figures as
+    `compare` returned them, the wall seconds of its phases and whether the router was reused."""
+    import json
+
+    monkeypatch.setenv("TIDE_HF_CACHE", str(tmp_path))
+    model = make_model()
+    model.generation_config.eos_token_id = None
+    router = constant_router(model, 30.0)
+    monkeypatch.setattr(demo, "get_router", lambda args: (model, ChatTokenizer(), router, True))
+    results = []
+    real = demo.compare
+    monkeypatch.setattr(demo, "compare", lambda *a: results.append(real(*a)) or results[-1])
+    monkeypatch.setattr(demo, "print_comparison", lambda result: None)
+    args = demo_args()
+    args.max_new_tokens, args.repeats, args.command = 4, 1, "tide-hf demo"
+    demo.run(args)
+    folder = demo.router_folder(args)
+    written = json.loads(folder.with_name(f"{folder.name}-demo.json").read_text())
+    assert written["router_reused"] is True and written["command"] == "tide-hf demo"
+    assert set(written["seconds"]) == {"model_and_router", "timed_pairs"} and all(
+        s >= 0 for s in written["seconds"].values())
+    assert written["tide"]["tok_s"] == results[0]["tide"]["tok_s"] and written["pair_ratios"] == results[0][
+        "pair_ratios"]
+    assert "stats" not in written

@@ -247,8 +247,18 @@ def print_comparison(result: dict[str, Any]) -> None:
     print(f"\nstock: {s['text']!r}\nTIDE:  {t['text']!r}")
 
 
+def demo_record(result: dict[str, Any], seconds: dict[str, float], reused: bool, command: str) -> dict[str, Any]:
+    """What the demo measured, as JSON: the comparison (without the stats object), the wall seconds of each phase
+    and whether the router came from the cache (the docs cite the demo's figures from this file)."""
+    record = {k: v for k, v in result.items() if k != "stats"}
+    return {"command": command, "torch_threads": torch.get_num_threads(), "router_reused": reused,
+            "seconds": seconds, **record}
+
+
 def run(args: argparse.Namespace) -> None:
-    """Routers (cached or calibrated), then stock and TIDE on one prompt, side by side; the exit histogram."""
+    """Routers (cached or calibrated), then stock and TIDE on one prompt, side by side; the exit histogram; the
+    figures in a JSON beside the router (`<router folder>-demo.json`)."""
+    started = time.perf_counter()
     model, tokenizer, router, reused = get_router(args)
     if router is None:
         return
@@ -256,8 +266,15 @@ def run(args: argparse.Namespace) -> None:
     if not reused:
         print_metrics(router)
     print(f"router: {folder}")
+    ready = time.perf_counter()
     result = compare(model, tokenizer, router, args.prompt, args.max_new_tokens, args.repeats)
+    seconds = {"model_and_router": ready - started, "timed_pairs": time.perf_counter() - ready}
+    record = folder.with_name(f"{folder.name}-demo.json")
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(demo_record(result, seconds, reused, getattr(args, "command", "tide-hf demo")),
+                                 indent=2))
     print_comparison(result)
+    print(f"figures: {record}")
     png = folder.with_name(f"{folder.name}-exits.png")  # beside the router: its folder holds the router only
     try:
         print("exit histogram:", result["stats"].plot(png))

@@ -398,3 +398,36 @@ def test_a_router_config_edited_after_a_passing_attach_is_still_refused():
     with pytest.raises(tide_hf.TideError, match="config and its weights do not agree"):
         tide_hf.attach(model, router, mode="select")
     assert tide_hf.get_handle(model) is None
+
+
+def test_on_the_cpu_a_checkpoint_where_nothing_exits_makes_no_exit_state(monkeypatch):
+    """Select mode with a router that scores every checkpoint and never passes: on the CPU no exit state is made
+    (the exit head is work that saves nothing where no position exits) and the logits are stock's; as on an
+    accelerator (`host_reads_free` False) every checkpoint makes one, without reading the device; a router that
+    always passes makes them either way."""
+    model = make_model()
+    ids, mask = left_padded()
+    with torch.no_grad():
+        stock = model(input_ids=ids, attention_mask=mask).logits
+    calls = Counter()
+    real = tide_hf.TideRouter.exit_state
+
+    def counted(self, *args, **kwargs):
+        calls["exit_state"] += 1
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(tide_hf.TideRouter, "exit_state", counted)
+    for free, made in ((True, False), (False, True)):
+        calls.clear()
+        with tide_hf.attach(model, constant_router(model, -30.0), exit_threshold=0.5, mode="select") as handle:
+            assert handle.host_reads_free and handle.open_checkpoints  # scored, never passed
+            handle.host_reads_free = free
+            with torch.no_grad():
+                logits = model(input_ids=ids, attention_mask=mask).logits
+        assert (calls["exit_state"] > 0) == made, free
+        torch.testing.assert_close(logits, stock, rtol=0, atol=0)
+    calls.clear()
+    with tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, mode="select"):
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+    assert calls["exit_state"] > 0

@@ -50,6 +50,7 @@ def test_select_mode_adds_no_host_sync_per_step(setup) -> None:
     model, ids, mask, router = setup
     stock = syncs_per_step(model, ids, mask)
     with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="select") as handle:
+        handle.host_reads_free = False  # as on an accelerator (on the CPU a read of a flag costs nothing)
         select = syncs_per_step(model, ids, mask)
         assert 0 < handle.last_stats.decode.exit_rate < 1  # the steps really mixed exits and full depth
     assert stock > 0  # the profiler sees stock's own stopping-criteria syncs
@@ -60,6 +61,7 @@ def test_skip_mode_reads_one_flag_per_checkpoint(setup) -> None:
     model, ids, mask, router = setup
     stock = syncs_per_step(model, ids, mask)
     with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="skip", kv="propagate") as handle:
+        handle.host_reads_free = False  # as on an accelerator
         skip = syncs_per_step(model, ids, mask)
     # each checkpoint reached costs one read (its `is_nonzero` runs `item` / `_local_scalar_dense` inside)
     per_read = len([op for op in SYNC_OPS if op != "aten::nonzero"])

@@ -61,6 +61,9 @@ class TideHandle:
                                    target=options.target)
         self.owner = owner  # the thread of a per-call attach (`generate(tide=router)`); None: every thread
         self.num_layers = adapter.num_layers
+        # On the CPU reading a flag from a tensor costs nothing: a checkpoint where no position passes then makes
+        # no exit state. On an accelerator select mode reads nothing (a read waits for the device).
+        self.host_reads_free = all(p.device.type == "cpu" for p in adapter.layers.parameters())
         self.checkpoints = [k for k in router.checkpoint_layers if k >= options.min_layers]
         self.open_checkpoints = [k for k in self.checkpoints if options.threshold(k) < CLOSED]  # those that can exit
         self.turns = Turns(options.mode == "speculative")  # a speculative call runs alone (`turns.py`)
@@ -268,8 +271,14 @@ class TideHandle:
                     f"forward got {tuple(step.exit_layer.shape)}: a forward pre-hook registered on the model after "
                     "attach changed its inputs; register it before attach")
             fresh = step.exit_layer == self.num_layers
-            exits = fresh & self.exit_mask(self.score(layer, hidden), hidden, threshold).to(fresh.device)
-            # Device-side writes only (no `exits.any()`, no row indices): select mode never waits for the device.
+            scores = self.score(layer, hidden)
+            if self.host_reads_free and not torch.compiler.is_compiling() \
+                    and not bool((fresh & (scores >= threshold).to(fresh.device)).any()):
+                if self._skipper is not None:  # nothing exits here: no exit state to make
+                    self._skipper.decide(step, layer, self.num_layers)
+                return
+            exits = fresh & self.exit_mask(scores, hidden, threshold).to(fresh.device)
+            # Device-side writes only (no `exits.any()`, no row indices): select mode never waits for an accelerator.
             step.exit_layer = step.exit_layer.masked_fill(exits, layer)
             # (speculative mode never swaps exit states in: no exit head to run there)
             state = hidden if self.options.mode == "speculative" else self.exit_state(layer, hidden)

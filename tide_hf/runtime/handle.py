@@ -227,9 +227,9 @@ class TideHandle:
             self._local.session = None
             self.commit(session, None)
             _LAST_STATS[self.model] = session.stats
-            # a plain forward returns a complete cache: its tokens parked by kv="recompute" catch up now
-            made = cache_in(output) if isinstance(output, dict) else None  # (a cache the model made itself)
-            self.settle(step.cache if step.cache is not None else made)
+            if output is not None:  # a plain forward returns a complete cache: tokens kv="recompute" parked catch up
+                made = cache_in(output) if isinstance(output, dict) else None  # (a cache the model made itself)
+                self.settle(step.cache if step.cache is not None else made)
 
     @torch.no_grad()
     def score(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:

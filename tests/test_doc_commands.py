@@ -89,3 +89,20 @@ def test_the_checks_refuse_what_the_cli_refuses() -> None:
     assert "no command 'speed'" in inline_error("tide-hf bench speed")
     assert "has no option ['--continuation']" in inline_error("tide-hf demo --continuation greedy")
     assert inline_error("tide-hf bench continuous --targets") is None
+
+
+SCRIPT = re.compile(r"(?:python3?|bash) ((?:benchmarks|\.ci|notebooks)/[\w./-]+)")
+SCRIPTS = sorted({(path, found) for path in [*FILES, ROOT / "benchmarks" / "README.md"]
+                  for line in path.read_text().splitlines() if HISTORICAL not in line
+                  for found in SCRIPT.findall(line)})
+
+
+@pytest.mark.parametrize(("path", "script"), SCRIPTS, ids=[f"{p.relative_to(ROOT)}:{s}" for p, s in SCRIPTS])
+def test_every_script_a_command_runs_exists(path: Path, script: str) -> None:
+    """A `python benchmarks/...` or `bash .ci/...` command names a file of the repository."""
+    assert (ROOT / script).is_file(), f"{path.relative_to(ROOT)}: `{script}` does not exist"
+
+
+def test_the_docs_run_scripts() -> None:
+    assert any(script.startswith("benchmarks/") for _, script in SCRIPTS)
+    assert any(script.startswith(".ci/") for _, script in SCRIPTS)

@@ -21,8 +21,8 @@ from tqdm.auto import tqdm
 from ..assets import load_model
 from ..compat import cache_in, with_cache
 from ..integrations import attach
-from ..integrations.draft import EARLY_EXIT, LOOKUP, with_acceptance
-from ..integrations.speculative import DRAFT_SOURCES, only_sources
+from ..integrations.draft import DRAFT_SOURCES, EARLY_EXIT, LOOKUP, with_acceptance
+from ..integrations.speculative import only_sources
 from ..modeling import TideRouter
 from ..runtime import fast_linears
 from .measure import generate, left_pad, match_rate
@@ -57,7 +57,7 @@ def median_seconds(fn: Callable[[], Any], repeats: int) -> float:
 
 
 @torch.no_grad()
-def forward_costs(model: Any, cache_len: int, repeats: int, vocab: int) -> dict[str, list[float]]:
+def forward_costs(model: Any, cache_len: int, repeats: int, vocab: int) -> dict[str, Any]:
     """Milliseconds of a forward over k new tokens (`FORWARD_TOKENS`) on a cache of `cache_len` tokens, per
     path, and the fast path's `rows_from` (measured); the cache is cropped back after each forward, so every one
     reads the same cache."""

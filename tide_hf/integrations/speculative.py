@@ -65,7 +65,7 @@ from ..compat import CANDIDATE_GENERATOR_FACTORY, eos_token_tensor, extend_model
 from ..errors import TideArgumentError, TideConcurrencyError, TideUnsupportedError
 from ..modeling import layer_output
 from ..runtime import Patches, Session, TideHandle
-from .draft import EARLY_EXIT, LOOKUP, SOURCE_COUNTERS, SpeculativeStats, draft_body, draft_plan
+from .draft import DRAFT_SOURCES, EARLY_EXIT, LOOKUP, SOURCE_COUNTERS, SpeculativeStats, draft_body, draft_plan
 from .embeds import with_placeholder_ids, without_prompt
 from .outputs import stack_outputs
 from .processor import TideLogitsProcessor
@@ -91,7 +91,6 @@ from .vocab import DraftHead
 # for exits whose tokens are emitted).
 GATE_THRESHOLD = 0.5
 PLAIN_TIMING_EVERY = 16  # drafting rounds between plain steps that keep the plain-step time current
-DRAFT_SOURCES = (EARLY_EXIT, LOOKUP)
 _ALLOWED = threading.local()  # the sources `only_sources` leaves on in this thread
 
 

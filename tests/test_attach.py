@@ -349,7 +349,8 @@ def test_summary_and_plot(tmp_path):
     finally:
         handle.detach()
     counter, rate, mean = by_hand(exit_layer[mask.bool()])
-    lines = stats.summary().splitlines()
+    mode, *lines = stats.summary().splitlines()
+    assert mode == "mode    select: asked for" and stats.as_dict()["mode"] == "select"
     assert lines[0].startswith("prefill") and lines[1].startswith("decode")
     assert f"{int(mask.sum())} tokens" in lines[0] and f"exit rate {rate:6.1%}" in lines[0]
     assert f"mean layers {mean:5.2f}/{NUM_LAYERS}" in lines[0]

@@ -85,19 +85,35 @@ def test_attach_reads_a_config_like_its_keywords() -> None:
     assert tide_hf.get_handle(model) is None
 
 
-def test_attach_defaults_to_skip_mode_with_the_exact_cache() -> None:
-    """No options: skip mode with kv="recompute" (the policy that keeps the quality target), which runs fewer
-    layers than stock and gives the tokens select mode gives at the same thresholds (the exact cache)."""
+def test_attach_defaults_to_speculative_mode_and_to_skip_mode_with_an_exit_setting() -> None:
+    """No options: speculative mode, stock's tokens, the reason in `last_stats`. An exit setting given alone (here
+    `exit_threshold`): skip mode with kv="recompute" (the policy that keeps the quality target), which runs fewer
+    layers than stock and gives the tokens select mode gives at the same thresholds (the exact cache). In a
+    batch, the default runs stock generate (rows drafted one at a time would cost a step each)."""
     model = make_model()
     ids = torch.randint(3, 256, (1, 7), generator=torch.Generator().manual_seed(0))
     router = mixed_router(model, ids, exit_threshold=0.5)
-    with tide_hf.attach(model, router, mode="select") as handle:
-        select = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    stock = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
     with tide_hf.attach(model, router) as handle:
         default = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert handle.options.mode == handle.last_stats.mode == "speculative" and handle.options.auto
+        assert "no exit setting given" in handle.last_stats.reason
+        assert handle.last_stats.speculative["fallback"] is None
+        with pytest.warns(tide_hf.integrations.SpeculativeFallbackWarning, match="a batch of 2 rows"):
+            rows = model.generate(input_ids=ids.repeat(2, 1), max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(rows, stock.repeat(2, 1)) and "batch of 2 rows" in handle.last_stats.speculative["fallback"]
+    assert torch.equal(default, stock)
+    with tide_hf.attach(model, router, mode="speculative") as handle:  # asked for: drafted row by row
+        rows = model.generate(input_ids=ids.repeat(2, 1), max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert handle.last_stats.speculative["fallback"] is None and torch.equal(rows, stock.repeat(2, 1))
+    with tide_hf.attach(model, router, mode="select") as handle:
+        select = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with tide_hf.attach(model, router, exit_threshold=0.5) as handle:
+        skipped = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert (handle.options.mode, handle.options.kv) == ("skip", "recompute")
+        assert handle.last_stats.reason == "attach's default with exit_threshold given: tokens exit at a quality target"
         assert handle.last_stats.decode.mean_executed < model.config.num_hidden_layers
-    assert torch.equal(default, select)
+    assert torch.equal(skipped, select) and not torch.equal(skipped, stock)
 
 
 def test_auto_mode_falls_back_to_select_mode_with_a_warning() -> None:
@@ -151,9 +167,9 @@ def test_a_file_without_exit_head_reads_as_the_lens(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_attach_with_no_options_runs_fewer_layers_on_smollm2() -> None:
-    """The default a user gets on the real model: routers calibrated as the demo calibrates them, `attach(model,
-    router)` with no options, one chat prompt. Skip mode at the router's default target runs fewer layers per
+def test_skip_mode_runs_fewer_layers_on_smollm2() -> None:
+    """Skip mode as a user gets it on the real model: routers calibrated as the demo calibrates them,
+    `attach(model, router, mode="skip")`, one chat prompt. Skip mode at the router's default target runs fewer layers per
     decode step than the model has (stock runs them all), with the exact cache."""
     from tide_hf.assets import load_model
     from tide_hf.cli.arguments import DEMO_CALIBRATION
@@ -169,7 +185,7 @@ def test_attach_with_no_options_runs_fewer_layers_on_smollm2() -> None:
         router = tide_hf.calibrate(model, tok, "sotu", settings, progress=False)
     inputs = tok.apply_chat_template([{"role": "user", "content": "What should Congress do about the economy?"}],
                                      add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    with tide_hf.attach(model, router) as handle:
+    with tide_hf.attach(model, router, mode="skip") as handle:
         model.generate(**inputs, max_new_tokens=32, do_sample=False)
         stats = handle.last_stats.decode
     assert (handle.options.mode, handle.options.kv) == ("skip", "recompute")

@@ -141,10 +141,11 @@ def test_generate_batch_without_exits_equals_stock(setup, mode):
 @pytest.mark.parametrize("options, match", [
     ({"mode": "speculative", "draft_layer": 2}, "mode='speculative'.*nothing would be drafted"),
     ({"mode": "skip", "kv": "recompute"}, "kv='recompute'.*kv='propagate'"),
-    ({}, "kv='recompute'.*kv='propagate'"),
-], ids=["speculative", "skip-recompute", "default"])
+    ({}, "mode='speculative'.*nothing would be drafted"),
+    ({"min_agreement": None, "kv": "recompute"}, "kv='recompute'.*kv='propagate'"),
+], ids=["speculative", "skip-recompute", "default", "default-with-kv"])
 def test_modes_continuous_batching_cannot_serve_are_refused(setup, options, match):
-    """Speculative mode and skip mode with kv="recompute" (attach's default) are refused before any work;
+    """Speculative mode (attach's default) and skip mode with kv="recompute" are refused before any work;
     detached, the model serves continuous batching again."""
     model, router, prompts = setup
     stock = run_batch(model, prompts)

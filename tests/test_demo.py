@@ -147,40 +147,60 @@ class ChatTokenizer:
         return bytes(ids.tolist()).decode("utf-8", "replace")
 
 
-def test_the_comparison_times_interleaved_pairs_and_reports_medians_and_their_range(monkeypatch, capsys) -> None:
-    """One stock and one TIDE run were timed (noise on a shared machine read as a speed-up or a loss): now
-    stock, TIDE, stock, ... after one warm-up each, TIDE attached in its runs only, and the table gives each one's
-    median tokens/s, their range and the range of the per-pair ratio, beside layers and agreement."""
+@pytest.mark.parametrize("mode", [None, "skip"])
+def test_the_comparison_times_interleaved_runs_and_reports_medians_and_their_range(mode, monkeypatch,
+                                                                                   capsys) -> None:
+    """One stock and one TIDE run were timed (noise on a shared machine read as a speed-up or a loss): now stock,
+    stock on the fast linear path, TIDE, TIDE on the fast path, stock, ... after one warm-up each, TIDE attached
+    and the fast path on in their runs only; the table gives each one's median tokens/s, their range and the
+    ratios against stock, beside what each step did. attach's default (speculative) gives stock's tokens."""
+    import tide_hf
     from tide_hf.runtime import get_handle
+    from tide_hf.runtime.linears import FastForward
 
     model = make_model()
     model.generation_config.eos_token_id = None  # every run writes all its tokens
     router = constant_router(model, 30.0)  # every token exits at the first checkpoint
     order, real = [], demo.timed_generate
+    switched = lambda: any(isinstance(v, FastForward) for m in model.modules() for v in vars(m).values())  # noqa: E731
+    # every layer switched (measured on a model this small, eager wins and none would be)
+    monkeypatch.setattr(demo, "fast_linears", lambda model: tide_hf.fast_linears(model, rows_from=1))
 
     def timed(model, inputs, new_tokens, desc):
-        order.append((desc, get_handle(model) is not None))
+        fast = switched()
+        order.append((desc, get_handle(model) is not None, fast))
         return real(model, inputs, new_tokens, desc)
 
     monkeypatch.setattr(demo, "timed_generate", timed)
-    result = demo.compare(model, ChatTokenizer(), router, "the state of the union", 6, repeats=3)
-    assert order == [(f"{name} generate {i}/3", attached) for i in (1, 2, 3)
-                     for name, attached in (("stock", False), ("TIDE", True))]
+    result = demo.compare(model, ChatTokenizer(), router, "the state of the union", 6, repeats=3, mode=mode)
+    assert order == [(f"{label} {i}/3", attached, fast) for i in (1, 2, 3)
+                     for label, attached, fast in (("stock", False, False), ("stock, fast linears", False, True),
+                                                   ("TIDE", True, False), ("TIDE, fast linears", True, True))]
     stock, tide = result["stock"], result["tide"]
-    assert len(stock["tok_s_runs"]) == len(tide["tok_s_runs"]) == 3 and stock["tokens"] == tide["tokens"] == 6
-    assert stock["tok_s"] == statistics.median(stock["tok_s_runs"]) and tide["tok_s"] == statistics.median(
-        tide["tok_s_runs"])
-    assert result["pair_ratios"] == [t / s for s, t in zip(stock["tok_s_runs"], tide["tok_s_runs"])]
-    assert tide["layers"] < stock["layers"] == result["num_layers"] and 0.0 <= result["same_tokens"] <= 1.0
+    for run in (stock, result["fast"], tide, result["tide_fast"]):
+        assert len(run["tok_s_runs"]) == 3 and run["tokens"] == 6
+        assert run["tok_s"] == statistics.median(run["tok_s_runs"])
+        assert run["vs_stock"] == [t / s for s, t in zip(stock["tok_s_runs"], run["tok_s_runs"])]
+    assert result["tide_fast"]["vs_same_path"] == [t / s for s, t in zip(result["fast"]["tok_s_runs"],
+                                                                        result["tide_fast"]["tok_s_runs"])]
+    assert result["pair_ratios"] == tide["vs_stock"]
+    assert result["fast"]["same_tokens"] == 1.0  # greedy on the fast path: stock's tokens on this tiny model
+    if mode is None:
+        assert result["mode"] == "speculative" and "default" in result["reason"]
+        assert tide["same_tokens"] == result["tide_fast"]["same_tokens"] == 1.0 and tide["drafts"] is not None
+    else:
+        assert result["mode"] == "skip" and tide["layers"] < stock["layers"] == result["num_layers"]
     assert get_handle(model) is None
+    assert not switched()
     capsys.readouterr()
     demo.print_comparison(result)
     table = capsys.readouterr().out.strip().splitlines()
-    assert "stock" in table[0] and "TIDE (mode=skip" in table[0]
+    assert table[0].split() == ["stock", "stock,", "fast", "linears", "TIDE", "TIDE,", "fast", "linears"]
     assert table[1].startswith("tokens/s, median of 3") and f"{tide['tok_s']:.1f}" in table[1]
-    low, high = min(result["pair_ratios"]) - 1, max(result["pair_ratios"]) - 1
-    assert table[3].startswith("TIDE vs stock, each pair") and table[3].endswith(f"{low:+.0%} to {high:+.0%}")
-    assert any(line.startswith("layers per decode step") for line in table)
+    low, high = min(result["pair_ratios"]), max(result["pair_ratios"])
+    assert table[4].startswith("vs stock, each pair") and f"{low:.2f}x - {high:.2f}x" in table[4]
+    assert any(line.startswith("per decode step") for line in table)
+    assert any(line.startswith(f"TIDE: mode={result['mode']}") for line in table)
 
 
 def test_the_demo_states_its_quality_target() -> None:
@@ -239,19 +259,33 @@ def test_the_embedded_model_folder_is_a_plain_one(tmp_path: Path, monkeypatch: p
 
 
 def test_a_slower_tide_is_explained_with_the_run_s_own_figures(capsys) -> None:
-    """When TIDE's median is below stock's the demo says why, from the exit rate and layers it measured; when it
-    is not, it says nothing of the kind."""
-    result = {"stock": {"text": "a", "tok_s": 10.0, "tok_s_runs": [10.0], "layers": 30.0},
-              "tide": {"text": "b", "tok_s": 9.0, "tok_s_runs": [9.0], "layers": 27.0, "exit_rate": 0.11},
-              "pair_ratios": [0.9], "num_layers": 30, "same_tokens": 0.5, "first_difference": 3, "top1": 0.96,
-              "target": None, "mode": "skip", "kv": "recompute", "calibration_text": "sotu"}
+    """When TIDE's median is below stock's the demo says why, from the exit rate and layers it measured (skip
+    mode) or the drafts it took (speculative mode); when it is not, it says nothing of the kind."""
+    def run(label: str, tok_s: float, **rest) -> dict:
+        return {"label": label, "text": label, "tok_s": tok_s, "tok_s_runs": [tok_s], "layers": 30.0,
+                "vs_stock": [tok_s / 10.0], "vs_same_path": [tok_s / 10.0], "same_tokens": 1.0,
+                "first_difference": None, **rest}
+
+    result = {"stock": run("stock", 10.0), "fast": run("stock, fast linears", 10.0),
+              "tide": run("TIDE", 9.0, layers=27.0, exit_rate=0.11, drafts=None, same_tokens=0.5,
+                          first_difference=3),
+              "tide_fast": run("TIDE, fast linears", 9.0, layers=27.0, exit_rate=0.11, drafts=None),
+              "num_layers": 30, "top1": 0.96, "target": None, "mode": "skip", "kv": "recompute",
+              "reason": "asked for", "calibration_text": "sotu"}
     demo.print_comparison(result)
     out = capsys.readouterr().out
     assert "why TIDE is slower here: 11% of tokens exited, so at most 10% of the layer runs" in out
-    assert "kv='recompute'" in out
-    faster = {**result, "tide": {**result["tide"], "tok_s": 11.0, "tok_s_runs": [11.0]}, "pair_ratios": [1.1]}
+    assert "kv='recompute'" in out and "first token that differs from stock's: token 4" in out
+    faster = {**result, "tide": {**result["tide"], "tok_s": 11.0, "tok_s_runs": [11.0]}}
     demo.print_comparison(faster)
     assert "why TIDE is slower" not in capsys.readouterr().out
+    drafted = {"rounds": {"early_exit": 2, "lookup": 5}, "plain_steps": 40, "drafted": 30, "accepted": 12,
+               "fallback": None}
+    speculative = {**result, "mode": "speculative", "tide": {**result["tide"], "exit_rate": 0.0, "drafts": drafted}}
+    demo.print_comparison(speculative)
+    out = capsys.readouterr().out
+    assert "it drafted in 7 rounds beside 40 plain steps, and 12 of 30 drafted tokens were accepted" in out
+    assert "12/30 drafts accepted; rounds: early_exit 2, lookup 5" in out and "quality target" not in out
 
 
 def test_the_demo_writes_its_figures_beside_the_router(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

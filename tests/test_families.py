@@ -5,8 +5,8 @@ hooks and replaced forwards in place), and, with a router that always exits at t
 every decoded token exiting there: select and skip mode then give the tokens the model's head picks from that
 checkpoint's state (a plain forward, read by hand), speculative mode stock's tokens with every step's draft gate
 open. A refused cell raises its `TideError` at attach, naming the model, the mode and the way out, and leaves the
-model as found. The table's first column, what a plain `attach(model, router)` serves, is checked too: skip mode with
-kv="recompute", or select mode with a `ModeFallbackWarning`.
+model as found. The table's first column, what a plain `attach(model, router)` serves, is checked too: speculative mode, else skip
+mode with kv="recompute", else select mode, with a `ModeFallbackWarning`.
 """
 
 from __future__ import annotations
@@ -127,17 +127,26 @@ def test_refused_cell(family: str, mode: str) -> None:
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_plain_attach(family: str) -> None:
-    """A plain `attach(model, router)` serves skip mode with kv="recompute", or, where the family refuses that,
-    select mode (every layer; no compute saved) with a `ModeFallbackWarning` naming the reason."""
+    """A plain `attach(model, router)` serves speculative mode (stock's tokens); where the family refuses it, skip
+    mode with kv="recompute", else select mode (every layer; no compute saved), with a `ModeFallbackWarning`
+    naming each refusal. An exit setting given alone asks for skip mode first."""
     model, _, _ = setup(family)
     router = constant_router(model, 30.0, checkpoint_interval=2)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with tide_hf.attach(model, router) as handle:
-            served = handle.options.mode, handle.options.kv
-    fallbacks = [str(w.message) for w in caught if issubclass(w.category, ModeFallbackWarning)]
-    if family in FALLS_BACK:
-        assert served[0] == "select" and len(fallbacks) == 1, (served, fallbacks)
-        assert "no compute saved" in fallbacks[0] and re.search(REFUSED[family, "skip-recompute"], fallbacks[0])
-    else:
-        assert served == ("skip", "recompute") and not fallbacks, (served, fallbacks)
+    for options, first in (({}, "speculative"), ({"exit_threshold": 0.5}, "skip-recompute")):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with tide_hf.attach(model, router, **options) as handle:
+                served, reason = (handle.options.mode, handle.options.kv), handle.options.reason
+        fallbacks = [str(w.message) for w in caught if issubclass(w.category, ModeFallbackWarning)]
+        order = list(dict.fromkeys((first, "skip-recompute", "select")))
+        served_cell = next(mode for mode in order if (family, mode) not in REFUSED)  # the first the family serves
+        refused = order[:order.index(served_cell)]
+        expected = served_cell.split("-")[0]
+        assert served[0] == expected and reason.startswith("attach's default"), (options, served, reason)
+        if expected == "skip":
+            assert served[1] == "recompute"
+        if not refused:
+            assert not fallbacks, (options, fallbacks)
+            continue
+        assert len(fallbacks) == 1 and all(re.search(REFUSED[family, mode], fallbacks[0]) for mode in refused)
+        assert ("no compute saved" in fallbacks[0]) == (expected == "select"), fallbacks

@@ -16,7 +16,7 @@ import tide_hf
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reference" / "development.md"
 BEGIN, END = "<!-- step-trace: begin -->", "<!-- step-trace: end -->"
-MODES = {"skip": {}, "select": {"mode": "select"}}  # skip: `attach(model, router)`'s default
+MODES = {"skip": {"mode": "skip"}, "select": {"mode": "select"}}
 TRACED_FORWARD = 2  # generate's forwards: the prefill, then decode steps; the second is a decode step
 TRACED_BACKEND = "cpp"  # the kernel backend the page's lists were traced with (tide_hf.kernels.active_backend)
 NEW_TOKENS = 3  # a third forward closes the traced step (its logits processor and stopping criteria ran)

@@ -118,9 +118,10 @@ def add_demo(sub: argparse._SubParsersAction) -> None:
         help="calibrate the embedded SmolLM2 on SOTU (cached), generate with TIDE and stock side by side",
         description="Calibrate routers for the embedded SmolLM2-135M on State of the Union text (a small, fast, "
                     f"fixed set: {DEMO_SAMPLES} samples x {DEMO_SEQ_LEN} tokens; cached, so a second run reuses "
-                    "them), then answer one prompt with stock generate and with TIDE (skip mode: exited tokens skip "
-                    "the remaining layers), timed in interleaved pairs, and print both side by side: text, "
-                    "tokens/s, layers executed per token, agreement with stock. Other settings: tide-hf "
+                    "them), then answer one prompt with stock generate and with TIDE (attach's default: speculative "
+                    "mode, the same tokens as stock; --mode skip for exits at a quality target), each on eager and "
+                    "on the fast linear path, timed interleaved, and print them side by side: text, tokens/s, "
+                    "ratios against stock, what each step did, agreement with stock. Other settings: tide-hf "
                     "calibrate.\n\n"
                     "example: tide-hf demo --prompt 'What should Congress do about taxes?'\n"
                     f"time {CPU}: ~4 min the first time (model conversion, calibration), then ~50 s")
@@ -128,7 +129,9 @@ def add_demo(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--prompt", default="What should Congress do about the economy?", help="the user message")
     g.add_argument("--max-new-tokens", type=positive_int, default=48, metavar="N", help="tokens generated per answer")
     g.add_argument("--repeats", type=positive_int, default=DEMO_REPEATS, metavar="N",
-                   help="timed (stock, TIDE) pairs: medians and their range are reported")
+                   help="timed rounds of the four runs: medians and their range are reported")
+    g.add_argument("--mode", choices=("select", "skip", "speculative"), default=None,
+                   help="the mode TIDE is attached with (default: attach's own, speculative where the model allows)")
     g = p.add_argument_group("router")
     g.add_argument("--output", default=None, metavar="DIR", help="folder to save the router in (default: a folder "
                    "under the tide_hf cache keyed by the calibration settings, printed)")

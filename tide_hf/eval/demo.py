@@ -1,9 +1,10 @@
 """`tide-hf demo`: routers for the embedded SmolLM2 (calibrated on SOTU once, then reused from the cache), one
-prompt answered by stock generate and by TIDE, timed in interleaved pairs, and the two side by side: text,
-tokens/s (median and range), layers executed per token, agreement with stock, under the quality target the demo
-states. Its calibration settings come with `args` (fixed by the CLI: `tide_hf.cli.arguments.DEMO_CALIBRATION`).
+prompt answered by stock generate and by TIDE, each on eager and on the fast linear path (`fast_linears`), timed
+interleaved, and side by side: text, tokens/s (median and range), ratios against stock, what each step did,
+agreement with stock. Its calibration settings come with `args` (fixed by the CLI:
+`tide_hf.cli.arguments.DEMO_CALIBRATION`).
 
-The demo attaches with `attach`'s defaults: what a user gets with no options (skip mode at the router's target).
+The demo attaches with `attach`'s defaults (what a user gets with no options), or with `--mode`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import os
 import shutil
 import statistics
 import time
+import warnings
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +34,11 @@ from ..integrations import attach
 from ..kernels import build_in_background
 from ..modeling import TideRouter, get_adapter
 from ..modeling.files import check_save_target
+from ..runtime import LinearPathWarning, fast_linears
 from .tables import percent
 
 # Options that change what the demo shows, not the router it calibrates (left out of the cache key).
-NOT_CALIBRATION = {"output", "recalibrate", "prompt", "max_new_tokens", "repeats", "func", "command"}
+NOT_CALIBRATION = {"output", "recalibrate", "prompt", "max_new_tokens", "repeats", "mode", "func", "command"}
 ROUTER_FILES = ("config.json", "model.safetensors")
 CACHE_KEY_CHARS, MODEL_SLUG_CHARS = 12, 40  # the cache folder's name: a hash of the settings, the model's name
 # Calibration settings (TideRouterConfig names) a reused `--output` router must have been made with.
@@ -153,41 +158,83 @@ def teacher_forced_top1(model: Any, inputs: dict, reference: torch.Tensor) -> fl
     return float((predicted == reference).float().mean())
 
 
-def compare(model: Any, tokenizer: Any, router: TideRouter, prompt: str, new_tokens: int,
-            repeats: int) -> dict[str, Any]:
-    """Stock and TIDE on the same prompt: their texts, tokens/s (each timed `repeats` times, interleaved stock,
-    TIDE, stock, ... after one warm-up each, so drifts of the machine's speed reach both alike), layers per token
-    and agreement."""
+# The demo's runs, timed in this order in each repeat: (name, label, on the fast linear path, TIDE attached)
+RUNS = (("stock", "stock", False, False), ("fast", "stock, fast linears", True, False),
+        ("tide", "TIDE", False, True), ("tide_fast", "TIDE, fast linears", True, True))
+SAME_PATH = {"stock": "stock", "fast": "fast", "tide": "stock", "tide_fast": "fast"}  # each run's stock
+
+
+def mode_option(mode: str | None) -> dict[str, str]:
+    """attach's keyword for the demo's `--mode` (None: attach's default)."""
+    return {} if mode is None else {"mode": mode}
+
+
+@contextmanager
+def run_setup(model: Any, router: TideRouter, fast: bool, tide: bool, mode: str | None) -> Iterator[Any]:
+    """The model as one of the demo's runs uses it: on the fast linear path or not, TIDE attached or not (the
+    handle, else None); everything undone afterwards."""
+    with ExitStack() as stack:
+        if fast:
+            with warnings.catch_warnings():  # layers left eager are named once by the first run's warning
+                warnings.simplefilter("ignore", LinearPathWarning)
+                stack.enter_context(fast_linears(model))
+        yield stack.enter_context(attach(model, router, **mode_option(mode))) if tide else None
+
+
+def drafts(stats: Any) -> dict[str, Any] | None:
+    """Speculative mode's drafting figures of one call (None in other modes): rounds per source, plain steps,
+    drafted and accepted tokens, and why it ran stock generate instead (None: it drafted)."""
+    spec = stats.speculative
+    if spec is None:
+        return None
+    rounds = {name: source["rounds"] for name, source in spec["sources"].items()}
+    return {"rounds": rounds, "plain_steps": spec["plain_steps"], "drafted": spec["drafted"],
+            "accepted": spec["accepted"], "fallback": spec["fallback"]}
+
+
+def compare(model: Any, tokenizer: Any, router: TideRouter, prompt: str, new_tokens: int, repeats: int,
+            mode: str | None = None) -> dict[str, Any]:
+    """Stock and TIDE (attached with `mode`; None: attach's default), each on eager and on the fast linear path, on the same prompt:
+    their texts, tokens/s (each timed `repeats` times, interleaved in `RUNS` order after one warm-up each, so
+    drifts of the machine's speed reach all alike), layers per token and agreement."""
     inputs = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                            return_tensors="pt", return_dict=True)
     num_layers = get_adapter(model).num_layers
-    model.generate(**inputs, max_new_tokens=2, do_sample=False)  # warm-up: first-call costs out of the timing
-    with attach(model, router):
-        model.generate(**inputs, max_new_tokens=2, do_sample=False)  # warm-up (builds the kernels once)
-    speeds: dict[str, list[float]] = {"stock": [], "tide": []}
+    for _, _, fast, tide in RUNS:  # warm-up: first-call costs (kernel builds, packing) out of the timing
+        with run_setup(model, router, fast, tide, mode):
+            model.generate(**inputs, max_new_tokens=2, do_sample=False)
+    speeds: dict[str, list[float]] = {name: [] for name, *_ in RUNS}
+    tokens, handles = {}, {}
     for i in range(repeats):
-        stock, seconds = timed_generate(model, inputs, new_tokens, f"stock generate {i + 1}/{repeats}")
-        speeds["stock"].append(len(stock) / seconds)
-        with attach(model, router) as handle:
-            tide, seconds = timed_generate(model, inputs, new_tokens, f"TIDE generate {i + 1}/{repeats}")
-            speeds["tide"].append(len(tide) / seconds)
-            stats, options = handle.last_stats, handle.options
-    with attach(model, router):  # outside the timed pairs
-        top1 = teacher_forced_top1(model, inputs, stock)
-    n = min(len(stock), len(tide))
-    same = (stock[:n] == tide[:n]).tolist()
-    return {
-        "stock": {"text": tokenizer.decode(stock, skip_special_tokens=True), "tokens": len(stock),
-                  "tok_s": statistics.median(speeds["stock"]), "tok_s_runs": speeds["stock"],
-                  "layers": float(num_layers)},
-        "tide": {"text": tokenizer.decode(tide, skip_special_tokens=True), "tokens": len(tide),
-                 "tok_s": statistics.median(speeds["tide"]), "tok_s_runs": speeds["tide"],
-                 "layers": stats.decode.mean_executed, "exit_rate": stats.decode.exit_rate},
-        "pair_ratios": [t / s for s, t in zip(speeds["stock"], speeds["tide"])],
-        "num_layers": num_layers, "same_tokens": sum(same) / max(len(stock), 1),
-        "first_difference": next((i for i, s in enumerate(same) if not s), None), "top1": top1, "stats": stats,
-        "target": options.target, "mode": options.mode, "kv": options.kv, "calibration_text": router.config.dataset,
-    }
+        for name, label, fast, tide in RUNS:
+            with run_setup(model, router, fast, tide, mode) as handle:
+                tokens[name], seconds = timed_generate(model, inputs, new_tokens, f"{label} {i + 1}/{repeats}")
+                speeds[name].append(len(tokens[name]) / seconds)
+                if handle is not None:
+                    handles[name] = (handle.last_stats, handle.options)
+    with attach(model, router, **mode_option(mode)):  # outside the timed runs
+        top1 = teacher_forced_top1(model, inputs, tokens["stock"])
+    stock = tokens["stock"]
+    runs = {}
+    for name, label, fast, tide in RUNS:
+        n = min(len(stock), len(tokens[name]))
+        same = (stock[:n] == tokens[name][:n]).tolist()
+        runs[name] = {"label": label, "text": tokenizer.decode(tokens[name], skip_special_tokens=True),
+                      "tokens": len(tokens[name]), "tok_s": statistics.median(speeds[name]),
+                      "tok_s_runs": speeds[name], "layers": float(num_layers),
+                      "same_tokens": sum(same) / max(len(stock), 1),
+                      "first_difference": next((i for i, s in enumerate(same) if not s), None),
+                      "vs_stock": [t / s for s, t in zip(speeds["stock"], speeds[name])],
+                      "vs_same_path": [t / s for s, t in zip(speeds[SAME_PATH[name]], speeds[name])]}
+        if name in handles:
+            stats = handles[name][0]
+            runs[name].update(layers=stats.decode.mean_executed, exit_rate=stats.decode.exit_rate,
+                              drafts=drafts(stats))
+    stats, options = handles["tide"]
+    return {**runs, "pair_ratios": runs["tide"]["vs_stock"], "num_layers": num_layers,
+            "same_tokens": runs["tide"]["same_tokens"], "first_difference": runs["tide"]["first_difference"],
+            "top1": top1, "stats": stats, "target": options.target, "mode": options.mode,
+            "reason": options.reason, "kv": options.kv, "calibration_text": router.config.dataset}
 
 
 def describe_target(target: dict[str, float] | None, calibration_text: str | None) -> str:
@@ -206,6 +253,14 @@ def describe_target(target: dict[str, float] | None, calibration_text: str | Non
 def why_slower(result: dict[str, Any]) -> str:
     """Why TIDE's median was below stock's on this machine, from what the run measured."""
     t, n = result["tide"], result["num_layers"]
+    if result["mode"] == "speculative":
+        d = t["drafts"]
+        if d["fallback"] is not None:
+            return f"why TIDE is slower here: it ran stock generate ({d['fallback']}), plus its own checks"
+        rounds = sum(d["rounds"].values())
+        return (f"why TIDE is slower here: it drafted in {rounds} rounds beside {d['plain_steps']} plain steps, and "
+                f"{d['accepted']} of {d['drafted']} drafted tokens were accepted; a verification forward over "
+                "several tokens costs more than one step where the linear layers are not the fast path's")
     saved = 1 - t["layers"] / n
     text = (f"why TIDE is slower here: {t['exit_rate']:.0%} of tokens exited, so at most {saved:.0%} of the layer "
             "runs were skipped in their own step")
@@ -217,34 +272,56 @@ def why_slower(result: dict[str, Any]) -> str:
                    "weights (a GPU).")
 
 
+def ratio_range(ratios: list[float]) -> str:
+    """A run's speed against another's, pair by pair: the lowest and highest ratio."""
+    return f"{min(ratios):.2f}x - {max(ratios):.2f}x"
+
+
+def work_row(run: dict[str, Any], result: dict[str, Any]) -> str:
+    """What a run did per decode step: every layer (stock), exits (skip, select) or drafts (speculative)."""
+    n = result["num_layers"]
+    if "exit_rate" not in run:
+        return f"{run['layers']:.2f}/{n} layers"
+    d = run.get("drafts")
+    if d is not None:
+        if d["fallback"] is not None:
+            return "stock generate ran (see below)"
+        rounds = ", ".join(f"{name} {count}" for name, count in d["rounds"].items())
+        return f"{d['accepted']}/{d['drafted']} drafts accepted; rounds: {rounds}"
+    later = "; run later" if result["mode"] == "skip" and result["kv"] == "recompute" else ""
+    return f"{run['layers']:.2f}/{n} layers, {run['exit_rate']:.0%} exited{later}"
+
+
 def print_comparison(result: dict[str, Any]) -> None:
-    """The two answers and their figures, side by side: the table first, then the target and the texts."""
-    s, t, n = result["stock"], result["tide"], result["num_layers"]
-    mode = f"mode={result['mode']}" + (f", kv={result['kv']}" if result["mode"] == "skip" else "")
-    first, ratios, pairs = result["first_difference"], result["pair_ratios"], len(result["pair_ratios"])
+    """The runs' answers and figures, side by side: the table first, then the mode, the target and the texts."""
+    names = [name for name, *_ in RUNS]
+    runs = [result[name] for name in names]
+    first = result["tide"]["first_difference"]
     rows = [
-        ("", "stock", f"TIDE ({mode})"),
-        (f"tokens/s, median of {pairs}", f"{s['tok_s']:.1f}", f"{t['tok_s']:.1f} ({t['tok_s'] / s['tok_s'] - 1:+.0%})"),
-        ("tokens/s, slowest - fastest", f"{min(s['tok_s_runs']):.1f} - {max(s['tok_s_runs']):.1f}",
-         f"{min(t['tok_s_runs']):.1f} - {max(t['tok_s_runs']):.1f}"),
-        ("TIDE vs stock, each pair", "", f"{min(ratios) - 1:+.0%} to {max(ratios) - 1:+.0%}"),
-        ("layers per decode step", f"{s['layers']:.2f}/{n}",
-         f"{t['layers']:.2f}/{n} ({t['exit_rate']:.0%} of tokens exited early"
-         + ("; their skipped layers run later, batched into a later step)"
-            if result["mode"] == "skip" and result["kv"] == "recompute" else ")")),
-        ("generated tokens equal to stock's", "100%",
-         f"{result['same_tokens']:.0%}" + ("" if first is None else f" (first difference at token {first + 1})")),
-        ("top-1 agreement, stock's prefix", "100%", f"{result['top1']:.0%}"),
+        ("", *[run["label"] for run in runs]),
+        (f"tokens/s, median of {len(runs[0]['tok_s_runs'])}", *[f"{run['tok_s']:.1f}" for run in runs]),
+        ("tokens/s, slowest - fastest", *[f"{min(run['tok_s_runs']):.1f} - {max(run['tok_s_runs']):.1f}"
+                                          for run in runs]),
+        ("vs stock, median of pairs", *[f"{statistics.median(run['vs_stock']):.2f}x" for run in runs]),
+        ("vs stock, each pair", *[ratio_range(run["vs_stock"]) for run in runs]),
+        ("vs stock on its path, median", *[f"{statistics.median(run['vs_same_path']):.2f}x" for run in runs]),
+        ("per decode step", *[work_row(run, result) for run in runs]),
+        ("tokens equal to stock's", *[f"{run['same_tokens']:.0%}" for run in runs]),
     ]
-    width = max(len(r[0]) for r in rows)
-    cell = max(len(r[1]) for r in rows)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     print()
-    for label, a, b in rows:
-        print(f"{label:<{width}}  {a:>{cell}}  {b}")
-    if t["tok_s"] < s["tok_s"]:
+    for row in rows:
+        print("  ".join(f"{cell:<{widths[i]}}" if i == 0 else f"{cell:>{widths[i]}}" for i, cell in enumerate(row)))
+    print(f"\nTIDE: mode={result['mode']}" + (f", kv={result['kv']}" if result["mode"] == "skip" else "")
+          + f" ({result['reason']})")
+    if first is not None:
+        print(f"TIDE's first token that differs from stock's: token {first + 1}")
+    print(f"top-1 agreement of TIDE given stock's prefix: {result['top1']:.0%}")
+    if result["tide"]["tok_s"] < result["stock"]["tok_s"]:
         print(f"\n{why_slower(result)}")
-    print(f"\n{describe_target(result['target'], result['calibration_text'])}")
-    print(f"\nstock: {s['text']!r}\nTIDE:  {t['text']!r}")
+    if result["mode"] != "speculative":
+        print(f"\n{describe_target(result['target'], result['calibration_text'])}")
+    print(f"\nstock: {result['stock']['text']!r}\nTIDE:  {result['tide']['text']!r}")
 
 
 def demo_record(result: dict[str, Any], seconds: dict[str, float], reused: bool, command: str) -> dict[str, Any]:
@@ -267,7 +344,7 @@ def run(args: argparse.Namespace) -> None:
         print_metrics(router)
     print(f"router: {folder}")
     ready = time.perf_counter()
-    result = compare(model, tokenizer, router, args.prompt, args.max_new_tokens, args.repeats)
+    result = compare(model, tokenizer, router, args.prompt, args.max_new_tokens, args.repeats, args.mode)
     seconds = {"model_and_router": ready - started, "timed_pairs": time.perf_counter() - ready}
     record = folder.with_name(f"{folder.name}-demo.json")
     record.parent.mkdir(parents=True, exist_ok=True)

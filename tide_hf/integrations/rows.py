@@ -49,9 +49,11 @@ def warn_fallback(handle: TideHandle, reason: str | None) -> None:
                   "once per reason and attach", SpeculativeFallbackWarning, stacklevel=caller_stacklevel())
 
 
-def fallback_reason(model: nn.Module, args: tuple, kwargs: dict, batch: int, gc: Any) -> str | None:
-    """Why stock assisted decoding could not reproduce stock generate for this call (None: it can); `gc`: the
-    call's generation config as generate merges it with the model's defaults."""
+def fallback_reason(model: nn.Module, args: tuple, kwargs: dict, batch: int, gc: Any, auto: bool = False
+                    ) -> str | None:
+    """Why stock assisted decoding could not reproduce stock generate for this call, or would not pay (None: it
+    can); `gc`: the call's generation config as generate merges it with the model's defaults; `auto`: speculative
+    mode was chosen by attach's default, not asked for."""
     if len(args) > 1:
         return "positional arguments after the inputs"
     if batch == 0:
@@ -87,6 +89,9 @@ def fallback_reason(model: nn.Module, args: tuple, kwargs: dict, batch: int, gc:
         return "another assisted-decoding method requested"
     if batch > 1 and gc.max_time is not None:
         return "max_time with batch size > 1 (decoded row by row, each row would get the whole time)"
+    if batch > 1 and auto:  # stock decodes the rows together: one step for all, where drafting takes one per row
+        return (f"a batch of {batch} rows under attach's default mode (speculative mode decodes rows one at a time, "
+                "slower than stock's batched steps; pass mode='speculative' to draft anyway)")
     if batch > 1 and kwargs.get("streamer") is not None:
         return "a streamer with batch size > 1 (stock streamers take one row; rows decoded one at a time would pass)"
     return None

@@ -338,7 +338,7 @@ def generate(handle: TideHandle, original: Callable, model: nn.Module, args: tup
     vocab, expected = draft_plan(handle.router, handle.adapter, layer)
     stats = SpeculativeStats(layer, expected, vocab,
                              lookup_matches={label: dict.fromkeys(SOURCE_COUNTERS, 0) for label in MATCH_LABELS})
-    stats.fallback = fallback_reason(model, args, kwargs, batch, config)
+    stats.fallback = fallback_reason(model, args, kwargs, batch, config, handle.options.auto)
     warn_fallback(handle, stats.fallback)
     try:
         if stats.fallback is not None and (config.assistant_early_exit is not None or kwargs.get("assistant_model")

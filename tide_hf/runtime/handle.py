@@ -136,7 +136,9 @@ class TideHandle:
                 self._norm_specs = place_routers(self.router, self.adapter)
             if self._skipper is not None and self._skipper.fused is not None:
                 self._skipper.fused.refresh()
-        return Session(ExitStats(self.num_layers, list(self.router.checkpoint_layers)), generating, eos)
+        stats = ExitStats(self.num_layers, list(self.router.checkpoint_layers), mode=self.options.mode,
+                          reason=self.options.reason)
+        return Session(stats, generating, eos)
 
     @contextmanager
     def session(self, *, generating: bool, eos: torch.Tensor | None = None) -> Iterator[Session]:

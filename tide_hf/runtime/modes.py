@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from typing import Any
 
 from torch import nn
 
@@ -15,7 +16,7 @@ from ..modeling.depth import check_depth_follows_config
 from ..modeling.fingerprint import remembered
 from ..record import CLOSED
 from .kv import propagate_support
-from .options import AUTO_MODE, DEFAULT_KV, TideConfig, TideOptions
+from .options import AUTO_MODE, EXIT_SETTINGS, TideConfig, TideOptions
 from .skip import LayerSkipper, SkipPlan
 
 
@@ -48,25 +49,56 @@ def check_mode(model: nn.Module, adapter: ModelAdapter, options: TideOptions, ro
 
 
 class ModeFallbackWarning(UserWarning):
-    """attach's default mode ("auto") runs select mode on a model whose layers skip mode cannot serve."""
+    """attach's default mode ("auto") serves another mode than it would choose: the model's layers cannot serve
+    the one it chose (speculative mode, or skip mode for a quality target)."""
+
+
+def exit_settings(request: TideConfig) -> list[str]:
+    """The exit settings `request` gives (`EXIT_SETTINGS`): under mode "auto" they ask for skip mode."""
+    return [name for name in EXIT_SETTINGS if getattr(request, name) not in (None, False)]
+
+
+def checked(model: nn.Module, adapter: ModelAdapter, router: TideRouter, fields: dict[str, Any]
+            ) -> tuple[TideOptions, SkipPlan | None]:
+    """`fields` resolved against the router, validated and checked against the model (`check_mode`)."""
+    options = TideOptions.resolve(router.config, **fields)
+    options.validate(adapter.num_layers, router.checkpoint_layers)
+    return options, check_mode(model, adapter, options, router)
 
 
 def resolve_mode(model: nn.Module, adapter: ModelAdapter, router: TideRouter, request: TideConfig
                  ) -> tuple[TideOptions, SkipPlan | None]:
     """The options `request` resolves to on this router and model, checked (`check_mode`), and skip mode's plan.
 
-    Mode "auto" is skip mode where `check_mode` accepts it, else select mode with a `ModeFallbackWarning` that
-    names the reason."""
+    Mode "auto" is speculative mode (the same tokens as stock, faster where drafts pay) when the request gives no
+    exit setting, else skip mode (exits at a quality target). Where that mode cannot serve the model, the next
+    of skip and select mode that can, with a `ModeFallbackWarning` that names the reason. The mode is chosen by
+    what the model supports, never by timing. `options.reason` says why."""
     fields = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)}
     if request.mode != AUTO_MODE:
-        options = TideOptions.resolve(router.config, **fields)
-        options.validate(adapter.num_layers, router.checkpoint_layers)
-        return options, check_mode(model, adapter, options, router)
-    options = TideOptions.resolve(router.config, **{**fields, "mode": "skip"})
-    options.validate(adapter.num_layers, router.checkpoint_layers)
-    try:
-        return options, check_mode(model, adapter, options, router)
-    except TideUnsupportedError as err:
-        warnings.warn(f"tide_hf: attach runs mode='select' (every layer; no compute saved) on {type(model).__name__}:"
-                      f" skip mode cannot serve it ({err})", ModeFallbackWarning, stacklevel=caller_stacklevel())
-        return dataclasses.replace(options, mode="select", kv=DEFAULT_KV, park_rows=False), None
+        return checked(model, adapter, router, fields)
+    given = exit_settings(request)
+    if request.draft_layer is not None and not given:  # a draft checkpoint asks for speculative mode itself
+        options, plan = checked(model, adapter, router, {**fields, "mode": "speculative"})
+        return dataclasses.replace(options, auto=True, reason="attach's default with draft_layer given"), plan
+    why = {"speculative": "attach's default with no exit setting given: the output is stock's, drafts verified at "
+                          "full depth",
+           "skip": f"attach's default with {', '.join(given)} given: tokens exit at a quality target"}
+    refusals: list[str] = []
+    for mode in dict.fromkeys(("skip" if given else "speculative", "skip", "select")):
+        asked = {**fields, "mode": mode, **({"kv": None, "park_rows": False} if mode == "select" else {})}
+        try:
+            options, plan = checked(model, adapter, router, asked)
+        except TideUnsupportedError as err:
+            if mode == "select":
+                raise
+            refusals.append(f"mode='{mode}' ({err})")
+            continue
+        if not refusals:
+            return dataclasses.replace(options, auto=True, reason=why[mode]), plan
+        saves = " (every layer runs; no compute saved)" if mode == "select" else ""
+        reason = f"attach's default: {' nor '.join(refusals)} can serve {type(model).__name__}"
+        warnings.warn(f"tide_hf: attach runs mode='{mode}'{saves} on {type(model).__name__}: {reason}",
+                      ModeFallbackWarning, stacklevel=caller_stacklevel())
+        return dataclasses.replace(options, auto=True, reason=reason), plan
+    raise AssertionError("unreachable: select mode serves every model or raises")

@@ -20,7 +20,10 @@ from ..config import (
 from ..errors import TideArgumentError, TideArgumentTypeError
 from ..modeling.targets import check_served, select
 
-AUTO_MODE = "auto"  # attach's default: skip mode where the model allows it, else select mode
+AUTO_MODE = "auto"  # attach's default: speculative mode (lossless) where the model allows it (`runtime/modes.py`)
+# TideConfig fields that ask for exits at a quality target: given under mode "auto", they choose skip mode
+EXIT_SETTINGS = ("min_agreement", "max_perplexity_increase", "confidence", "exit_threshold", "min_layers", "kv",
+                 "park_rows")
 DEFAULT_KV = "recompute"  # the policy that keeps the quality target: skipped layers' K/V computed exactly, later
 
 
@@ -30,10 +33,12 @@ class TideConfig:
     setting (its default quality target, its `min_layers`).
 
     Args:
-        mode: "auto" (the default): "skip" where the model's layers allow it, else "select" (warned). "skip":
-            a token that exits stops computing; its later layers' cache follows `kv`. "select": every layer runs
-            and the exit state feeds the head (the paper's system; saves no compute). "speculative": early-exit
-            and context drafts, verified at full depth (the same tokens as stock).
+        mode: "auto" (the default): "speculative" where the model allows it, so the output is stock's; with an
+            exit setting (a quality target, `exit_threshold`, `min_layers`, `kv`, `park_rows`) "skip" instead.
+            Where the chosen mode cannot serve the model, the next one that can ("skip", then "select"), warned.
+            "skip": a token that exits stops computing; its later layers' cache follows `kv`. "select": every
+            layer runs and the exit state feeds the head (the paper's system; saves no compute). "speculative":
+            early-exit and context drafts, verified at full depth (the same tokens as stock).
         min_agreement: quality target, top-1 agreement with the full model (e.g. 0.97).
         max_perplexity_increase: quality target, relative perplexity increase (e.g. 0.05 for +5 %).
         confidence: probability with which the quality target holds (Learn-then-Test; None: the router's).
@@ -116,7 +121,8 @@ class TideOptions:
     verifies every draft at full depth (lossless). `kv`: how skip mode fills the cache of the layers it did
     not run. `park_rows`: under `kv="recompute"`, a batch's exited rows run those layers at their row's next
     step instead of at once. `draft_layer`: the checkpoint speculative mode drafts at (None: chosen from the
-    router's metrics).
+    router's metrics). `auto`: the mode was chosen by attach's default (mode "auto"), not asked for; `reason`:
+    why this mode serves, in words (`last_stats` repeats it).
     """
 
     exit_threshold: float = DEFAULT_EXIT_THRESHOLD  # (`resolve` takes both from the router's config)
@@ -127,6 +133,8 @@ class TideOptions:
     draft_layer: int | None = None
     thresholds: dict[int, float] | None = None
     target: dict[str, float] | None = None
+    auto: bool = False
+    reason: str = "asked for"
 
     @classmethod
     def resolve(cls, cfg: Any, *, min_agreement: float | None = None, max_perplexity_increase: float | None = None,

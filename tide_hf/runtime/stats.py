@@ -106,6 +106,8 @@ class ExitStats:
             `mean_executed`, `recomputed`).
         decode: the generated tokens, likewise.
         speculative: speculative mode's counters (drafted, accepted, rounds, fallback), else None.
+        mode: the mode that served the call ("select", "skip" or "speculative").
+        reason: why that mode served it (attach's default or the mode asked for).
 
     Example:
         >>> handle = tide_hf.attach(model, router)  # doctest: +SKIP
@@ -118,19 +120,22 @@ class ExitStats:
     prefill: PhaseStats = None  # type: ignore[assignment]
     decode: PhaseStats = None  # type: ignore[assignment]
     speculative: dict | None = None  # speculative mode: drafting counters of the call
+    mode: str = "select"
+    reason: str = "asked for"
 
     def __post_init__(self) -> None:
         self.prefill = self.prefill or PhaseStats(self.num_layers)
         self.decode = self.decode or PhaseStats(self.num_layers)
 
     def as_dict(self) -> dict:
-        return {"num_layers": self.num_layers, "checkpoints": self.checkpoints,
+        return {"num_layers": self.num_layers, "checkpoints": self.checkpoints, "mode": self.mode, "reason": self.reason,
                 "prefill": self.prefill.as_dict(), "decode": self.decode.as_dict(),
                 **({"speculative": self.speculative} if self.speculative is not None else {})}
 
     def summary(self) -> str:
-        """A few lines a person can read: exit rate and mean depth per phase, exits per checkpoint."""
-        lines = []
+        """A few lines a person can read: the mode and why, exit rate and mean depth per phase, exits per
+        checkpoint."""
+        lines = [f"mode    {self.mode}: {self.reason}"]
         for name, phase in (("prefill", self.prefill), ("decode", self.decode)):
             per_layer = ", ".join(f"L{k}: {phase.exits.get(k, 0)}" for k in self.checkpoints)
             lines.append(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import os
 from collections.abc import Iterable
 from dataclasses import MISSING
@@ -179,7 +180,21 @@ class TideRouterConfig(PretrainedConfig):
         return frozenset(ROUTER_FIELDS)
 
 
+def init_signature() -> inspect.Signature:
+    """`TideRouterConfig(...)`'s keywords, one per field with its type and default, as `help()` and the API page
+    read them (`__init__` itself takes `**kwargs`; a dict field's None is empty)."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    return inspect.Signature([
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        *(inspect.Parameter(name, keyword, annotation=field.type,
+                            default=None if field.default is MISSING else field.default)
+          for name, field in ROUTER_FIELDS.items()),
+        inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD, annotation="Any"),
+    ])
+
+
 TideRouterConfig.__doc__ = with_args(TideRouterConfig.__doc__, ROUTER_FIELDS.values())
+TideRouterConfig.__init__.__signature__ = init_signature()
 
 
 def check_field_names(keys: Iterable[str], fields: frozenset[str], where: str) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +27,7 @@ SAMPLING_FIELDS = ("num_samples", "seq_len", "batch_size")
 
 
 def setting(default: Any = None, *, help: str, choices: tuple[str, ...] | None = None,
-            factory: Any = None) -> Any:
+            factory: Callable[[], Any] | None = None) -> Any:
     """A dataclass field with its help (and choices, for a text field) in its metadata, peft's pattern: the
     docstring's `Args:` and the CLI's `--help` read them from there. `factory` makes a mutable default."""
     metadata = {"help": help, "choices": choices}
@@ -137,8 +137,9 @@ class CalibrationConfig:
 @document
 @dataclass(frozen=True)
 class RouterFields:
-    """The fields of a router's `TideRouterConfig` that are no setting: the base model's shape and identity, and
-    what calibration read and measured (its provenance and results, config.json's "calibration" section)."""
+    """The fields of a router's `TideRouterConfig` that are no setting: the base model's shape (at config.json's
+    top level), and what the router was made from and what calibration measured (its provenance and results, in
+    config.json's "calibration" section: `tide_hf.record`)."""
 
     hidden_size: int = setting(4096, help="the base model's hidden size (each router's input)")
     num_hidden_layers: int = setting(32, help="the base model's decoder layers")

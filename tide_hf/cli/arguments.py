@@ -28,6 +28,7 @@ from .values import (
     target_share,
 )
 
+NUMBER_METAVARS = {int: "N", float: "X"}  # a number flag's placeholder in --help
 # The demo's calibration, fixed (`tide-hf calibrate` is the command that tunes one): fast (labelling every kept
 # token dominates, hence the token cap), its routers still exit. With so few tokens, routers learn rank-64 exit
 # heads' labels better than full-rank ones' (which agree more, benchmarks/exit_head_rank.py): rank 64 lets 11 % of
@@ -38,7 +39,6 @@ DEMO_CALIBRATION = {"model": DEFAULT_MODEL, "dataset": "sotu", "dataset_config":
                     "text_field": "text", "dtype": DTYPES[0], **dataclasses.asdict(CalibrationConfig(
                         num_samples=DEMO_SAMPLES, seq_len=DEMO_SEQ_LEN, exit_head_rank=DEMO_EXIT_HEAD_RANK,
                         max_train_tokens=DEMO_TRAIN_TOKENS))}
-NUMBER_METAVARS = {int: "N", float: "X"}  # a number flag's placeholder in --help
 DEMO_REPEATS = 3  # timed (stock, TIDE) pairs of the demo, after one warm-up each (their median and range)
 
 

@@ -53,7 +53,9 @@ class TideRouterConfig(PretrainedConfig):
 
     config.json holds architecture, settings and serving defaults at its top level, and the calibration record
     (provenance and results) in its "calibration" section (`tide_hf.record`); this object holds every field.
-    `calibrate` fills it: build one by hand only for tests or to load weights you trained yourself.
+    `calibrate` fills it: build one by hand only for tests or to load weights you trained yourself. What the
+    labels and exit heads mean: `CalibrationConfig`; a file without `exit_head` reads as "lens" (it predates exit
+    heads).
     """
 
     model_type = "tide_router"

@@ -4,7 +4,6 @@ defaults against the router file's, and a router folder saved by release 0.1.0 s
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import warnings
 from pathlib import Path
 
@@ -20,13 +19,22 @@ from tide_hf.modeling import model_fingerprint
 FIXTURE = Path(__file__).parent / "fixtures" / "router-0.1.0"  # saved by release 0.1.0 (tests/fixtures/README.md)
 
 
-def test_calibration_defaults_are_the_router_files_defaults() -> None:
-    """One default per setting: a field a router file lacks reads as what calibration makes by default."""
-    router_defaults = {n: p.default for n, p in inspect.signature(TideRouterConfig.__init__).parameters.items()}
-    for field in dataclasses.fields(CalibrationConfig):
-        if field.name in router_defaults and field.name not in ("num_samples", "seq_len"):  # records of what ran
-            assert field.default == router_defaults[field.name], field.name
-    assert TideRouterConfig().exit_head == CalibrationConfig().exit_head == "linear"
+def test_the_router_config_takes_its_fields_defaults_and_help_from_the_settings() -> None:
+    """TideRouterConfig has no defaults of its own: with no arguments each field is its `tide_hf.settings` default
+    (the checkpoints and min_layers derived from them), and its docstring's Args are the fields' help."""
+    from tide_hf.config import ROUTER_FIELDS, default_checkpoints
+
+    config, defaults = TideRouterConfig(), CalibrationConfig()
+    assert {f.name for f in dataclasses.fields(CalibrationConfig)} - config.field_names() == {"batch_size"}
+    for name, field in ROUTER_FIELDS.items():
+        if name not in ("checkpoint_layers", "min_layers"):
+            want = field.default if field.default_factory is dataclasses.MISSING else field.default_factory()
+            assert getattr(config, name) == want, name
+        assert f"{name}: {field.metadata['help']}" in TideRouterConfig.__doc__, name
+    assert config.checkpoint_layers == default_checkpoints(config.num_hidden_layers, defaults.checkpoint_interval)
+    assert config.min_layers == defaults.checkpoint_interval and config.exit_head == defaults.exit_head == "linear"
+    assert config.num_samples is None and defaults.num_samples > 0  # a record of what ran vs. what to run
+    assert TideRouterConfig(metrics=None).metrics == {}  # a dict field given None is empty
 
 
 def test_calibrate_reads_a_config_like_its_keywords(text_folder, byte_tokenizer, tiny_llama) -> None:

@@ -1,5 +1,5 @@
 """The CLI: `--help` answers without importing torch, every option says what it does and shows its default,
-and the defaults the CLI knows without transformers are TideRouterConfig's."""
+and the defaults and help of calibrate's flags are CalibrationConfig's."""
 
 from __future__ import annotations
 
@@ -16,17 +16,8 @@ import pytest
 import torch
 from helpers import make_model, new_router
 
-from tide_hf.cli import (
-    CALIBRATED_EXIT_HEAD,
-    CONTINUATIONS,
-    EXIT_HEADS,
-    LABEL_KINDS,
-    OWN_FLAGS,
-    ROUTER_DEFAULTS,
-    SAMPLING_DEFAULTS,
-    SET_FIELDS,
-    build_parser,
-)
+from tide_hf.cli import OWN_FLAGS, SET_FIELDS, build_parser
+from tide_hf.settings import SAMPLING_FIELDS, CalibrationConfig
 
 HELP_LINES, HELP_COLUMNS = 60, 100  # every help page fits a screen of this many lines, at this terminal width
 
@@ -137,25 +128,20 @@ def test_help_shows_defaults_and_bench_requires_router() -> None:
     assert "overhead" in parsers["bench"].format_help() and "synthetic" in parsers["bench"].format_help()
 
 
-def test_router_defaults_are_the_library_defaults() -> None:
-    from tide_hf.config import TideRouterConfig
-
-    cfg = TideRouterConfig()
-    assert {k: getattr(cfg, k) for k in ROUTER_DEFAULTS} == ROUTER_DEFAULTS
-    from tide_hf.calibration.settings import CalibrationConfig
-
-    settings = CalibrationConfig()  # what calibrate() reads: the same defaults
-    assert {k: getattr(settings, k) for k in ROUTER_DEFAULTS} == ROUTER_DEFAULTS
-    assert {k: getattr(settings, k) for k in SAMPLING_DEFAULTS} == SAMPLING_DEFAULTS
-    from tide_hf.config import LABEL_KINDS as CONFIG_LABELS
-
-    assert LABEL_KINDS == CONFIG_LABELS
-    from tide_hf.config import CALIBRATED_EXIT_HEAD as CONFIG_CALIBRATED
-    from tide_hf.config import EXIT_HEADS as CONFIG_HEADS
-    assert (EXIT_HEADS, CALIBRATED_EXIT_HEAD) == (CONFIG_HEADS, CONFIG_CALIBRATED)
-    from tide_hf.config import CONTINUATIONS as CONFIG_CONTINUATIONS
-
-    assert CONTINUATIONS == CONFIG_CONTINUATIONS
+def test_the_cli_defaults_and_help_are_the_configs_own() -> None:
+    """Parsed with no optional flag, `calibrate` holds CalibrationConfig's defaults and leaves the --set fields
+    unset (calibrate() then takes the config's own); each flag shows its field's help; `analyze` starts from the
+    same convergence settings."""
+    defaults, flagged = CalibrationConfig(), [name for name in OWN_FLAGS if name != "dataset"]
+    args = build_parser().parse_args(["calibrate", "--dataset", "sotu", "--output", "r"])
+    assert {name: getattr(args, name) for name in flagged} == {name: getattr(defaults, name) for name in flagged}
+    assert not [name for name in SET_FIELDS if hasattr(args, name)]
+    page = "".join(subparsers()["calibrate"].format_help().split())  # wrapped anywhere: compared without spaces
+    fields = {f.name: f for f in dataclasses.fields(CalibrationConfig)}
+    assert all("".join(fields[name].metadata["help"].split()) in page for name in flagged)
+    analyze = build_parser().parse_args(["analyze"])
+    read = ("seed", "checkpoint_interval", "convergence_threshold")
+    assert [getattr(analyze, name) for name in read] == [getattr(defaults, name) for name in read]
 
 
 def test_synthetic_choices_match_the_bench() -> None:
@@ -247,7 +233,6 @@ def test_set_and_the_flags_offer_every_field_calibrate_reads() -> None:
     """A CalibrationConfig field neither a flag nor --set offered would be out of the CLI's reach; and the command
     passes every one on."""
     import tide_hf.calibration.command as command
-    from tide_hf.calibration.settings import SAMPLING_FIELDS, CalibrationConfig
 
     fields = {f.name for f in dataclasses.fields(CalibrationConfig)}
     offered = set(SET_FIELDS) | set(OWN_FLAGS)

@@ -6,6 +6,7 @@ router from an earlier page find the embedded SmolLM2 (`model`, `tok`), a small 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -64,10 +65,15 @@ def test_every_python_block_runs(page: Path, context: tuple, tmp_path: Path, mon
 
 def test_the_site_builds_strict(tmp_path: Path) -> None:
     """`mkdocs build --strict`: a broken link, a missing page in the nav or a docstring the API page cannot read
-    fails the build (the API reference is generated from the docstrings)."""
+    fails the build (the API reference is generated from the docstrings, the config classes' `Args:` from their
+    fields' help by docs/griffe_settings.py)."""
     if shutil.which("mkdocs") is None:
         pytest.skip("mkdocs is not installed: pip install '.[docs]'")
     out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "min_agreement" in (tmp_path / "site" / "reference" / "api" / "index.html").read_text()
+    page = (tmp_path / "site" / "reference" / "api" / "index.html").read_text()
+    from tide_hf.settings import CalibrationConfig
+
+    helps = {f.name: f.metadata["help"] for f in dataclasses.fields(CalibrationConfig)}  # Args made at import
+    assert "min_agreement" in page and helps["num_samples"] in page and "calibration_seconds" in page

@@ -17,18 +17,20 @@ PACKAGE = Path(__file__).resolve().parent.parent / "tide_hf"
 # never to pass a line count
 MAX_LINES = 600
 # room -> rooms it may import. The base (errors, values: checks of numbers, record: a router's calibration record
-# file, config, plotting, assets, compat: transformers' private names, callers: the frame a warning names)
-# imports no room but errors (config, assets and plotting raise its errors; config also reads values and record);
+# file, settings: every setting's default and help, without torch, config, plotting, assets, compat: transformers'
+# private names, callers: the frame a warning names) imports no room but errors (settings, config, assets and
+# plotting raise its errors; config also reads values, record and settings);
 # the model side
 # comes next, then kernels, the runtime and the transformers integration; calibration needs only the model
 # side (and the base: the corpus, transformers' private names); eval may use everything but the CLI; the CLI
 # everything; the package root everything but eval / cli.
-BASE = {"errors", "values", "record", "config", "plotting", "assets", "compat", "callers"}
+BASE = {"errors", "values", "record", "settings", "config", "plotting", "assets", "compat", "callers"}
 ALLOWED = {
     **{room: set() for room in BASE},
     "values": {"errors"},
     "record": {"errors", "values"},
-    "config": {"errors", "values", "record"},
+    "settings": {"errors"},
+    "config": {"errors", "values", "record", "settings"},
     "plotting": {"errors"},
     "assets": {"errors"},
     "modeling": {"errors", "values", "record", "config"},
@@ -36,7 +38,7 @@ ALLOWED = {
     "runtime": {"errors", "record", "config", "compat", "callers", "plotting", "modeling", "kernels"},
     "integrations": {"errors", "record", "config", "compat", "callers", "modeling", "kernels", "runtime"},
     # runtime: stock text of an attached model (continuations write it with the router turned off)
-    "calibration": {"errors", "values", "record", "config", "assets", "compat", "modeling", "runtime"},
+    "calibration": {"errors", "values", "record", "settings", "config", "assets", "compat", "modeling", "runtime"},
     "eval": BASE | {"modeling", "kernels", "runtime", "integrations", "calibration"},
     "cli": BASE | {"modeling", "kernels", "runtime", "integrations", "calibration", "eval"},
     "__init__": BASE | {"modeling", "kernels", "runtime", "integrations", "calibration"},

@@ -24,7 +24,7 @@ except PackageNotFoundError:  # a source tree that was never installed
 _API = {  # public name -> the room that holds it
     "attach": "integrations", "detach": "runtime", "get_handle": "runtime", "last_stats": "runtime",
     "ExitStats": "runtime", "TideConfig": "runtime",
-    "calibrate": "calibration", "CalibrationConfig": "calibration", "TideRouterConfig": "config",
+    "calibrate": "calibration", "CalibrationConfig": "settings", "TideRouterConfig": "config",
     "TideRouter": "modeling",
     "TideError": "errors", "enable_generate_keyword": "integrations", "fast_linears": "runtime",
 }

@@ -20,11 +20,11 @@ from ..errors import TideArgumentError
 from ..modeling import TideRouter
 from ..modeling.files import check_save_target, check_writable
 from ..modeling.hub import check_repo_id
+from ..settings import SAMPLING_FIELDS, CalibrationConfig
 from .data import load_texts
 from .distributed import is_main_process, to_process_device
 from .pipeline import calibrate, check_calibrate_args, model_config
 from .samples import make_samples, pad_right
-from .settings import SAMPLING_FIELDS, CalibrationConfig
 
 # The `CalibrationConfig` fields past the sampling that the command line's arguments may hold (a flag of the same
 # name, or `calibrate --set KEY=VALUE`); those not held keep CalibrationConfig's defaults.

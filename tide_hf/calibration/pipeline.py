@@ -20,12 +20,13 @@ import torch
 from torch import nn
 
 from ..compat import model_revision
-from ..config import LABEL_KINDS, TideRouterConfig
+from ..config import TideRouterConfig
 from ..errors import TideArgumentError, TideArgumentTypeError
 from ..modeling import ModelAdapter, TideRouter, check_head, get_adapter, model_fingerprint, text_config
 from ..modeling.devices import execution_device
 from ..modeling.targets import select
 from ..record import CLOSED
+from ..settings import LABEL_KINDS, CalibrationConfig
 from ..values import check_int
 from .continuations import continue_samples
 from .data import dataset_label, load_texts
@@ -33,7 +34,6 @@ from .distributed import is_main_process, main_process_first, train_on_main
 from .heads import fit_exit_heads
 from .labels import Collected, collect, label
 from .samples import make_samples, pad_token_id
-from .settings import CalibrationConfig
 from .thresholds import fit_exit_paths
 from .training import check_splits, train_routers
 from .vocab import fit_draft_vocab

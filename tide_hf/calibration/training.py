@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..config import LABEL_KINDS, TideRouterConfig
+from ..config import TideRouterConfig
 from ..errors import TideArgumentError
 from ..modeling import TideRouter
+from ..settings import LABEL_KINDS
 from .labels import Collected
 
 ADAM_BETAS = (0.9, 0.999)  # torch.optim.Adam's defaults, which the routers were always trained with

@@ -4,24 +4,22 @@ that need no torch, so `tide-hf --help` and a bad argument answer at once."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import os
 import shlex
+import typing
 from contextlib import redirect_stderr, redirect_stdout
 
 from ..assets import DEFAULT_MODEL
+from ..settings import CalibrationConfig
 from .sections import add_bench
 from .values import (
-    CALIBRATED_EXIT_HEAD,
-    CONTINUATIONS,
+    CALIBRATE_FLAGS,
     CPU,
     DTYPE_HELP,
     DTYPES,
-    EXIT_HEADS,
-    LABEL_KINDS,
     MODEL_HELP,
-    ROUTER_DEFAULTS,
-    SAMPLING_DEFAULTS,
     HelpFormatter,
     SetFields,
     cosine,
@@ -30,17 +28,17 @@ from .values import (
     target_share,
 )
 
+NUMBER_METAVARS = {int: "N", float: "X"}  # a number flag's placeholder in --help
 # The demo's calibration, fixed (`tide-hf calibrate` is the command that tunes one): fast (labelling every kept
 # token dominates, hence the token cap), its routers still exit. With so few tokens, routers learn rank-64 exit
 # heads' labels better than full-rank ones' (which agree more, benchmarks/exit_head_rank.py): rank 64 lets 11 % of
 # SmolLM2's tokens exit at 96 % agreement, full rank none (measured with `tide-hf demo`). The other settings are
-# the library's defaults; all of them key the demo's router cache.
-DEMO_SAMPLES, DEMO_SEQ_LEN, DEMO_TRAIN_TOKENS, DEMO_EXIT_HEAD_RANK, DEMO_BATCH = 128, 128, 8192, 64, 8
-DEMO_CALIBRATION = {**ROUTER_DEFAULTS, "model": DEFAULT_MODEL, "dataset": "sotu", "dataset_config": None,
-                    "split": "train", "text_field": "text", "num_samples": DEMO_SAMPLES, "seq_len": DEMO_SEQ_LEN,
-                    "batch_size": DEMO_BATCH, "dtype": DTYPES[0], "exit_head": CALIBRATED_EXIT_HEAD,
-                    "exit_head_rank": DEMO_EXIT_HEAD_RANK, "max_train_tokens": DEMO_TRAIN_TOKENS,
-                    "continuation": None, "min_layers": None}
+# CalibrationConfig's defaults; all of them key the demo's router cache.
+DEMO_SAMPLES, DEMO_SEQ_LEN, DEMO_TRAIN_TOKENS, DEMO_EXIT_HEAD_RANK = 128, 128, 8192, 64
+DEMO_CALIBRATION = {"model": DEFAULT_MODEL, "dataset": "sotu", "dataset_config": None, "split": "train",
+                    "text_field": "text", "dtype": DTYPES[0], **dataclasses.asdict(CalibrationConfig(
+                        num_samples=DEMO_SAMPLES, seq_len=DEMO_SEQ_LEN, exit_head_rank=DEMO_EXIT_HEAD_RANK,
+                        max_train_tokens=DEMO_TRAIN_TOKENS))}
 DEMO_REPEATS = 3  # timed (stock, TIDE) pairs of the demo, after one warm-up each (their median and range)
 
 
@@ -60,49 +58,45 @@ def add_text_args(group: argparse._ArgumentGroup, what: str, required: bool = Fa
     group.add_argument("--dtype", default=DTYPES[0], choices=DTYPES, metavar="DTYPE", help=DTYPE_HELP)
 
 
+def add_settings(group: argparse._ArgumentGroup, title: str) -> None:
+    """The group's `CALIBRATE_FLAGS`: a flag per CalibrationConfig field, with the field's type, default, choices
+    and help (a number's placeholder is N or X, a text's its name)."""
+    fields = {f.name: f for f in dataclasses.fields(CalibrationConfig)}
+    hints = typing.get_type_hints(CalibrationConfig)
+    for name in CALIBRATE_FLAGS[title]:
+        kind = next(t for t in typing.get_args(hints[name]) or (hints[name],) if t is not type(None))
+        field = fields[name]
+        group.add_argument(f"--{name.replace('_', '-')}", type=kind, default=field.default,
+                           choices=field.metadata["choices"], metavar=NUMBER_METAVARS.get(kind, name.upper()),
+                           help=field.metadata["help"])
+
+
 def add_calibrate(sub: argparse._SubParsersAction) -> None:
-    d = argparse.Namespace(**ROUTER_DEFAULTS)  # the library's defaults, so the CLI cannot drift from them
     p = sub.add_parser(
         "calibrate", formatter_class=HelpFormatter, usage="tide-hf calibrate --dataset NAME --output DIR [options]",
         help="calibrate routers for a model and save them (optionally push to the Hub)",
         description="Calibrate routers for a model on real text and save them (safetensors + model card).\n\n"
                     "example: tide-hf calibrate --dataset sotu --output router-smollm2\n"
                     f"time {CPU}: ~0.7 s per 256-token sample of SmolLM2-135M (the default 256: ~3 min)")
-    g = p.add_argument_group("model and text")
+    title = "model and text"
+    g = p.add_argument_group(title)
     add_text_args(g, "REQUIRED: Hub dataset, .txt/.jsonl file or folder, or sotu", required=True)
     g.add_argument("--dataset-config", default=None, metavar="NAME",
                    help="Hub dataset config (e.g. wikitext-103-raw-v1)")
     g.add_argument("--split", default="train", metavar="NAME", help="dataset split (local files: train)")
     g.add_argument("--text-field", default="text", metavar="NAME", help="column / jsonl field holding the text")
-    g.add_argument("--num-samples", type=int, default=SAMPLING_DEFAULTS["num_samples"], metavar="N",
-                   help="text windows to calibrate on")
-    g.add_argument("--seq-len", type=int, default=SAMPLING_DEFAULTS["seq_len"], metavar="N", help="tokens per sample")
-    g = p.add_argument_group("labels and exit heads")
-    g.add_argument("--label", default=d.label, choices=LABEL_KINDS, metavar="LABEL",
-                   help=f"what 'converged' means: {', '.join(LABEL_KINDS)}")
-    g.add_argument("--exit-head", default=CALIBRATED_EXIT_HEAD, choices=EXIT_HEADS,
-                   help="linear (a map fitted to the last layer) or lens")
-    g.add_argument("--continuation", default=None, choices=CONTINUATIONS, metavar="HOW",
-                   help="own continuations, greedy or sample (default: the text)")
-    g.add_argument("--continuation-prompt-len", type=int, default=d.continuation_prompt_len, metavar="N",
-                   help="--continuation: text tokens each sample keeps as its prompt")
-    g.add_argument("--checkpoint-interval", type=int, default=d.checkpoint_interval, metavar="N",
-                   help="a router after every this many layers")
+    add_settings(g, title)
+    title = "labels and exit heads"
+    add_settings(p.add_argument_group(title), title)
+    title = "training"
     g = p.add_argument_group(
-        "training", "--set: any other TideRouterConfig field calibration reads (exit_head_rank, max_train_tokens, "
+        title, "--set: any other TideRouterConfig field calibration reads (exit_head_rank, max_train_tokens, "
         "min_layers, exit_threshold, ...; documented in docs/reference/api.md)")
-    g.add_argument("--batch-size", type=int, default=SAMPLING_DEFAULTS["batch_size"], metavar="N",
-                   help="samples per forward pass")
-    g.add_argument("--num-epochs", type=int, default=d.num_epochs, metavar="N",
-                   help="most epochs per router; early stopping ends sooner")
-    g.add_argument("--seed", type=int, default=d.seed, metavar="N", help="seed of sampling, the split and training")
+    add_settings(g, title)
     g.add_argument("--set", nargs="+", action=SetFields, default=argparse.SUPPRESS, metavar="KEY=VALUE",
                    help="value as JSON, e.g. --set max_train_tokens=131072 min_layers=8")
-    g = p.add_argument_group("quality target (what attach() keeps without arguments)")
-    g.add_argument("--min-agreement", type=float, default=d.min_agreement, metavar="X",
-                   help="top-1 agreement with the full model")
-    g.add_argument("--confidence", type=float, default=d.confidence, metavar="X",
-                   help="probability the target holds with (Learn-then-Test)")
+    title = "quality target (what attach() keeps without arguments)"
+    add_settings(p.add_argument_group(title), title)
     g = p.add_argument_group("output")
     g.add_argument("--output", required=True, metavar="DIR", help="folder to save the router in (new or empty)")
     g.add_argument("--overwrite", action="store_true", help="replace the TIDE router already in --output")
@@ -139,7 +133,7 @@ def add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def add_analyze(sub: argparse._SubParsersAction) -> None:
-    d = argparse.Namespace(**ROUTER_DEFAULTS)
+    d = CalibrationConfig()  # the convergence settings calibration uses by default
     p = sub.add_parser(
         "analyze", formatter_class=HelpFormatter, usage="tide-hf analyze [--router DIR] [options]",
         help="per-layer convergence, the oracle, and router efficiency (tables, JSON, PNG)",

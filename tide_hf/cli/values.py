@@ -1,35 +1,33 @@
-"""What `tide-hf`'s arguments may hold, known without importing torch: value types, the library's defaults and
-choices, the fields `calibrate --set` takes, and the help layout."""
+"""What `tide-hf`'s arguments may hold, known without importing torch: value types, which settings `calibrate`
+offers as flags and which it takes with `--set` (their defaults and help: `tide_hf.settings`), and the help
+layout."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import json
 import textwrap
 from typing import Any
 
-# TideRouterConfig's defaults of the fields the CLI offers as flags or the demo calibrates with, known without
-# importing transformers (tests/test_cli.py checks they agree)
-ROUTER_DEFAULTS = {"checkpoint_interval": 4, "convergence_threshold": 0.98, "kl_threshold": 0.1, "num_epochs": 100,
-                   "early_stopping_patience": 10, "max_train_tokens": 65536, "exit_threshold": 0.85, "seed": 0,
-                   "label": "top1", "min_agreement": 0.95, "confidence": 0.9, "exit_head_ridge": 0.01,
-                   "continuation_prompt_len": 64}
-SAMPLING_DEFAULTS = {"num_samples": 256, "seq_len": 256, "batch_size": 8}  # CalibrationConfig's (test_cli checks)
-LABEL_KINDS = ("cosine", "top1", "kl", "top1_kl")  # config.LABEL_KINDS, without importing transformers
-EXIT_HEADS, CALIBRATED_EXIT_HEAD = ("lens", "linear"), "linear"  # config's, without importing transformers
-CONTINUATIONS = ("greedy", "sample")  # config's, without importing transformers
+from ..settings import CalibrationConfig
+
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_HELP = f"model dtype: {', '.join(DTYPES)}"
 MODEL_HELP = "causal LM: Hub id or folder (smollm2: embedded)"
-# The TideRouterConfig fields calibration reads that `calibrate` has no flag of its own for: `--set KEY=VALUE`
-# sets them (tests/test_cli.py checks that with the flags' fields they are every field calibrate() takes).
-SET_FIELDS = ("checkpoint_layers", "convergence_threshold", "early_stopping_patience", "exit_head_rank",
-              "exit_head_ridge", "exit_threshold", "kl_threshold", "learning_rate", "max_train_tokens", "min_layers",
-              "path_grid", "router_bottleneck_dim", "threshold_fraction", "train_batch_size", "validation_fraction")
-# The settings `calibrate` has a flag of its own for (`--set` names the flag instead)
-OWN_FLAGS = ("dataset", "num_samples", "seq_len", "batch_size", "label", "exit_head", "continuation",
-             "continuation_prompt_len", "checkpoint_interval", "num_epochs", "seed", "min_agreement", "confidence")
+# `calibrate`'s argument groups and the CalibrationConfig fields each offers as a flag of its own (the flag's help,
+# default and choices are the field's)
+CALIBRATE_FLAGS = {
+    "model and text": ("num_samples", "seq_len"),
+    "labels and exit heads": ("label", "exit_head", "continuation", "continuation_prompt_len", "checkpoint_interval"),
+    "training": ("batch_size", "num_epochs", "seed"),
+    "quality target (what attach() keeps without arguments)": ("min_agreement", "confidence"),
+}
+# The settings `calibrate` has a flag of its own for (`--set` names the flag instead); dataset: calibrate()'s argument
+OWN_FLAGS = ("dataset", *(name for names in CALIBRATE_FLAGS.values() for name in names))
+# The other CalibrationConfig fields: `--set KEY=VALUE` sets them
+SET_FIELDS = tuple(f.name for f in dataclasses.fields(CalibrationConfig) if f.name not in OWN_FLAGS)
 CLOSE_MATCHES = 3  # names an unknown --set key is compared with, at most
 CPU = "on a 2-core CPU"
 # eval.synthetic's SHAPES and CONFIGS, without importing torch (tests/test_cli.py checks they agree)

@@ -23,12 +23,12 @@ from .settings import (
     RouterFields,
     with_args,
 )
-from .settings import DEFAULT_EXIT_THRESHOLD as DEFAULT_EXIT_THRESHOLD  # runtime.options reads it here
+from .settings import DEFAULT_EXIT_THRESHOLD as DEFAULT_EXIT_THRESHOLD  # runtime.options reads these here
+from .settings import KV_POLICIES as KV_POLICIES
+from .settings import MODES as MODES
 from .values import check_int, check_real, plain
 
 LEGACY_EXIT_HEAD = "lens"  # what a router file without the field means: it predates exit heads
-MODES = ("select", "skip", "speculative")
-KV_POLICIES = ("propagate", "recompute")
 SEED_BOUND = 2**63  # torch and the samplers take 64-bit seeds
 FIELD_NAME_CUTOFF = 0.85  # difflib similarity above which an unknown key is taken for a misspelled field
 TEXT_FIELDS = ("base_model_name_or_path", "base_model_revision", "base_architecture", "base_model_type",

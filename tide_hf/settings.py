@@ -21,6 +21,8 @@ LABEL_KINDS = ("cosine", "top1", "kl", "top1_kl")
 EXIT_HEADS = ("lens", "linear")
 # Calibration text after each sample's prompt: the corpus itself (None) or the model's own continuation.
 CONTINUATIONS = ("greedy", "sample")
+MODES = ("select", "skip", "speculative")  # what `attach` serves (`tide_hf.runtime.options.TideConfig.mode`)
+KV_POLICIES = ("propagate", "recompute")  # how skip mode fills the cache of the layers it skips
 DEFAULT_EXIT_THRESHOLD = 0.85  # the global threshold of a router config (and of `TideOptions`) when none is given
 # What `calibrate` itself reads (the sampling of the text); every other field goes into the router's config.
 SAMPLING_FIELDS = ("num_samples", "seq_len", "batch_size")

@@ -12,7 +12,7 @@ import typing
 from contextlib import redirect_stderr, redirect_stdout
 
 from ..assets import DEFAULT_MODEL
-from ..settings import CalibrationConfig
+from ..settings import MODES, CalibrationConfig
 from .sections import add_bench
 from .values import (
     CALIBRATE_FLAGS,
@@ -124,7 +124,7 @@ def add_demo(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-new-tokens", type=positive_int, default=48, metavar="N", help="tokens generated per answer")
     g.add_argument("--repeats", type=positive_int, default=DEMO_REPEATS, metavar="N",
                    help="timed rounds of the four runs: medians and their range are reported")
-    g.add_argument("--mode", choices=("select", "skip", "speculative"), default=None,
+    g.add_argument("--mode", choices=MODES, default=None,
                    help="the mode TIDE is attached with (default: attach's own, speculative where the model allows)")
     g = p.add_argument_group("router")
     g.add_argument("--output", default=None, metavar="DIR", help="folder to save the router in (default: a folder "

@@ -22,7 +22,7 @@ def attach(model: nn.Module, router: TideRouter | str | os.PathLike, config: Tid
     Args:
         model: a transformers causal LM (`AutoModelForCausalLM`), eager or under accelerate's hooks.
         router: a `TideRouter`, or its folder, or its Hub repo id.
-        config: what to serve (`TideConfig`; None: its defaults, skip mode at the router's quality target).
+        config: what to serve (`TideConfig`; None: its defaults, speculative mode where the model allows it).
         ignore_fingerprint: attach even if the model's weights differ from those the router was calibrated on.
         **options: `TideConfig` fields as keywords, laid over `config` (`attach(model, router, mode="select")`).
 

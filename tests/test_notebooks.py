@@ -40,7 +40,8 @@ def test_notebook_executes(path: Path, tmp_path: Path) -> None:
     assert images, "the notebook shows its plots"
     text = _text(nb)
     if path.name == "quickstart.ipynb":
-        assert "stock:" in text and "TIDE: " in text and "decode" in text
+        assert "stock:" in text and "speculative: " in text and "(identical)" in text and "skip: " in text
+        assert "decode" in text and "mode    skip" in text  # the histogram shows the skip call's exits
         assert (tmp_path / "quickstart-router" / "model.safetensors").exists()
     else:
         assert "oracle over checkpoints" in text and "'efficiency'" in text

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
-FIGURE = re.compile(r"(\d+(?:\.\d+)?)\s?(×|%)? \(`([\w\-]+/[\w\-]+\.json):([\w.\[\]\-]+)`\)")
+FIGURE = re.compile(r"(\d+(?:\.\d+)?)\s?(×|%|s|ms|min|nats|GB)? \(`([\w\-]+/[\w\-]+\.json):([\w.\[\]\-]+)`\)")
 KEY_PART = re.compile(r"([\w\-]+)|\[(\d+)\]")
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 

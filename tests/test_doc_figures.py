@@ -13,14 +13,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 FIGURE = re.compile(r"(\d+(?:\.\d+)?)\s?(×|%|s|ms|min|nats|GB)? \(`([\w\-]+/[\w\-]+\.json):([\w.\[\]\-]+)`\)")
-KEY_PART = re.compile(r"([\w\-]+)|\[(\d+)\]")
+KEY_PART = re.compile(r"([\w\-]+)|\[([^\]]+)\]")
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 def value_at(result: object, key: str) -> object:
-    """`result`'s value at a dotted key with list indices (`router.decode[3].speedup_vs_stock`)."""
-    for name, index in KEY_PART.findall(key):
-        result = result[int(index)] if index else result[name]
+    """`result`'s value at a dotted key with list indices (`router.decode[3].speedup_vs_stock`); a name in
+    brackets is a key that holds a dot (`base.a[0.97].eff`)."""
+    for name, bracket in KEY_PART.findall(key):
+        if bracket:
+            result = result[int(bracket)] if isinstance(result, list) else result[bracket]
+        else:
+            result = result[name]
     return result
 
 

@@ -1,6 +1,10 @@
 """A measured figure in the README or docs/ names the JSON it comes from: `1.22× (`smollm2-cpu/modes.json:speculative.
 speed_ratio`)` is checked against that key of `docs/results/smollm2-cpu/modes.json`, rounded as written (× and
-plain numbers: the value; %: the value x 100). A table of the README's first screen holds no number without one."""
+plain numbers and s, ms, min, nats, GB: the value; %: the value x 100). A figure may be cited across a line break.
+A table of the README's first screen holds no number without one. And no page holds a measured-looking figure (a
+number with ×, x, %, s, ms, min, µs, nats or GB) that names no key, outside code, the sections `benchmarks/report.py`
+generates and the tables `tide-hf bench` writes beside its JSON; settings and arithmetic are listed in
+`NOT_MEASURED`. Unit-less figures (an efficiency, an AUC) are not found by that scan."""
 
 from __future__ import annotations
 

@@ -3,11 +3,12 @@ the CPU fast path of linear layers (`fast_linears`), and the one reversible patc
 
 from __future__ import annotations
 
-from .handle import TideHandle, attach_for_call, detach, get_handle, hook_model, last_stats
+from .handle import TideHandle, attach_for_call, hook_model
 from .linears import LinearPath, LinearPathWarning, fast_linears
 from .modes import ModeFallbackWarning
 from .options import TideConfig, TideOptions
 from .patching import Patches
+from .registry import detach, get_handle, last_stats
 from .session import Session, Step
 from .stats import ExitStats, PhaseStats
 

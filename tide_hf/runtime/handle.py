@@ -23,10 +23,11 @@ import torch
 from torch import nn
 
 from ..compat import cache_in, is_paged
-from ..errors import TideArgumentError, TideArgumentTypeError, TideConcurrencyError, TideUnsupportedError
+from ..errors import TideArgumentError, TideArgumentTypeError, TideUnsupportedError
 from ..kernels import norm_router_scores
 from ..modeling import ModelAdapter, TideRouter, check_model, get_adapter, layer_output
 from ..record import CLOSED
+from . import registry
 from .batching import commit_packed, decode_positions, guard_continuous_batching
 from .compiled import install_compiled_call
 from .kv import KVRecompute
@@ -34,20 +35,14 @@ from .modes import resolve_mode
 from .options import TideConfig, TideOptions
 from .pairing import WeightsWatch, place_routers, refuse_pickling
 from .patching import Patches
+from .registry import detach, get_handle, last_stats  # (also here: their import path before registry.py)
 from .segments import SegmentedDecoding
 from .session import Session, Step, new_step
 from .skip import LayerSkipper, SkipPlan
 from .stats import ExitStats
 from .turns import Turns
 
-# Handles are held weakly too: a handle references its model, so a strong value would keep every attached
-# model alive forever. The model's own hooks keep its handle alive while the model lives.
-_HANDLES: weakref.WeakKeyDictionary[nn.Module, weakref.ref[TideHandle]] = weakref.WeakKeyDictionary()
-_LAST_STATS: weakref.WeakKeyDictionary[nn.Module, ExitStats] = weakref.WeakKeyDictionary()
-# Per-call attaches (`generate(tide=router)`) running now, per model: handle id -> handle (each acts in its thread)
-_CALL_HANDLES: weakref.WeakKeyDictionary[nn.Module, dict[int, TideHandle]] = weakref.WeakKeyDictionary()
-_REGISTRY_LOCK = threading.RLock()
-
+__all__ = ["TideHandle", "attach_for_call", "detach", "get_handle", "hook_model", "last_stats"]
 
 class TideHandle:
     """An attached router: options, hooks, and the stats of the last call (`last_stats`); also a context manager,
@@ -128,7 +123,7 @@ class TideHandle:
     @property
     def last_stats(self) -> ExitStats | None:
         """Exit statistics of the latest generate call or forward on this model (continuous batching: so far)."""
-        return _LAST_STATS.get(self.model)
+        return registry.last_stats(self.model)
 
     def _new_session(self, generating: bool, eos: torch.Tensor | None = None) -> Session:
         if not torch.compiler.is_compiling():  # the model may have been cast, moved or loaded since the last call
@@ -151,7 +146,7 @@ class TideHandle:
         finally:  # (a forward interrupted by a BaseException, e.g. Ctrl-C, skips `_end`: its step is dropped here)
             self.commit(session, None)
             self._local.session, self._local.step = outer, None
-            _LAST_STATS[self.model] = session.stats
+            registry.publish_stats(self.model, session.stats)
 
     @contextmanager
     def disabled(self) -> Iterator[None]:
@@ -219,14 +214,14 @@ class TideHandle:
             return
         session = self._local.session
         if step.packed is not None:  # counted and published now: continuous batching has no call end of its own
-            _LAST_STATS[self.model] = commit_packed(session, step, self.num_layers)
+            registry.publish_stats(self.model, commit_packed(session, step, self.num_layers))
             return
         session.pending.append(step)
         if getattr(self._local, "auto", False):
             self._local.auto = False
             self._local.session = None
             self.commit(session, None)
-            _LAST_STATS[self.model] = session.stats
+            registry.publish_stats(self.model, session.stats)
             if output is not None:  # a plain forward returns a complete cache: tokens kv="recompute" parked catch up
                 made = cache_in(output) if isinstance(output, dict) else None  # (a cache the model made itself)
                 self.settle(step.cache if step.cache is not None else made)
@@ -315,11 +310,9 @@ class TideHandle:
 
         Only this handle's own: the hooks of a concurrent per-call attach on the same model stay.
         """
-        with _REGISTRY_LOCK:
+        with registry.LOCK:
             self._patches.restore()
-            if get_handle(self.model) is self:
-                del _HANDLES[self.model]
-            _CALL_HANDLES.get(self.model, {}).pop(id(self), None)
+            registry.unregister(self.model, self)
 
 
 def hook_model(handle_class: type[TideHandle], model: nn.Module, router: TideRouter | str | os.PathLike,
@@ -337,14 +330,10 @@ def hook_model(handle_class: type[TideHandle], model: nn.Module, router: TideRou
     else:
         raise TideArgumentTypeError(f"router must be a TideRouter, a router folder or a Hub repo id; got "
                                     f"{type(router).__name__}")
-    with _REGISTRY_LOCK:
-        if get_handle(model) is not None:
-            raise TideArgumentError("this model already has a TIDE router attached; call handle.detach() first")
-        if _CALL_HANDLES.get(model):
-            raise TideConcurrencyError(
-                "a generate(tide=<router>) call is running on this model (in another thread); attach after it ends")
+    with registry.LOCK:
+        registry.check_free(model)
         handle = _build(model, router, request, ignore_fingerprint=ignore_fingerprint, handle_class=handle_class)
-        _HANDLES[model] = weakref.ref(handle)
+        registry.register(model, handle)
     return handle
 
 
@@ -354,12 +343,12 @@ def attach_for_call(model: nn.Module, router: TideRouter) -> TideHandle:
     Other threads see the stock model, and any number of such calls may run on one model at once, each
     detaching only its own hooks. Refused while an `attach` (which acts in every thread) is in place.
     """
-    with _REGISTRY_LOCK:
+    with registry.LOCK:
         if get_handle(model) is not None:
             raise TideArgumentError("a different TIDE router is already attached to this model; use tide=True, "
                                     "or detach it before passing another router")
         handle = _build(model, router, TideConfig(), owner=threading.get_ident())
-        _CALL_HANDLES.setdefault(model, {})[id(handle)] = handle
+        registry.register_call(model, handle)
     return handle
 
 
@@ -371,41 +360,3 @@ def _build(model: nn.Module, router: TideRouter, request: TideConfig, *, ignore_
     options, plan = resolve_mode(model, adapter, router, request)
     return handle_class(model, router, options, adapter, owner=owner, skip_plan=plan,
                         ignore_fingerprint=ignore_fingerprint)
-
-
-def get_handle(model: nn.Module) -> TideHandle | None:
-    """The handle of the router attached to `model`, if any.
-
-    Args:
-        model: the model `attach` hooked.
-
-    Returns:
-        Its `TideHandle`, or None when no router is attached (a per-call `tide=` attach is not one).
-    """
-    check_model(model)
-    ref = _HANDLES.get(model)
-    return ref() if ref is not None else None
-
-
-def detach(model: nn.Module) -> None:
-    """Detach the router attached to `model`: the model is exactly as before `attach`.
-
-    Args:
-        model: the model; one without a router is left as it is.
-    """
-    handle = get_handle(model)
-    if handle is not None:
-        handle.detach()
-
-
-def last_stats(model: nn.Module) -> ExitStats | None:
-    """Exit statistics of the latest TIDE call on `model`, also after an on-the-fly `tide=` attach.
-
-    Args:
-        model: the model.
-
-    Returns:
-        The `ExitStats` (prefill and decode: exits per layer, layers executed), or None before any TIDE call.
-    """
-    check_model(model)
-    return _LAST_STATS.get(model)

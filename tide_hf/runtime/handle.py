@@ -77,7 +77,7 @@ class TideHandle:
         self._patches.hook(adapter.layers[-1].register_forward_hook(self._final_hook))
         self._skipper = None if skip_plan is None else LayerSkipper(
             adapter.layers, self.open_checkpoints[0], skip_plan, options.kv, self.current_step, self.recompute_state,
-            self._patches, options.park_rows)
+            self._patches)
         breaks = None if self._skipper is None else SegmentedDecoding.unsupported(adapter.layers)
         segments = SegmentedDecoding(model, adapter.layers, self.open_checkpoints, options.kv, options.threshold,
                                      self.score, self.exit_mask, self.exit_state, self.current_step,
@@ -108,13 +108,12 @@ class TideHandle:
         return self._pending.get(cache) or self._pending.setdefault(cache, KVRecompute(self.num_layers))
 
     @torch.no_grad()
-    def settle(self, cache: Any, blocks: bool = True) -> None:
+    def settle(self, cache: Any) -> None:
         """Write the exact K/V of `cache`'s tokens waiting for layers they skipped (kv="recompute"): when a generate
-        call whose cache outlives it ends; before a call without TIDE reads it, those parked per row only
-        (`blocks=False`: steps parked whole catch up in that call's own forward)."""
+        call whose cache outlives it ends, or a plain forward returns it."""
         state = self._pending.get(cache) if cache is not None and len(self._pending) else None
         if state is not None and self._skipper is not None:
-            self._skipper.settle(cache, state, blocks)
+            self._skipper.settle(cache, state)
 
     def __deepcopy__(self, memo: dict) -> TideHandle:  # reached through the hooks of a deep-copied layer
         refuse_pickling()
@@ -180,7 +179,6 @@ class TideHandle:
             cache = cache_in(kwargs)  # kv="recompute": a cache TIDE filled, tokens waiting in it
             waiting = self._pending.get(cache) if cache is not None and len(self._pending) else None
             if waiting is not None:  # its waiting tokens catch up in this call: padding from its 2-D mask
-                self.settle(cache, blocks=False)  # (positions parked per row now: stock layers cannot take them)
                 mask = kwargs.get("attention_mask")
                 waiting.stock_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
             return

@@ -240,7 +240,6 @@ class KVRecompute:
         self.num_layers = num_layers
         self.pending: list[Pending] = []
         self.stock_mask: torch.Tensor | None = None  # the 2-D mask of a call without TIDE using this cache now
-        self.rows: Any = None  # the positions parked per row (`parked.ParkedRows`) where rows exit on their own
         self.mask2d: torch.Tensor | None = None  # the call's 2-D mask when the latest step was parked
 
     def park(self, hidden: torch.Tensor, depth: int, kwargs: dict[str, Any], mask2d: torch.Tensor | None = None

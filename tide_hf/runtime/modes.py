@@ -69,4 +69,4 @@ def resolve_mode(model: nn.Module, adapter: ModelAdapter, router: TideRouter, re
     except TideUnsupportedError as err:
         warnings.warn(f"tide_hf: attach runs mode='select' (every layer; no compute saved) on {type(model).__name__}:"
                       f" skip mode cannot serve it ({err})", ModeFallbackWarning, stacklevel=caller_stacklevel())
-        return dataclasses.replace(options, mode="select", kv=DEFAULT_KV, park_rows=False), None
+        return dataclasses.replace(options, mode="select", kv=DEFAULT_KV), None

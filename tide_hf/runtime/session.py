@@ -27,10 +27,6 @@ class Step:
     compaction: Compaction | None = None  # skip mode: the positions still running after the latest checkpoint
     stopped: torch.Tensor | int = 0  # (rows, positions): layers a position did not run beyond `skipped`
     cache: Any = None  # the cache this forward writes
-    per_row: bool | None = None  # kv="recompute": stopped positions park per row (`parked.py`); None: not decided
-    active: torch.Tensor | None = None  # kv="recompute" per row: positions still running
-    parking: torch.Tensor | None = None  # ... positions that stopped at the latest checkpoint, parked at its next layer
-    park_after: int | None = None  # ... that checkpoint
     recomputed: int = 0  # kv="recompute": layer x position runs of earlier steps' parked tokens in this forward
     mask2d: torch.Tensor | None = None  # the call's (batch, length) attention mask, when it has one
     segmented: bool = False  # compiled skip mode: the segment graphs make the exit decisions, not the hooks

@@ -144,7 +144,7 @@ def test_models_mixing_attention_kinds_keep_the_whole_step_compile() -> None:
     skipped-layer forwards."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    from tide_hf.runtime.segments import SegmentedDecoding
+    from tide_hf.runtime.skip.segments import SegmentedDecoding
 
     torch.manual_seed(0)
     model = Gemma2ForCausalLM(Gemma2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=9,

@@ -24,7 +24,7 @@ from transformers import (
 
 import tide_hf
 from tide_hf.compat import CACHE_KWARG
-from tide_hf.runtime.kv import FusedPropagation, propagate_kv
+from tide_hf.runtime.skip.kv import FusedPropagation, propagate_kv
 
 NUM_LAYERS = 9  # router checkpoints [4, 8]
 

@@ -41,7 +41,7 @@ class CompiledCall:
 
     def __init__(self, model: nn.Module, steps: Callable[[Any], Callable] | None = None,
                  eager: Callable[[], bool] | None = None, breaks: str | None = None) -> None:
-        """`steps(config)`, when given, makes the compiled step instead (skip mode's segments, `segments.py`);
+        """`steps(config)`, when given, makes the compiled step instead (skip mode's segments, `skip/segments.py`);
         while `eager()` holds, the model runs uncompiled (a prompt prefilled in chunks: generate's usual prefill
         is not compiled, and each chunk would meet the graphs with a new prompt offset and width). `breaks`:
         why skip mode's step compiles whole, with graph breaks at the checkpoints (None: no break)."""

@@ -30,15 +30,15 @@ from ..record import CLOSED
 from . import registry
 from .batching import commit_packed, decode_positions, guard_continuous_batching
 from .compiled import install_compiled_call
-from .kv import KVRecompute
 from .modes import resolve_mode
 from .options import TideConfig, TideOptions
 from .pairing import WeightsWatch, place_routers, refuse_pickling
 from .patching import Patches
 from .registry import detach, get_handle, last_stats  # (also here: their import path before registry.py)
-from .segments import SegmentedDecoding
 from .session import Session, Step, new_step
-from .skip import LayerSkipper, SkipPlan
+from .skip.kv import KVRecompute
+from .skip.segments import SegmentedDecoding
+from .skip.skipper import LayerSkipper, SkipPlan
 from .stats import ExitStats
 from .turns import Turns
 

@@ -14,9 +14,9 @@ from ..modeling import ModelAdapter, TideRouter, check_head, text_config
 from ..modeling.depth import check_depth_follows_config
 from ..modeling.fingerprint import remembered
 from ..record import CLOSED
-from .kv import propagate_support
 from .options import AUTO_MODE, DEFAULT_KV, TideConfig, TideOptions
-from .skip import LayerSkipper, SkipPlan
+from .skip.kv import propagate_support
+from .skip.skipper import LayerSkipper, SkipPlan
 
 
 def check_mode(model: nn.Module, adapter: ModelAdapter, options: TideOptions, router: TideRouter

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .compaction import Compaction
+from .skip.compaction import Compaction
 from .stats import ExitStats
 
 

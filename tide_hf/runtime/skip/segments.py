@@ -27,11 +27,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compat import cache_in, traceable_output_capture
+from ...compat import cache_in, traceable_output_capture
+from ..patching import Patches, forward_attribute
+from ..session import Step
 from .kv import KVRecompute, initialize_cache_layers, propagate_kv, sliding_window
-from .patching import Patches, forward_attribute
-from .session import Step
-from .skip import LayerSkipper, own_code
+from .skipper import LayerSkipper, own_code
 
 SEQUENCE_DIM = 1  # hidden states and rotary embeddings are (B, T, ...)
 MASK_QUERY_DIM = 2  # the catch-up attention mask is (B, 1, T, keys)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compat import cache_in, is_paged, writes_cache
+from ...compat import cache_in, is_paged, writes_cache
 
 MASK_QUERY_DIM = 2  # 4-D attention masks are (B, 1, T, keys)
 # implementations that take any 4-D mask (flash kernels take none; continuous batching runs eager as "paged|eager")

@@ -17,14 +17,14 @@ from typing import Any
 
 from torch import nn
 
-from ..compat import cache_in, is_stateful, with_cache
-from ..errors import TideUnsupportedError
-from ..modeling.fingerprint import remembered
+from ...compat import cache_in, is_stateful, with_cache
+from ...errors import TideUnsupportedError
+from ...modeling.fingerprint import remembered
+from ..patching import Patches
+from ..session import Step
 from .compaction import Compaction, compactable, run_compacted
 from .kv import FusedPropagation, KVRecompute, project_kv, propagate_kv, propagate_support, recompute_support
-from .patching import Patches
 from .probe import probe_skipped_layers
-from .session import Step
 
 
 @dataclass

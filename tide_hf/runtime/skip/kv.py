@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..compat import cache_in, write_kv, writes_cache
-from ..kernels import norm_spec
-from .session import Step
+from ...compat import cache_in, write_kv, writes_cache
+from ...kernels import norm_spec
+from ..session import Step
 
 
 def propagate_support(layer: nn.Module) -> str | None:

@@ -1,5 +1,6 @@
-"""Serving: attach / detach (`TideHandle`), per-call state, skip mode and its KV policies, exit statistics,
-the CPU fast path of linear layers (`fast_linears`), and the one reversible patching mechanism they all use."""
+"""Serving: attach / detach (`TideHandle`) and which model has which handle (`registry`), per-call state, skip
+mode and its KV policies (`skip/`), exit statistics, the CPU fast path of linear layers (`fast_linears`), and the
+one reversible patching mechanism they all use."""
 
 from __future__ import annotations
 

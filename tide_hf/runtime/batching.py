@@ -103,7 +103,7 @@ def decode_positions(kwargs: dict[str, Any], tokens: torch.Tensor) -> torch.Tens
 def commit_packed(session: Session, step: Step, num_layers: int) -> ExitStats:
     """Count a packed step's positions in `session`'s stats and return them: its decode positions as decode, the
     rest (prompt chunks) as prefill, each with the layers it ran (no host sync)."""
-    executed = num_layers - step.skipped - step.stopped  # one number, or one per position (`PhaseStats.add`)
+    executed = step.executed(num_layers)  # one number, or one per position (`PhaseStats.add`)
     decode = step.packed.to(step.valid.device)
     session.stats.prefill.add(step.exit_layer, executed, step.valid & ~decode, step.recomputed)
     session.stats.decode.add(step.exit_layer, executed, step.valid & decode)

@@ -64,7 +64,7 @@ class TideHandle:
         self.turns = Turns(options.mode == "speculative")  # a speculative call runs alone (`turns.py`)
         self._local = threading.local()
         self._local.owner = owner is not None  # set in the owner's thread only (`_bypassed`)
-        self._pending: weakref.WeakKeyDictionary[Any, KVRecompute] = weakref.WeakKeyDictionary()
+        self._waiting: weakref.WeakKeyDictionary[Any, KVRecompute] = weakref.WeakKeyDictionary()
         self._norm_specs = place_routers(router, adapter)
         self._patches = Patches()
         self._patches.set_attr(model, "__reduce_ex__", refuse_pickling)  # pickle and copy look it up on the instance
@@ -76,15 +76,13 @@ class TideHandle:
             self._patches.hook(adapter.layers[k - 1].register_forward_hook(self._checkpoint_hook(k)))
         self._patches.hook(adapter.layers[-1].register_forward_hook(self._final_hook))
         self._skipper = None if skip_plan is None else LayerSkipper(
-            adapter.layers, self.open_checkpoints[0], skip_plan, options.kv, self.current_step, self.recompute_state,
-            self._patches)
+            adapter.layers, self.open_checkpoints[0], skip_plan, options.kv, self, self._patches)
         breaks = None if self._skipper is None else SegmentedDecoding.unsupported(adapter.layers)
-        segments = SegmentedDecoding(model, adapter.layers, self.open_checkpoints, options.kv, options.threshold,
-                                     self.score, self.exit_mask, self.exit_state, self.current_step,
-                                     self.recompute_state, self._skipper, self._patches) \
-            if self._skipper is not None and breaks is None else None
+        thresholds = {k: options.threshold(k) for k in self.open_checkpoints}
+        segments = SegmentedDecoding(model, adapter.layers, thresholds, options.kv, self, self._skipper,
+                                     self._patches) if self._skipper is not None and breaks is None else None
         # transformers' compiled decoding steps: graphs of TIDE's own (skip mode: per segment of layers, or `breaks`)
-        install_compiled_call(model, self._patches, getattr(segments, "compiled_call", None), self._prefilling, breaks)
+        install_compiled_call(model, self._patches, self, getattr(segments, "compiled_call", None), breaks)
 
     def __enter__(self) -> TideHandle:
         return self
@@ -100,20 +98,20 @@ class TideHandle:
         """Exit decisions of the forward running in this thread (None outside a forward)."""
         return getattr(self._local, "step", None)
 
-    def recompute_state(self, cache: Any) -> KVRecompute | None:
+    def waiting_tokens(self, cache: Any) -> KVRecompute | None:
         """Tokens of `cache` still awaiting their deep layers (skip mode with kv="recompute" only), kept per cache
         object: the pending tokens belong to that cache, whatever call uses it next."""
         if self.options.kv != "recompute" or cache is None:
             return None
-        return self._pending.get(cache) or self._pending.setdefault(cache, KVRecompute(self.num_layers))
+        return self._waiting.get(cache) or self._waiting.setdefault(cache, KVRecompute(self.num_layers))
 
     @torch.no_grad()
-    def settle(self, cache: Any) -> None:
+    def complete_cache(self, cache: Any) -> None:
         """Write the exact K/V of `cache`'s tokens waiting for layers they skipped (kv="recompute"): when a generate
         call whose cache outlives it ends, or a plain forward returns it."""
-        state = self._pending.get(cache) if cache is not None and len(self._pending) else None
-        if state is not None and self._skipper is not None:
-            self._skipper.settle(cache, state)
+        waiting = self._waiting.get(cache) if cache is not None and len(self._waiting) else None
+        if waiting is not None and self._skipper is not None:
+            self._skipper.complete_cache(cache, waiting)
 
     def __deepcopy__(self, memo: dict) -> TideHandle:  # reached through the hooks of a deep-copied layer
         refuse_pickling()
@@ -177,7 +175,7 @@ class TideHandle:
         if self._bypassed():  # a stock call: no exits and no stats (keeps `last_stats` of the last TIDE call)
             self._local.step = None
             cache = cache_in(kwargs)  # kv="recompute": a cache TIDE filled, tokens waiting in it
-            waiting = self._pending.get(cache) if cache is not None and len(self._pending) else None
+            waiting = self._waiting.get(cache) if cache is not None and len(self._waiting) else None
             if waiting is not None:  # its waiting tokens catch up in this call: padding from its 2-D mask
                 mask = kwargs.get("attention_mask")
                 waiting.stock_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
@@ -204,6 +202,7 @@ class TideHandle:
             return
         self._local.step = new_step(session, tokens, kwargs.get("attention_mask"), self.num_layers,
                                     running=self._skipper is not None and self.options.kv == "recompute",
+                                    skipping=self._skipper is not None,
                                     cache=cache_in(kwargs), packed=decode_positions(kwargs, tokens) if packed else None)
 
     def _end(self, _module: nn.Module, _args: tuple, _kwargs: dict, output: Any) -> None:
@@ -222,7 +221,7 @@ class TideHandle:
             registry.publish_stats(self.model, session.stats)
             if output is not None:  # a plain forward returns a complete cache: tokens kv="recompute" parked catch up
                 made = cache_in(output) if isinstance(output, dict) else None  # (a cache the model made itself)
-                self.settle(step.cache if step.cache is not None else made)
+                self.complete_cache(step.cache if step.cache is not None else made)
 
     @torch.no_grad()
     def score(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
@@ -254,7 +253,7 @@ class TideHandle:
 
         def hook(_module: nn.Module, _args: tuple, output: Any) -> None:
             step = getattr(self._local, "step", None)
-            if step is None or threshold >= CLOSED or step.skip_after is not None or step.segmented \
+            if step is None or threshold >= CLOSED or step.all_exited or step.segmented \
                     or not self._active() or self._local.session.full_depth:
                 return  # (skip mode: once every row has exited, later checkpoints have nothing to decide)
             hidden = layer_output(output)
@@ -298,7 +297,7 @@ class TideHandle:
         """Move the pending forwards of `session` into its stats (`Session.commit`)."""
         session.commit(last_tokens, self.num_layers)
 
-    def _prefilling(self) -> bool:
+    def prefilling(self) -> bool:
         """A generate call in this thread before its first decode step."""
         session = getattr(self._local, "session", None)
         return session is not None and session.generating and not session.started_decode

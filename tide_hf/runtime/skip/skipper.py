@@ -21,7 +21,7 @@ from ...compat import cache_in, is_stateful, with_cache
 from ...errors import TideUnsupportedError
 from ...modeling.fingerprint import remembered
 from ..patching import Patches
-from ..session import Step
+from ..session import Step, StepHost
 from .compaction import Compaction, compactable, run_compacted
 from .kv import FusedPropagation, KVRecompute, project_kv, propagate_kv, propagate_support, recompute_support
 from .probe import probe_skipped_layers
@@ -61,15 +61,11 @@ class LayerSkipper:
                              lambda: probe_skipped_layers(model, layers, first_checkpoint, kv, fused, text_config))
         return SkipPlan(fused, dict(returns))
 
-    def __init__(self, layers: nn.ModuleList, first_checkpoint: int, plan: SkipPlan, kv: str,
-                 current_step: Callable[[], Step | None], recompute_state: Callable[[Any], KVRecompute | None],
+    def __init__(self, layers: nn.ModuleList, first_checkpoint: int, plan: SkipPlan, kv: str, host: StepHost,
                  patches: Patches) -> None:
-        """Replace the forwards of `layers` after `first_checkpoint` (recorded in `patches`) as `plan` says.
-
-        `current_step()` gives the exit decisions of the forward running in this thread, `recompute_state(cache)`
-        the tokens of `cache` awaiting their deep layers (None unless kv="recompute").
-        """
-        self.current_step, self.recompute_state = current_step, recompute_state
+        """Replace the forwards of `layers` after `first_checkpoint` (recorded in `patches`) as `plan` says; `host`
+        gives each forward's `Step` and each cache's waiting tokens."""
+        self.host = host
         self._returns_tuple: dict[int, bool] = dict(plan.returns_tuple)
         self.originals: dict[int, Callable] = {}  # layer number -> the forward it replaced (compiled segments run it)
         self.fused = plan.fused
@@ -87,49 +83,50 @@ class LayerSkipper:
         the next step, or now with its batch), so setting it aside saves no work."""
         running = step.valid.to(step.exit_layer.device) & (step.exit_layer == num_layers)
         if not bool(running.any()):  # skip mode's one host read per checkpoint reached ...
-            step.skip_after = layer
+            step.skip.all_exited_at = layer
         elif not self.recompute:  # ... and, where some rows run on, a copy of the flags (the device is idle by then)
-            step.compaction = Compaction.build(running, running.tolist()) or step.compaction
+            step.skip.compaction = Compaction.build(running, running.tolist()) or step.skip.compaction
 
-    def settle(self, cache: Any, state: KVRecompute) -> None:
+    def complete_cache(self, cache: Any, waiting: KVRecompute) -> None:
         """Run the tokens of `cache` waiting for layers they skipped through them, writing their exact K/V
-        (`KVRecompute.settle`)."""
-        if state.pending:
-            state.settle(self.layers, self.originals, {**with_cache({}, cache), "use_cache": True})
+        (`KVRecompute.catch_up`)."""
+        if waiting.pending:
+            waiting.catch_up(self.layers, self.originals, {**with_cache({}, cache), "use_cache": True})
 
     def _run(self, number: int, layer: nn.Module, original: Callable, args: tuple, kwargs: dict[str, Any],
-             step: Step | None, recompute: KVRecompute | None) -> Any:
+             step: Step | None, waiting: KVRecompute | None) -> Any:
         """A layer that runs in this step: on the positions still running when some stopped, else whole."""
-        comp = step.compaction if step is not None else None
+        comp = step.skip.compaction if step is not None else None
         if comp is None or len(args) != 1 or not compactable(layer):
-            if recompute is not None and len(args) == 1:
-                return recompute.run(number, layer, original, args[0], kwargs, step)
+            if waiting is not None and waiting.pending and len(args) == 1:  # (nothing waiting: the layer alone)
+                return waiting.run(number, layer, original, args[0], kwargs, step)
             return original(*args, **kwargs)
         out = run_compacted(comp, layer, original, args[0], kwargs, project_kv)
         if out is None:
             return original(*args, **kwargs)
-        step.stopped = step.stopped + (~comp.running).long()
+        step.skip.stopped = step.skip.stopped + (~comp.running).long()
         return out
 
     def _wrap(self, number: int, layer: nn.Module, original: Callable) -> Callable:
         self.originals[number] = original
         def forward(*args: Any, **kwargs: Any) -> Any:
-            step = self.current_step()
-            recompute = self.recompute_state(cache_in(kwargs))
-            if step is None or step.skip_after is None or number <= step.skip_after:
-                out = self._run(number, layer, original, args, kwargs, step, recompute)
+            step = self.host.current_step()
+            waiting = self.host.waiting_tokens(cache_in(kwargs))
+            after = None if step is None else step.skip.all_exited_at
+            if after is None or number <= after:
+                out = self._run(number, layer, original, args, kwargs, step, waiting)
                 self._returns_tuple[number] = isinstance(out, tuple)
                 return out
             hidden = args[0] if args else kwargs["hidden_states"]
-            if recompute is not None:
-                if number == step.skip_after + 1:
-                    recompute.park(hidden, step.skip_after, kwargs, step.mask2d)
+            if waiting is not None:
+                if number == after + 1:
+                    waiting.park(hidden, after, kwargs, step.mask2d)
             elif self.fused is not None:
-                if number == step.skip_after + 1:  # one pass writes every skipped layer's K/V
-                    self.fused.write(step.skip_after, hidden, kwargs)
+                if number == after + 1:  # one pass writes every skipped layer's K/V
+                    self.fused.write(after, hidden, kwargs)
             else:
                 propagate_kv(layer, hidden, kwargs)
-            step.skipped += 1
+            step.skip.skipped += 1
             return (hidden,) if self._returns_tuple.get(number) else hidden
         return own_code(forward, f"tide_skip_layer_{number}")  # compiled per layer, not as recompiles of one
 

@@ -69,9 +69,10 @@ class SegmentedDecoding:
 
     def __init__(self, model: nn.Module, layers: nn.ModuleList, thresholds: dict[int, float], kv: str,
                  host: StepHost, skipper: LayerSkipper, patches: Patches) -> None:
-        """Replace every layer's forward (recorded in `patches`, after the skipper's) by a dispatcher that runs
-        the segments while `step` runs, and the forward it replaced otherwise. `thresholds`: open checkpoint ->
-        its exit threshold; `host` scores, decides exits and gives each forward's `Step`."""
+        """Segments of `layers` between the open checkpoints (`thresholds`: checkpoint -> its exit threshold);
+        `host` scores, decides exits and gives each forward's `Step`. The layers' dispatchers go in (recorded in
+        `patches`, after the skipper's) when compiled decoding first asks for a step (`compiled_call`): eager
+        decoding never passes through them."""
         self.model, self.layers, self.num_layers, self.kv, self.host = model, layers, len(layers), kv, host
         bounds = [0, *sorted(thresholds), self.num_layers]
         self.segments = [Segment(a + 1, b, thresholds.get(b)) for a, b in zip(bounds, bounds[1:])]
@@ -82,13 +83,25 @@ class SegmentedDecoding:
         self._graphs: dict[tuple[int, bool], Callable] = {}  # (first layer, catch-up) -> compiled segment
         self._finish: dict[int, Callable] = {}
         self._config: Any = None
-        for number, layer in enumerate(layers, 1):
-            patches.replace_forward(layer, lambda previous, number=number: self._dispatch(number, previous))
+        self._patches: Patches | None = patches  # None once the dispatchers are in
+        self._installing = threading.Lock()
+
+    def _install(self) -> None:
+        """Replace every layer's forward by a dispatcher that runs the segments while `step` runs, and the forward
+        it replaced otherwise (once, whichever thread asks first)."""
+        with self._installing:
+            if self._patches is None:
+                return
+            for number, layer in enumerate(self.layers, 1):
+                self._patches.replace_forward(layer, lambda previous, number=number: self._dispatch(number, previous))
+            self._patches = None
 
     # -- graphs -----------------------------------------------------------------------------------
     def compiled_call(self, config: Any) -> Callable:
         """What `get_compiled_call(config)` returns while attached: `step`, with graphs compiled per `config`
         (a `transformers.CompileConfig`; a new config compiles new graphs)."""
+        if self._patches is not None:
+            self._install()
         if self._config != config:
             # dynamic=True would trace the segments' checkpoint numbers as symbols (and fail on `str(layer)`);
             # automatic dynamic shapes (None) mark a size dynamic once it changes, the catch-up's explicitly

@@ -197,7 +197,7 @@ def test_bench_table_names_the_router_of_each_row_when_there_are_several() -> No
 
 def test_batches_forced_rows_report_each_rows_depth_and_a_table() -> None:
     """Forced per-row exits: at batch 2 one row leaves at the depth and one runs every layer, so the mean executed
-    depth is their mean (kv="propagate", and kv="recompute" with park_rows); kv="recompute" alone runs the batch
+    depth is their mean (kv="propagate"); kv="recompute" runs the batch
     whole until every row has exited; at batch 1 the one row leaves. The row-cost ideal prices the deep layers at
     the running rows' step cost."""
     from test_skip import NUM_LAYERS, make, router_for
@@ -211,18 +211,17 @@ def test_batches_forced_rows_report_each_rows_depth_and_a_table() -> None:
     assert [c["rows"] for c in costs] == [1, 2] and costs[0]["over_first"] == 1.0 and costs[1]["step_s"] > 0
     rows = forced(model, router_for(model, 0.0), prompts, 0, [1, 2], depth=4, new_tokens=3, reps=1,
                   costs={1: 1.0, 2: 4.0})
-    executed = {(r["batch_size"], r["kv"], r["park_rows"]): r["mean_executed_layers"] for r in rows}
-    assert executed[(1, "propagate", False)] == executed[(1, "recompute", False)] == executed[(1, "recompute", True)] \
-        == 4
-    assert executed[(2, "propagate", False)] == executed[(2, "recompute", True)] == (4 + NUM_LAYERS) / 2
-    assert executed[(2, "recompute", False)] == NUM_LAYERS
+    executed = {(r["batch_size"], r["kv"]): r["mean_executed_layers"] for r in rows}
+    assert executed[(1, "propagate")] == executed[(1, "recompute")] == 4
+    assert executed[(2, "propagate")] == (4 + NUM_LAYERS) / 2
+    assert executed[(2, "recompute")] == NUM_LAYERS
     for r in rows:  # batch 2: the deep layers at a quarter of their full-batch time; batch 1: none of it
         deep = r["stock_s"] - r["truncated_s"]
         ideal = r["truncated_s"] + (deep / 4 if r["batch_size"] == 2 else 0.0)
         assert r["row_cost_ideal_speedup"] == pytest.approx(r["stock_s"] / ideal)
     table = format_batches({"step_cost": costs, "forced": rows, "router": {"decode": [], "prefill": []}})
     assert table.count("| 2 | propagate | 1 | 4 | 6.50 |") == 1
-    assert table.count("| 2 | recompute, park_rows | 1 | 4 | 6.50 |") == 1
+    assert table.count(f"| 2 | recompute | 1 | 4 | {NUM_LAYERS:.2f} |") == 1
     assert table.splitlines()[3].startswith("| 2 | ")  # the step cost table: 1 row, then 2
 
 

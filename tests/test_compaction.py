@@ -37,11 +37,9 @@ def state_router(model) -> tide_hf.TideRouter:
 def generate_forced(model, rows: torch.Tensor, ids, mask, cache: str, kv: str = "propagate",
                     seen: list[int] | None = None):
     """Greedy tokens with the rows where `rows` is True exiting at `EXIT_AT` in every step, and the stats; the
-    rows each layer ran added to `seen` (counted after attach: its probe forward runs the layers too). `kv`
-    "recompute+park": kv="recompute" with park_rows=True."""
+    rows each layer ran added to `seen` (counted after attach: its probe forward runs the layers too)."""
     handle = tide_hf.integrations.attach_with(forced_rows(rows), model, router_for(model, 0.0), exit_threshold=0.5,
-                                         min_layers=EXIT_AT, mode="skip", kv=kv.removesuffix("+park"),
-                                         park_rows=kv.endswith("+park"))
+                                         min_layers=EXIT_AT, mode="skip", kv=kv)
     if seen is not None:
         rows_per_layer(model, seen)
     try:
@@ -53,7 +51,7 @@ def generate_forced(model, rows: torch.Tensor, ids, mask, cache: str, kv: str = 
         handle.detach()
 
 
-@pytest.mark.parametrize("kv", ["propagate", "recompute", "recompute+park"])
+@pytest.mark.parametrize("kv", ["propagate", "recompute"])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_forced_per_row_exits_give_each_row_its_tokens_alone_and_stop_its_layers(cache, kv):
     model = make()
@@ -65,19 +63,19 @@ def test_forced_per_row_exits_give_each_row_its_tokens_alone_and_stop_its_layers
     for r in range(3):
         alone, _ = generate_forced(model, rows[r : r + 1], ids[r : r + 1], mask[r : r + 1], cache, kv)
         assert torch.equal(alone.sequences, batched.sequences[r : r + 1]), f"row {r}"
-    if kv == "recompute" or (kv == "recompute+park" and cache == "static"):  # the batch runs whole (rows park
-        assert stats.decode.executed == {NUM_LAYERS: 3 * (NEW_TOKENS - 1)}  # only with park_rows, in a cache that
-        assert stats.prefill.executed == {NUM_LAYERS: int(mask.sum())}  # grows one slot per position)
+    if kv == "recompute":  # the batch runs whole until every row has exited
+        assert stats.decode.executed == {NUM_LAYERS: 3 * (NEW_TOKENS - 1)}
+        assert stats.prefill.executed == {NUM_LAYERS: int(mask.sum())}
         return
     # layers executed per token: the exiting rows EXIT_AT, the other every layer
     assert stats.decode.executed == {EXIT_AT: 2 * (NEW_TOKENS - 1), NUM_LAYERS: NEW_TOKENS - 1}
     assert stats.prefill.executed == {EXIT_AT: int(mask[0].sum() + mask[2].sum()), NUM_LAYERS: int(mask[1].sum())}
-    if kv == "propagate":  # (recompute: the returned cache's parked positions catch up when the call ends)
+    if kv == "propagate":
         # only row 1 runs the deep layers: its 4 prompt positions (padding stops too), then one per step
         assert deep == [int(mask[1].sum()) + NEW_TOKENS - 1] * (NUM_LAYERS - EXIT_AT)
 
 
-@pytest.mark.parametrize("kv", ["propagate", "recompute", "recompute+park"])
+@pytest.mark.parametrize("kv", ["propagate", "recompute"])
 def test_forced_per_row_exits_return_a_complete_cache(kv):
     model = make()
     ids, mask = prompts()
@@ -87,13 +85,12 @@ def test_forced_per_row_exits_return_a_complete_cache(kv):
     assert all(torch.isfinite(layer.keys).all() for layer in out.past_key_values.layers)
 
 
-@pytest.mark.parametrize("kv", ["recompute", "recompute+park"])
-def test_recompute_in_a_batch_returns_the_stock_models_cache_of_its_tokens(kv):
+def test_recompute_in_a_batch_returns_the_stock_models_cache_of_its_tokens():
     """kv='recompute' with rows exiting on their own: the cache generate returns holds, at every layer, the K/V
-    the stock model computes for the same tokens (parked positions caught up when the call ends)."""
+    the stock model computes for the same tokens."""
     model = make()
     ids, mask = prompts()
-    out, _ = generate_forced(model, torch.tensor([True, False, True]), ids, mask, "dynamic", kv)
+    out, _ = generate_forced(model, torch.tensor([True, False, True]), ids, mask, "dynamic", "recompute")
     full_mask = torch.cat([mask, torch.ones(3, NEW_TOKENS - 1, dtype=mask.dtype)], dim=1)
     with torch.no_grad():
         stock = model(input_ids=out.sequences[:, :-1], attention_mask=full_mask,
@@ -104,16 +101,15 @@ def test_recompute_in_a_batch_returns_the_stock_models_cache_of_its_tokens(kv):
         torch.testing.assert_close(ours.values.transpose(1, 2)[keep], theirs.values.transpose(1, 2)[keep])
 
 
-@pytest.mark.parametrize("park_rows", [False, True])
-def test_recompute_in_a_batch_with_rows_exiting_on_their_own_gives_select_modes_tokens(park_rows):
+def test_recompute_in_a_batch_with_rows_exiting_on_their_own_gives_select_modes_tokens():
     """Real (state-dependent) decisions: rows exit at different steps and checkpoints, and every deep K/V is exact
-    (run with the batch, or parked and run when the row runs deeper again), so the tokens are select mode's (which
-    runs every layer with the same exits); parked rows really stop."""
+    (the batch runs whole until every row has exited), so the tokens are select mode's (which runs every layer with
+    the same exits)."""
     model = make()
     ids, mask = prompts()
     router = state_router(model)
     outputs, stats = {}, {}
-    for mode, options in (("select", {}), ("skip", {"kv": "recompute", "park_rows": park_rows})):
+    for mode, options in (("select", {}), ("skip", {"kv": "recompute"})):
         handle = tide_hf.attach(model, router, exit_threshold=0.5, mode=mode, **options)
         outputs[mode] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
         stats[mode] = handle.last_stats
@@ -121,9 +117,6 @@ def test_recompute_in_a_batch_with_rows_exiting_on_their_own_gives_select_modes_
     assert torch.equal(outputs["skip"], outputs["select"])
     decode = stats["skip"].decode
     assert 0 < decode.exit_rate < 1
-    if park_rows:
-        assert decode.mean_executed < NUM_LAYERS
-        assert decode.recomputed > 0  # parked positions caught up inside the call
 
 
 def test_the_propagated_cache_of_an_exited_row_is_what_the_layer_computes_from_its_exit_state():

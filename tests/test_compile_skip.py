@@ -144,7 +144,7 @@ def test_models_mixing_attention_kinds_keep_the_whole_step_compile() -> None:
     skipped-layer forwards."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    from tide_hf.runtime.segments import SegmentedDecoding
+    from tide_hf.runtime.skip.segments import SegmentedDecoding
 
     torch.manual_seed(0)
     model = Gemma2ForCausalLM(Gemma2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=9,
@@ -165,7 +165,7 @@ def test_models_mixing_attention_kinds_keep_the_whole_step_compile() -> None:
             assert torch.equal(generate(model, ids, mask, 12, **static(compile_config=config)), eager)
     # the graph breaks compile the skipped layers' forwards as frames of their own: one code object per layer
     # (they shared one, whose recompiles reached dynamo's limit, and the skipped layers' K/V writes ran uncompiled)
-    ours = Counter(m.split()[2] for m in recompiles if "tide_hf/runtime/skip.py" in m.splitlines()[0])
+    ours = Counter(m.split()[2] for m in recompiles if "tide_hf/runtime/skip/skipper.py" in m.splitlines()[0])
     assert all(n < torch._dynamo.config.recompile_limit // 2 for n in ours.values()), ours
 
 

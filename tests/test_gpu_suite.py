@@ -76,10 +76,10 @@ def test_ideal_of_half_the_rows_is_the_mean_of_stock_and_truncated() -> None:
     rows = [{"config": c, "batch_size": 8, "compiled": False, "ms_per_token": ms}
             for c, ms in (("stock", 10.0), ("truncated to 16 (ideal)", 6.0),
                           ("skip, all exit at 16, kv=propagate", 7.5),
-                          ("skip, half the rows leave at 16, kv=recompute, park_rows", 9.0), ("exits off", 11.0))]
+                          ("skip, half the rows leave at 16, kv=propagate", 9.0), ("exits off", 11.0))]
     by_name = {r["config"]: r for r in with_ideal_ratios(rows, 16)}
     assert by_name["skip, all exit at 16, kv=propagate"]["vs_ideal"] == 6.0 / 7.5
-    assert by_name["skip, half the rows leave at 16, kv=recompute, park_rows"]["vs_ideal"] == 8.0 / 9.0
+    assert by_name["skip, half the rows leave at 16, kv=propagate"]["vs_ideal"] == 8.0 / 9.0
     assert "vs_ideal" not in by_name["exits off"]
 
 

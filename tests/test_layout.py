@@ -151,3 +151,13 @@ def test_optional_test_dependencies_skip_instead_of_breaking_collection() -> Non
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0].lower() in optional]
     assert optional and not offenders, offenders
+
+
+def test_no_file_holds_a_merge_conflict_marker() -> None:
+    """A conflict left in a page or a module: the docs build and most tests read around it."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=PACKAGE.parent, capture_output=True, text=True, check=True)
+    markers = ("<" * 7 + " ", ">" * 7 + " ")
+    found = [name for name in tracked.stdout.splitlines() if name.endswith((".py", ".md", ".toml", ".yml"))
+             and (PACKAGE.parent / name).is_file()
+             and any(line.startswith(markers) for line in (PACKAGE.parent / name).read_text().splitlines())]
+    assert not found, found

@@ -689,24 +689,20 @@ def test_a_model_without_weights_is_named_before_any_forward() -> None:
     (dict(mode="speculative", kv="propagate"), r"kv='propagate' applies to mode='skip' only"),
     (dict(mode="select", draft_layer=4), r"draft_layer=4 applies to mode='speculative' only"),
     (dict(mode="skip", draft_layer=4), r"draft_layer=4 applies to mode='speculative' only"),
-    (dict(mode="skip", kv="propagate", park_rows=True), r"park_rows=True applies to mode='skip' with "
-                                                          r"kv='recompute' only.*kv='propagate'"),
-    (dict(mode="select", park_rows=True), r"park_rows=True applies to .*mode='select'"),
 ])
 def test_an_option_the_mode_never_reads_is_refused(options: dict, message: str) -> None:
-    """kv= in select / speculative mode, draft_layer= outside speculative mode and park_rows=True outside skip mode
-    with kv='recompute' were accepted and ignored."""
+    """kv= in select / speculative mode and draft_layer= outside speculative mode were accepted and ignored."""
     model = make_model()
     with pytest.raises(TideArgumentError, match=message):
         tide_hf.attach(model, new_router(model), **options)
     assert tide_hf.get_handle(model) is None
 
 
-def test_park_rows_takes_a_bool() -> None:
-    """park_rows=1 or "yes" would read as parking; only True and False are taken."""
+def test_the_removed_park_rows_is_named_as_removed() -> None:
+    """park_rows= (removed) is refused as removed, with why, not as an unknown option or silently ignored."""
     model = make_model()
-    for value in (1, "yes", None):
-        with pytest.raises(TideArgumentTypeError, match=rf"park_rows must be True or False, got {value!r}"):
+    for value in (True, False):
+        with pytest.raises(TideArgumentTypeError, match=r"option 'park_rows' was removed: .*kv='recompute'"):
             tide_hf.attach(model, new_router(model), mode="skip", park_rows=value)
     assert tide_hf.get_handle(model) is None
 

@@ -24,7 +24,7 @@ from transformers import (
 
 import tide_hf
 from tide_hf.compat import CACHE_KWARG
-from tide_hf.runtime.kv import FusedPropagation, propagate_kv
+from tide_hf.runtime.skip.kv import FusedPropagation, propagate_kv
 
 NUM_LAYERS = 9  # router checkpoints [4, 8]
 
@@ -264,8 +264,8 @@ def test_unsupported_attention_is_refused_before_any_patch():
                for m in model.modules())
 
 
-@pytest.mark.parametrize(("rows", "park_rows"), [(1, False), (2, False), (2, True)])
-def test_recompute_a_plain_forward_returns_the_exact_deep_cache(rows, park_rows):
+@pytest.mark.parametrize("rows", [1, 2])
+def test_recompute_a_plain_forward_returns_the_exact_deep_cache(rows):
     """kv='recompute': a skipped token's deep K/V are computed from its exit state, which is its true layer-k
     output. A plain forward (outside generate) writes them before it returns, so its cache equals the stock model's
     in every layer at once, and the next call, with TIDE or without, reads a complete cache."""
@@ -279,7 +279,7 @@ def test_recompute_a_plain_forward_returns_the_exact_deep_cache(rows, park_rows)
         stock_after_t1 = [(layer.keys.clone(), layer.values.clone()) for layer in stock_cache.layers]
         stock_logits = model(input_ids=t2, past_key_values=stock_cache, use_cache=True).logits
     handle = tide_hf.attach(model, router_for(model, 30.0), exit_threshold=0.5, min_layers=4, mode="skip",
-                            kv="recompute", park_rows=park_rows)
+                            kv="recompute")
     calls = count_mlp_calls(model)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():

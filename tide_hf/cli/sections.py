@@ -120,7 +120,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p = section(sections, "batches", "skip mode in batches, rows exiting on their own, vs stock and the ideal",
                 "Skip mode in batches at each --batch-sizes: a stock decode step's cost by rows, then forced "
                 "per-row exits (half the rows) and real router decisions at --targets, decode and prefill, with "
-                "kv='propagate', kv='recompute' and kv='recompute' with park_rows, vs stock and the ideals.",
+                "kv='propagate' and kv='recompute', vs stock and the ideals.",
                 "--router router-smollm2 --batch-sizes 1 8 32 --num-prompts 32 --targets 0.95 --new-tokens 64",
                 f"{CPU}: ~1 h with these flags (61 min measured with --num-chunks 8)", "--router DIR [options]")
     g = add_model(p, "one router folder / Hub id")

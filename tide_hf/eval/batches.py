@@ -1,7 +1,7 @@
 """`tide-hf bench batches`: skip mode in batches, where rows exit on their own, against stock and the ideal.
 
 Three sections, each at every `--batch-sizes`, timed against stock in the same run (interleaved repetitions), each
-with the cache policies of `POLICIES` (`kv="recompute"` with and without `park_rows`):
+with the cache policies of `POLICIES`:
 - the cost of a stock decode step at 1 row, at each batch size and at half of it: what running fewer rows saves
   on this machine.
 - forced per-row exits: half the rows (the even ones; at batch 1, the one row) leave at `--forced-depth` at every
@@ -33,8 +33,7 @@ from .measure import generate, left_pad
 from .modes import forced_rows, truncated
 
 STEP_COST_STEPS = 8  # decode steps timed per prefill in `step_cost` (their median)
-POLICIES = {"propagate": {"kv": "propagate"}, "recompute": {"kv": "recompute"},
-            "recompute, park_rows": {"kv": "recompute", "park_rows": True}}  # name -> attach options
+POLICIES = {"propagate": {"kv": "propagate"}, "recompute": {"kv": "recompute"}}  # name -> attach options
 
 
 def default_forced_depth(checkpoints: list[int], num_layers: int) -> int:
@@ -142,8 +141,8 @@ def forced(model: Any, router: TideRouter, prompts: list[torch.Tensor], pad_id: 
         for name, options in POLICIES.items():
             executed = stats[name]["decode"]
             ideal = _ideal(seconds["stock"], seconds["truncated"], depth, num_layers, executed)
-            rows.append({"batch_size": bs, "kv": options["kv"], "park_rows": options.get("park_rows", False),
-                         "depth": depth, "exiting_rows": int(exiting.sum()), "mean_executed_layers": executed,
+            rows.append({"batch_size": bs, "kv": options["kv"], "depth": depth, "exiting_rows": int(exiting.sum()),
+                         "mean_executed_layers": executed,
                          "speedup_vs_stock": seconds["stock"] / seconds[name],
                          "realized_over_ideal": ideal / seconds[name],
                          "row_cost_ideal_speedup": seconds["stock"] / row_ideal, "stock_s": seconds["stock"],
@@ -187,8 +186,7 @@ def real_router(model: Any, router: TideRouter, prompts: list[torch.Tensor], chu
                         generate(model, left_pad([p], pad_id), new_tokens, tide=True)
                         alone.append(handle.last_stats.decode.mean_executed)
                 ideal = _ideal(seconds["stock"], seconds["truncated"], depth, num_layers, executed)
-                decode.append({"target": target, "kv": policy["kv"], "park_rows": policy.get("park_rows", False),
-                               "batch_size": bs, "mean_executed_layers": executed,
+                decode.append({"target": target, "kv": policy["kv"], "batch_size": bs, "mean_executed_layers": executed,
                                "alone_mean_executed_layers": statistics.mean(alone) if alone else executed,
                                "speedup_vs_stock": seconds["stock"] / seconds["tide"],
                                "realized_over_ideal": ideal / seconds["tide"],

@@ -107,13 +107,12 @@ def configurations(model: Any, depth: int) -> dict[str, tuple[str, Callable[[], 
 
 def row_configurations(model: Any, depth: int, batch_size: int
                        ) -> dict[str, tuple[str, Callable[[], AbstractContextManager]]]:
-    """Skip mode with forced per-row exits, kv="propagate" and kv="recompute" with `park_rows` (without it the
-    batch runs whole until every row has exited): at every step the even rows of a `batch_size` batch leave at
+    """Skip mode with forced per-row exits, kv="propagate" (kv="recompute" runs the batch whole until every row
+    has exited): at every step the even rows of a `batch_size` batch leave at
     `depth` and the odd ones run every layer (what a batch of unequal rows costs)."""
     handle_class = forced_rows(torch.arange(batch_size) % 2 == 0)
     router = constant_router(model, -CONSTANT_LOGIT)  # its scores are replaced by the forced ones
-    policies = {"propagate": ("kv=propagate", {"kv": "propagate"}),
-                "recompute-park": ("kv=recompute, park_rows", {"kv": "recompute", "park_rows": True})}
+    policies = {"propagate": ("kv=propagate", {"kv": "propagate"})}
     return {f"rows-{key}": (f"{ROWS_LABEL} {depth}, {label}",
                             lambda options=options: attach_with(handle_class, model, router, exit_threshold=THRESHOLD,
                                                                 min_layers=depth, mode="skip", **options))

@@ -52,8 +52,8 @@ def format_modes(result: dict) -> str:
 
 def format_batches(result: dict) -> str:
     """Markdown tables of the batches section: a decode step's cost by rows, forced per-row exits, real router
-    decode, prefill. Results written before a column existed (the step cost, `park_rows`, the row-cost ideal) show
-    "-" or leave it out."""
+    decode, prefill. Results written before a column existed (the step cost, the row-cost ideal) show "-" or leave
+    it out; those written while `park_rows` was an option name it beside their kv."""
     def policy(row: dict) -> str:
         return f"{row['kv']}, park_rows" if row.get("park_rows") else row["kv"]
 

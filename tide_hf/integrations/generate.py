@@ -135,7 +135,7 @@ def _run(handle: TideHandle, original: Callable, model: Any, args: tuple, kwargs
         processors.append(TideLogitsProcessor(handle, session))
         out = original(model, *args, **{**kwargs, "logits_processor": processors})
         for cache in (cache_in(kwargs), cache_in(out) if isinstance(out, dict) else None):  # caches that outlive it
-            handle.settle(cache)
+            handle.complete_cache(cache)
         return out
 
 

@@ -5,7 +5,7 @@ into one row (prompt chunks and decode tokens side by side) over a paged KV cach
 attending to its own keys through a 4-D mask. TIDE's hooks see that row like a prefill: each position is scored
 at each checkpoint, exits are per position, so a request's tokens do not depend on the others packed beside it.
 Select mode swaps the exit states in as in `generate`. Skip mode runs the layers after a checkpoint only on the
-positions still running (`compaction.py`): their K/V and the propagated K/V of the exited ones (`kv="propagate"`)
+positions still running (`skip/compaction.py`): their K/V and the propagated K/V of the exited ones (`kv="propagate"`)
 go through the paged cache's own write, with the step's write indices.
 
 What cannot be served is refused before any work, at `init_continuous_batching` (which `generate_batch` and
@@ -25,9 +25,9 @@ import torch
 
 from ..compat import PAGED_UPDATE_TAKES_KWARGS, undo_attention_switch
 from ..errors import TideUnsupportedError
-from .compaction import COMPACT_ATTENTION
 from .patching import Patches
 from .session import Session, Step
+from .skip.compaction import COMPACT_ATTENTION
 from .stats import ExitStats
 
 BATCHING_ENTRY = "init_continuous_batching"  # the method every continuous-batching path starts with
@@ -103,7 +103,7 @@ def decode_positions(kwargs: dict[str, Any], tokens: torch.Tensor) -> torch.Tens
 def commit_packed(session: Session, step: Step, num_layers: int) -> ExitStats:
     """Count a packed step's positions in `session`'s stats and return them: its decode positions as decode, the
     rest (prompt chunks) as prefill, each with the layers it ran (no host sync)."""
-    executed = num_layers - step.skipped - step.stopped  # one number, or one per position (`PhaseStats.add`)
+    executed = step.executed(num_layers)  # one number, or one per position (`PhaseStats.add`)
     decode = step.packed.to(step.valid.device)
     session.stats.prefill.add(step.exit_layer, executed, step.valid & ~decode, step.recomputed)
     session.stats.decode.add(step.exit_layer, executed, step.valid & decode)

@@ -23,6 +23,7 @@ from transformers import CompileConfig
 
 from ..errors import TideUnsupportedError
 from .patching import Patches
+from .session import StepHost
 
 COMPILED_CALL = "get_compiled_call"  # transformers' PreTrainedModel method that compiles decoding steps
 
@@ -39,13 +40,13 @@ def model_call(model: nn.Module, name: str) -> Callable:
 class CompiledCall:
     """Stands in for `model.get_compiled_call` while a handle is attached (same signature and caching)."""
 
-    def __init__(self, model: nn.Module, steps: Callable[[Any], Callable] | None = None,
-                 eager: Callable[[], bool] | None = None, breaks: str | None = None) -> None:
-        """`steps(config)`, when given, makes the compiled step instead (skip mode's segments, `segments.py`);
-        while `eager()` holds, the model runs uncompiled (a prompt prefilled in chunks: generate's usual prefill
-        is not compiled, and each chunk would meet the graphs with a new prompt offset and width). `breaks`:
-        why skip mode's step compiles whole, with graph breaks at the checkpoints (None: no break)."""
-        self.model, self.steps, self.eager, self.breaks = model, steps, eager, breaks
+    def __init__(self, model: nn.Module, host: StepHost, steps: Callable[[Any], Callable] | None = None,
+                 breaks: str | None = None) -> None:
+        """`steps(config)`, when given, makes the compiled step instead (skip mode's segments, `skip/segments.py`);
+        while `host.prefilling()` holds, the model runs uncompiled (a prompt prefilled in chunks: generate's usual
+        prefill is not compiled, and each chunk would meet the graphs with a new prompt offset and width).
+        `breaks`: why skip mode's step compiles whole, with graph breaks at the checkpoints (None: no break)."""
+        self.model, self.host, self.steps, self.breaks = model, host, steps, breaks
         self._compiled: tuple[Any, Callable] | None = None
 
     def __call__(self, compile_config: Any = None) -> Callable:
@@ -60,7 +61,7 @@ class CompiledCall:
             compiled = self._compiled[1]
 
         def step(*args: Any, **kwargs: Any) -> Any:
-            return (self.model if self.eager is not None and self.eager() else compiled)(*args, **kwargs)
+            return (self.model if self.host.prefilling() else compiled)(*args, **kwargs)
         return step
 
 
@@ -76,9 +77,9 @@ def check_fullgraph(model: nn.Module, config: Any, breaks: str | None) -> None:
         "(the same step, with graph breaks at the checkpoints), or attach with mode='select'")
 
 
-def install_compiled_call(model: nn.Module, patches: Patches, steps: Callable[[Any], Callable] | None = None,
-                          eager: Callable[[], bool] | None = None, breaks: str | None = None) -> None:
-    """Replace `model.get_compiled_call` (recorded in `patches`) when the model has one; `steps`, `eager`,
+def install_compiled_call(model: nn.Module, patches: Patches, host: StepHost,
+                          steps: Callable[[Any], Callable] | None = None, breaks: str | None = None) -> None:
+    """Replace `model.get_compiled_call` (recorded in `patches`) when the model has one; `host`, `steps`,
     `breaks`: see `CompiledCall`."""
     if hasattr(model, COMPILED_CALL):
-        patches.set_attr(model, COMPILED_CALL, CompiledCall(model, steps, eager, breaks))
+        patches.set_attr(model, COMPILED_CALL, CompiledCall(model, host, steps, breaks))

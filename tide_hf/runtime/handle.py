@@ -23,31 +23,26 @@ import torch
 from torch import nn
 
 from ..compat import cache_in, is_paged
-from ..errors import TideArgumentError, TideArgumentTypeError, TideConcurrencyError, TideUnsupportedError
+from ..errors import TideArgumentError, TideArgumentTypeError, TideUnsupportedError
 from ..kernels import norm_router_scores
 from ..modeling import ModelAdapter, TideRouter, check_model, get_adapter, layer_output
 from ..record import CLOSED
+from . import registry
 from .batching import commit_packed, decode_positions, guard_continuous_batching
 from .compiled import install_compiled_call
-from .kv import KVRecompute
 from .modes import resolve_mode
 from .options import TideConfig, TideOptions
 from .pairing import WeightsWatch, place_routers, refuse_pickling
 from .patching import Patches
-from .segments import SegmentedDecoding
+from .registry import detach, get_handle, last_stats  # (also here: their import path before registry.py)
 from .session import Session, Step, new_step
-from .skip import LayerSkipper, SkipPlan
+from .skip.kv import KVRecompute
+from .skip.segments import SegmentedDecoding
+from .skip.skipper import LayerSkipper, SkipPlan
 from .stats import ExitStats
 from .turns import Turns
 
-# Handles are held weakly too: a handle references its model, so a strong value would keep every attached
-# model alive forever. The model's own hooks keep its handle alive while the model lives.
-_HANDLES: weakref.WeakKeyDictionary[nn.Module, weakref.ref[TideHandle]] = weakref.WeakKeyDictionary()
-_LAST_STATS: weakref.WeakKeyDictionary[nn.Module, ExitStats] = weakref.WeakKeyDictionary()
-# Per-call attaches (`generate(tide=router)`) running now, per model: handle id -> handle (each acts in its thread)
-_CALL_HANDLES: weakref.WeakKeyDictionary[nn.Module, dict[int, TideHandle]] = weakref.WeakKeyDictionary()
-_REGISTRY_LOCK = threading.RLock()
-
+__all__ = ["TideHandle", "attach_for_call", "detach", "get_handle", "hook_model", "last_stats"]
 
 class TideHandle:
     """An attached router: options, hooks, and the stats of the last call (`last_stats`); also a context manager,
@@ -69,7 +64,7 @@ class TideHandle:
         self.turns = Turns(options.mode == "speculative")  # a speculative call runs alone (`turns.py`)
         self._local = threading.local()
         self._local.owner = owner is not None  # set in the owner's thread only (`_bypassed`)
-        self._pending: weakref.WeakKeyDictionary[Any, KVRecompute] = weakref.WeakKeyDictionary()
+        self._waiting: weakref.WeakKeyDictionary[Any, KVRecompute] = weakref.WeakKeyDictionary()
         self._norm_specs = place_routers(router, adapter)
         self._patches = Patches()
         self._patches.set_attr(model, "__reduce_ex__", refuse_pickling)  # pickle and copy look it up on the instance
@@ -81,15 +76,13 @@ class TideHandle:
             self._patches.hook(adapter.layers[k - 1].register_forward_hook(self._checkpoint_hook(k)))
         self._patches.hook(adapter.layers[-1].register_forward_hook(self._final_hook))
         self._skipper = None if skip_plan is None else LayerSkipper(
-            adapter.layers, self.open_checkpoints[0], skip_plan, options.kv, self.current_step, self.recompute_state,
-            self._patches, options.park_rows)
+            adapter.layers, self.open_checkpoints[0], skip_plan, options.kv, self, self._patches)
         breaks = None if self._skipper is None else SegmentedDecoding.unsupported(adapter.layers)
-        segments = SegmentedDecoding(model, adapter.layers, self.open_checkpoints, options.kv, options.threshold,
-                                     self.score, self.exit_mask, self.exit_state, self.current_step,
-                                     self.recompute_state, self._skipper, self._patches) \
-            if self._skipper is not None and breaks is None else None
+        thresholds = {k: options.threshold(k) for k in self.open_checkpoints}
+        segments = SegmentedDecoding(model, adapter.layers, thresholds, options.kv, self, self._skipper,
+                                     self._patches) if self._skipper is not None and breaks is None else None
         # transformers' compiled decoding steps: graphs of TIDE's own (skip mode: per segment of layers, or `breaks`)
-        install_compiled_call(model, self._patches, getattr(segments, "compiled_call", None), self._prefilling, breaks)
+        install_compiled_call(model, self._patches, self, getattr(segments, "compiled_call", None), breaks)
 
     def __enter__(self) -> TideHandle:
         return self
@@ -105,21 +98,20 @@ class TideHandle:
         """Exit decisions of the forward running in this thread (None outside a forward)."""
         return getattr(self._local, "step", None)
 
-    def recompute_state(self, cache: Any) -> KVRecompute | None:
+    def waiting_tokens(self, cache: Any) -> KVRecompute | None:
         """Tokens of `cache` still awaiting their deep layers (skip mode with kv="recompute" only), kept per cache
         object: the pending tokens belong to that cache, whatever call uses it next."""
         if self.options.kv != "recompute" or cache is None:
             return None
-        return self._pending.get(cache) or self._pending.setdefault(cache, KVRecompute(self.num_layers))
+        return self._waiting.get(cache) or self._waiting.setdefault(cache, KVRecompute(self.num_layers))
 
     @torch.no_grad()
-    def settle(self, cache: Any, blocks: bool = True) -> None:
+    def complete_cache(self, cache: Any) -> None:
         """Write the exact K/V of `cache`'s tokens waiting for layers they skipped (kv="recompute"): when a generate
-        call whose cache outlives it ends; before a call without TIDE reads it, those parked per row only
-        (`blocks=False`: steps parked whole catch up in that call's own forward)."""
-        state = self._pending.get(cache) if cache is not None and len(self._pending) else None
-        if state is not None and self._skipper is not None:
-            self._skipper.settle(cache, state, blocks)
+        call whose cache outlives it ends, or a plain forward returns it."""
+        waiting = self._waiting.get(cache) if cache is not None and len(self._waiting) else None
+        if waiting is not None and self._skipper is not None:
+            self._skipper.complete_cache(cache, waiting)
 
     def __deepcopy__(self, memo: dict) -> TideHandle:  # reached through the hooks of a deep-copied layer
         refuse_pickling()
@@ -128,7 +120,7 @@ class TideHandle:
     @property
     def last_stats(self) -> ExitStats | None:
         """Exit statistics of the latest generate call or forward on this model (continuous batching: so far)."""
-        return _LAST_STATS.get(self.model)
+        return registry.last_stats(self.model)
 
     def _new_session(self, generating: bool, eos: torch.Tensor | None = None) -> Session:
         if not torch.compiler.is_compiling():  # the model may have been cast, moved or loaded since the last call
@@ -153,7 +145,7 @@ class TideHandle:
         finally:  # (a forward interrupted by a BaseException, e.g. Ctrl-C, skips `_end`: its step is dropped here)
             self.commit(session, None)
             self._local.session, self._local.step = outer, None
-            _LAST_STATS[self.model] = session.stats
+            registry.publish_stats(self.model, session.stats)
 
     @contextmanager
     def disabled(self) -> Iterator[None]:
@@ -185,9 +177,8 @@ class TideHandle:
         if self._bypassed():  # a stock call: no exits and no stats (keeps `last_stats` of the last TIDE call)
             self._local.step = None
             cache = cache_in(kwargs)  # kv="recompute": a cache TIDE filled, tokens waiting in it
-            waiting = self._pending.get(cache) if cache is not None and len(self._pending) else None
+            waiting = self._waiting.get(cache) if cache is not None and len(self._waiting) else None
             if waiting is not None:  # its waiting tokens catch up in this call: padding from its 2-D mask
-                self.settle(cache, blocks=False)  # (positions parked per row now: stock layers cannot take them)
                 mask = kwargs.get("attention_mask")
                 waiting.stock_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
             return
@@ -213,6 +204,7 @@ class TideHandle:
             return
         self._local.step = new_step(session, tokens, kwargs.get("attention_mask"), self.num_layers,
                                     running=self._skipper is not None and self.options.kv == "recompute",
+                                    skipping=self._skipper is not None,
                                     cache=cache_in(kwargs), packed=decode_positions(kwargs, tokens) if packed else None)
 
     def _end(self, _module: nn.Module, _args: tuple, _kwargs: dict, output: Any) -> None:
@@ -221,17 +213,17 @@ class TideHandle:
             return
         session = self._local.session
         if step.packed is not None:  # counted and published now: continuous batching has no call end of its own
-            _LAST_STATS[self.model] = commit_packed(session, step, self.num_layers)
+            registry.publish_stats(self.model, commit_packed(session, step, self.num_layers))
             return
         session.pending.append(step)
         if getattr(self._local, "auto", False):
             self._local.auto = False
             self._local.session = None
             self.commit(session, None)
-            _LAST_STATS[self.model] = session.stats
+            registry.publish_stats(self.model, session.stats)
             if output is not None:  # a plain forward returns a complete cache: tokens kv="recompute" parked catch up
                 made = cache_in(output) if isinstance(output, dict) else None  # (a cache the model made itself)
-                self.settle(step.cache if step.cache is not None else made)
+                self.complete_cache(step.cache if step.cache is not None else made)
 
     @torch.no_grad()
     def score(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
@@ -263,7 +255,7 @@ class TideHandle:
 
         def hook(_module: nn.Module, _args: tuple, output: Any) -> None:
             step = getattr(self._local, "step", None)
-            if step is None or threshold >= CLOSED or step.skip_after is not None or step.segmented \
+            if step is None or threshold >= CLOSED or step.all_exited or step.segmented \
                     or not self._active() or self._local.session.full_depth:
                 return  # (skip mode: once every row has exited, later checkpoints have nothing to decide)
             hidden = layer_output(output)
@@ -307,7 +299,7 @@ class TideHandle:
         """Move the pending forwards of `session` into its stats (`Session.commit`)."""
         session.commit(last_tokens, self.num_layers)
 
-    def _prefilling(self) -> bool:
+    def prefilling(self) -> bool:
         """A generate call in this thread before its first decode step."""
         session = getattr(self._local, "session", None)
         return session is not None and session.generating and not session.started_decode
@@ -317,11 +309,9 @@ class TideHandle:
 
         Only this handle's own: the hooks of a concurrent per-call attach on the same model stay.
         """
-        with _REGISTRY_LOCK:
+        with registry.LOCK:
             self._patches.restore()
-            if get_handle(self.model) is self:
-                del _HANDLES[self.model]
-            _CALL_HANDLES.get(self.model, {}).pop(id(self), None)
+            registry.unregister(self.model, self)
 
 
 def hook_model(handle_class: type[TideHandle], model: nn.Module, router: TideRouter | str | os.PathLike,
@@ -339,14 +329,10 @@ def hook_model(handle_class: type[TideHandle], model: nn.Module, router: TideRou
     else:
         raise TideArgumentTypeError(f"router must be a TideRouter, a router folder or a Hub repo id; got "
                                     f"{type(router).__name__}")
-    with _REGISTRY_LOCK:
-        if get_handle(model) is not None:
-            raise TideArgumentError("this model already has a TIDE router attached; call handle.detach() first")
-        if _CALL_HANDLES.get(model):
-            raise TideConcurrencyError(
-                "a generate(tide=<router>) call is running on this model (in another thread); attach after it ends")
+    with registry.LOCK:
+        registry.check_free(model)
         handle = _build(model, router, request, ignore_fingerprint=ignore_fingerprint, handle_class=handle_class)
-        _HANDLES[model] = weakref.ref(handle)
+        registry.register(model, handle)
     return handle
 
 
@@ -356,12 +342,12 @@ def attach_for_call(model: nn.Module, router: TideRouter) -> TideHandle:
     Other threads see the stock model, and any number of such calls may run on one model at once, each
     detaching only its own hooks. Refused while an `attach` (which acts in every thread) is in place.
     """
-    with _REGISTRY_LOCK:
+    with registry.LOCK:
         if get_handle(model) is not None:
             raise TideArgumentError("a different TIDE router is already attached to this model; use tide=True, "
                                     "or detach it before passing another router")
         handle = _build(model, router, TideConfig(), owner=threading.get_ident())
-        _CALL_HANDLES.setdefault(model, {})[id(handle)] = handle
+        registry.register_call(model, handle)
     return handle
 
 
@@ -373,41 +359,3 @@ def _build(model: nn.Module, router: TideRouter, request: TideConfig, *, ignore_
     options, plan = resolve_mode(model, adapter, router, request)
     return handle_class(model, router, options, adapter, owner=owner, skip_plan=plan,
                         ignore_fingerprint=ignore_fingerprint)
-
-
-def get_handle(model: nn.Module) -> TideHandle | None:
-    """The handle of the router attached to `model`, if any.
-
-    Args:
-        model: the model `attach` hooked.
-
-    Returns:
-        Its `TideHandle`, or None when no router is attached (a per-call `tide=` attach is not one).
-    """
-    check_model(model)
-    ref = _HANDLES.get(model)
-    return ref() if ref is not None else None
-
-
-def detach(model: nn.Module) -> None:
-    """Detach the router attached to `model`: the model is exactly as before `attach`.
-
-    Args:
-        model: the model; one without a router is left as it is.
-    """
-    handle = get_handle(model)
-    if handle is not None:
-        handle.detach()
-
-
-def last_stats(model: nn.Module) -> ExitStats | None:
-    """Exit statistics of the latest TIDE call on `model`, also after an on-the-fly `tide=` attach.
-
-    Args:
-        model: the model.
-
-    Returns:
-        The `ExitStats` (prefill and decode: exits per layer, layers executed), or None before any TIDE call.
-    """
-    check_model(model)
-    return _LAST_STATS.get(model)

@@ -15,9 +15,9 @@ from ..modeling import ModelAdapter, TideRouter, check_head, text_config
 from ..modeling.depth import check_depth_follows_config
 from ..modeling.fingerprint import remembered
 from ..record import CLOSED
-from .kv import propagate_support
 from .options import AUTO_MODE, EXIT_SETTINGS, TideConfig, TideOptions
-from .skip import LayerSkipper, SkipPlan
+from .skip.kv import propagate_support
+from .skip.skipper import LayerSkipper, SkipPlan
 
 
 def check_mode(model: nn.Module, adapter: ModelAdapter, options: TideOptions, router: TideRouter
@@ -86,7 +86,7 @@ def resolve_mode(model: nn.Module, adapter: ModelAdapter, router: TideRouter, re
            "skip": f"attach's default with {', '.join(given)} given: tokens exit at a quality target"}
     refusals: list[str] = []
     for mode in dict.fromkeys(("skip" if given else "speculative", "skip", "select")):
-        asked = {**fields, "mode": mode, **({"kv": None, "park_rows": False} if mode == "select" else {})}
+        asked = {**fields, "mode": mode, **({"kv": None} if mode == "select" else {})}
         try:
             options, plan = checked(model, adapter, router, asked)
         except TideUnsupportedError as err:

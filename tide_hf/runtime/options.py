@@ -22,8 +22,10 @@ from ..modeling.targets import check_served, select
 
 AUTO_MODE = "auto"  # attach's default: speculative mode (lossless) where the model allows it (`runtime/modes.py`)
 # TideConfig fields that ask for exits at a quality target: given under mode "auto", they choose skip mode
-EXIT_SETTINGS = ("min_agreement", "max_perplexity_increase", "confidence", "exit_threshold", "min_layers", "kv",
-                 "park_rows")
+EXIT_SETTINGS = ("min_agreement", "max_perplexity_increase", "confidence", "exit_threshold", "min_layers", "kv")
+# options attach took once -> why they went and what to do instead (named, not "unknown option")
+REMOVED_OPTIONS = {"park_rows": "batches ran slower with it on a router's own decisions (0.73x stock at batch 8, "
+                                "against 0.98x without it); kv='recompute' gives the same tokens, so drop it"}
 DEFAULT_KV = "recompute"  # the policy that keeps the quality target: skipped layers' K/V computed exactly, later
 
 
@@ -34,7 +36,7 @@ class TideConfig:
 
     Args:
         mode: "auto" (the default): "speculative" where the model allows it, so the output is stock's; with an
-            exit setting (a quality target, `exit_threshold`, `min_layers`, `kv`, `park_rows`) "skip" instead.
+            exit setting (a quality target, `exit_threshold`, `min_layers`, `kv`) "skip" instead.
             Where the chosen mode cannot serve the model, the next one that can ("skip", then "select"), warned.
             "skip": a token that exits stops computing; its later layers' cache follows `kv`. "select": every
             layer runs and the exit state feeds the head (the paper's system; saves no compute). "speculative":
@@ -48,11 +50,6 @@ class TideConfig:
             the next step (in a batch whose other rows run on: at once), so the quality target holds.
             "propagate": the exit state's keys and values, cheaper, with no quality guarantee (agreement drops
             in batches).
-        park_rows: skip mode with kv="recompute", in a batch: True parks a row's exited token until its row
-            next runs the skipped layers, which then run for both tokens. False (the default) runs the exited rows
-            through those layers with the batch at once. Both write the exact K/V and give the same tokens.
-            Parking reads a row's cache once for two tokens, but widens its next step to two queries; on a
-            2-core CPU at batch 8 it was slower (`docs/concepts/modes.md`).
         draft_layer: speculative mode: the checkpoint drafts are made at (None: chosen from the router's
             calibration figures).
 
@@ -70,7 +67,6 @@ class TideConfig:
     exit_threshold: float | None = None
     min_layers: int | None = None
     kv: str | None = None
-    park_rows: bool = False
     draft_layer: int | None = None
 
     @classmethod
@@ -81,6 +77,8 @@ class TideConfig:
             raise TideArgumentTypeError(f"config must be a TideConfig, got {type(config).__name__}")
         fields = [f.name for f in dataclasses.fields(cls)]
         for name in options:
+            if name in REMOVED_OPTIONS:
+                raise TideArgumentTypeError(f"attach() option {name!r} was removed: {REMOVED_OPTIONS[name]}")
             if name not in fields:
                 close = difflib.get_close_matches(name, fields, n=1, cutoff=FIELD_NAME_CUTOFF)
                 hint = f"; did you mean {close[0]!r}" if close else ""
@@ -89,18 +87,13 @@ class TideConfig:
         return dataclasses.replace(config or cls(), **options)
 
 
-def mode_kv(mode: Any, kv: str | None, draft_layer: int | None, park_rows: Any = False) -> str:
+def mode_kv(mode: Any, kv: str | None, draft_layer: int | None) -> str:
     """The cache policy of an attach (`kv=None`: `DEFAULT_KV`), refusing an option the mode never reads (it was
-    accepted and ignored): `kv` says how skip mode fills the cache of the layers it skips, `park_rows` when
-    `kv="recompute"` runs them for a batch's exited rows, `draft_layer` where speculative mode drafts."""
+    accepted and ignored): `kv` says how skip mode fills the cache of the layers it skips, `draft_layer` where
+    speculative mode drafts."""
     if kv is not None and mode not in ("skip", AUTO_MODE):
         raise TideArgumentError(f"kv={kv!r} applies to mode='skip' only (how the cache of the layers it skips is "
                                 f"filled); mode={mode!r} runs them")
-    if park_rows is not False and park_rows is not True:
-        raise TideArgumentTypeError(f"park_rows must be True or False, got {park_rows!r}")
-    if park_rows and (mode not in ("skip", AUTO_MODE) or kv not in (None, "recompute")):
-        raise TideArgumentError(f"park_rows=True applies to mode='skip' with kv='recompute' only (when a batch's "
-                                f"exited rows run the layers they skipped); mode={mode!r}, kv={kv!r} never parks")
     if draft_layer is not None and mode != "speculative":
         raise TideArgumentError(f"draft_layer={draft_layer!r} applies to mode='speculative' only (the checkpoint it "
                                 f"drafts at); mode={mode!r} does not draft")
@@ -117,19 +110,17 @@ class TideOptions:
     records the quality target the thresholds were chosen for (None: an explicit threshold). `mode`:
     "select" runs every layer and feeds the exit state to the head (the paper's system); "skip" stops
     computing layers for the rows and positions that exited (`kv="recompute"`: once every row of a step has
-    exited, unless `park_rows`); "speculative" drafts with early exit while the routers say converged and
+    exited); "speculative" drafts with early exit while the routers say converged and
     verifies every draft at full depth (lossless). `kv`: how skip mode fills the cache of the layers it did
-    not run. `park_rows`: under `kv="recompute"`, a batch's exited rows run those layers at their row's next
-    step instead of at once. `draft_layer`: the checkpoint speculative mode drafts at (None: chosen from the
-    router's metrics). `auto`: the mode was chosen by attach's default (mode "auto"), not asked for; `reason`:
-    why this mode serves, in words (`last_stats` repeats it).
+    not run. `draft_layer`: the checkpoint speculative mode drafts at (None: chosen from the router's metrics).
+    `auto`: the mode was chosen by attach's default (mode "auto"), not asked for; `reason`: why this mode
+    serves, in words (`last_stats` repeats it).
     """
 
     exit_threshold: float = DEFAULT_EXIT_THRESHOLD  # (`resolve` takes both from the router's config)
     min_layers: int = 1
     mode: str = "select"
     kv: str = DEFAULT_KV
-    park_rows: bool = False
     draft_layer: int | None = None
     thresholds: dict[int, float] | None = None
     target: dict[str, float] | None = None
@@ -140,12 +131,11 @@ class TideOptions:
     def resolve(cls, cfg: Any, *, min_agreement: float | None = None, max_perplexity_increase: float | None = None,
                 confidence: float | None = None, exit_threshold: float | None = None, min_layers: int | None = None,
                 **rest: Any) -> TideOptions:
-        """The options `attach` asks for on a router with config `cfg` (`rest`: mode, kv, park_rows, draft_layer),
+        """The options `attach` asks for on a router with config `cfg` (`rest`: mode, kv, draft_layer),
         thresholds chosen in order of precedence: an explicit global `exit_threshold`; else the quality target
         (per-checkpoint thresholds from the router's exit paths, `tide_hf.modeling.targets`); else the router's
         default target; else, for routers calibrated before exit paths existed, the router's global `exit_threshold`."""
-        rest = {**rest, "kv": mode_kv(rest.get("mode", "select"), rest.get("kv"), rest.get("draft_layer"),
-                                      rest.get("park_rows", False))}
+        rest = {**rest, "kv": mode_kv(rest.get("mode", "select"), rest.get("kv"), rest.get("draft_layer"))}
         if exit_threshold is not None:  # any real number (a Fraction, a numpy float) is served as a float
             check_threshold(exit_threshold)
             exit_threshold = float(exit_threshold)

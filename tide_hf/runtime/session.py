@@ -1,18 +1,41 @@
 """Per-call state: the exit decisions of one forward (`Step`) and of one generate call (`Session`).
 
 Both live in the calling thread only (the handle keeps them in a `threading.local`), so concurrent calls
-on one model never see each other's decisions.
+on one model never see each other's decisions. A `Step` has named parts: the core decisions every mode makes
+(written by the handle's hooks), skip mode's `SkipState` (the skipper, the K/V policy, the segments) and compiled
+skip mode's `CompiledState` (the segments alone). `StepHost` is what skip mode and the compiled step read from
+the handle: one object, not loose callables.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from .compaction import Compaction
+from .skip.compaction import Compaction
 from .stats import ExitStats
+
+
+@dataclass
+class SkipState:
+    """Skip mode's part of a `Step`: the layers it did not run (written by `skip/skipper.py`, `skip/segments.py`,
+    and, for `recomputed`, `skip/kv.py`)."""
+
+    all_exited_at: int | None = None  # the checkpoint where every row had exited: later layers are not run
+    skipped: int = 0  # layers the skip wrappers did not run in this forward
+    compaction: Compaction | None = None  # the positions still running after the latest checkpoint
+    stopped: torch.Tensor | int = 0  # (rows, positions): layers a position did not run beyond `skipped`
+    recomputed: int = 0  # kv="recompute": layer x position runs of earlier steps' waiting tokens in this forward
+
+
+@dataclass
+class CompiledState:
+    """Compiled skip mode's part of a `Step` (written by `skip/segments.py` alone)."""
+
+    segmented: bool = True  # the segment graphs make the exit decisions, not the checkpoint and final hooks
+    diverged_at: int | None = None  # the checkpoint where rows diverged: the layers after it run eager
 
 
 @dataclass
@@ -22,22 +45,54 @@ class Step:
     valid: torch.Tensor  # bool, False on padding
     exit_layer: torch.Tensor  # long, num_layers where the token did not exit
     exit_state: torch.Tensor | None = None  # hidden state at the exit checkpoint
-    skip_after: int | None = None  # skip mode: every row exited here, later layers are not run
-    skipped: int = 0  # layers the skip wrappers did not run in this forward
-    compaction: Compaction | None = None  # skip mode: the positions still running after the latest checkpoint
-    stopped: torch.Tensor | int = 0  # (rows, positions): layers a position did not run beyond `skipped`
     cache: Any = None  # the cache this forward writes
-    per_row: bool | None = None  # kv="recompute": stopped positions park per row (`parked.py`); None: not decided
-    active: torch.Tensor | None = None  # kv="recompute" per row: positions still running
-    parking: torch.Tensor | None = None  # ... positions that stopped at the latest checkpoint, parked at its next layer
-    park_after: int | None = None  # ... that checkpoint
-    recomputed: int = 0  # kv="recompute": layer x position runs of earlier steps' parked tokens in this forward
     mask2d: torch.Tensor | None = None  # the call's (batch, length) attention mask, when it has one
-    segmented: bool = False  # compiled skip mode: the segment graphs make the exit decisions, not the hooks
-    diverged_after: int | None = None  # compiled skip mode: not every row exited here; later layers run eager
     counted: bool = True  # a forward of the call's own decoding stream (see `Session.stream`)
     # a continuous-batching step (requests side by side in one row, `batching.py`): its decode positions (1, T)
     packed: torch.Tensor | None = None
+    skip: SkipState | None = None  # skip mode only
+    compiled: CompiledState | None = None  # compiled skip mode only, once the segments take the step
+
+    @property
+    def segmented(self) -> bool:
+        """The segment graphs make this step's exit decisions (the checkpoint and final hooks leave it alone)."""
+        return self.compiled is not None and self.compiled.segmented
+
+    @property
+    def all_exited(self) -> bool:
+        """Skip mode: every row has exited, so later checkpoints have nothing to decide."""
+        return self.skip is not None and self.skip.all_exited_at is not None
+
+    def executed(self, num_layers: int) -> torch.Tensor | int:
+        """Layers each position ran: one number, or one per (row, position) where skip mode stopped some."""
+        return num_layers if self.skip is None else num_layers - self.skip.skipped - self.skip.stopped
+
+    @property
+    def recomputed(self) -> int:
+        """Layer x position runs of earlier steps' waiting tokens in this forward (kv="recompute")."""
+        return 0 if self.skip is None else self.skip.recomputed
+
+
+class StepHost(Protocol):
+    """What skip mode and the compiled step read from the handle they serve (`TideHandle` is one)."""
+
+    def current_step(self) -> Step | None:
+        """Exit decisions of the forward running in this thread (None outside a forward)."""
+
+    def waiting_tokens(self, cache: Any) -> Any:
+        """The tokens of `cache` awaiting their deep layers (a `skip.kv.KVRecompute`; None unless kv="recompute")."""
+
+    def prefilling(self) -> bool:
+        """A generate call in this thread before its first decode step."""
+
+    def score(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Router score of each position of `hidden` at checkpoint `layer`."""
+
+    def exit_mask(self, scores: torch.Tensor, hidden: torch.Tensor, threshold: float) -> torch.Tensor:
+        """Positions that may exit."""
+
+    def exit_state(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """What the final norm and head read for a position exiting at `layer`."""
 
 
 @dataclass
@@ -78,7 +133,7 @@ class Session:
             ended = torch.isin(last_tokens, self.eos.to(last_tokens.device)) & self.started_decode
             self.finished = self.finished | ended.to(self.finished.device)
         for step in filter(lambda step: step.counted, self.pending):  # (the call's own stream only)
-            executed = num_layers - step.skipped - step.stopped
+            executed = step.executed(num_layers)
             if not self.generating or not self.started_decode:
                 self.stats.prefill.add(step.exit_layer, executed, step.valid, step.recomputed)
                 continue
@@ -88,14 +143,14 @@ class Session:
 
 
 def new_step(session: Session, tokens: torch.Tensor, mask: Any, num_layers: int, *, running: bool,
-             cache: Any = None, packed: torch.Tensor | None = None) -> Step:
+             skipping: bool = False, cache: Any = None, packed: torch.Tensor | None = None) -> Step:
     """The `Step` of a forward over `tokens` (batch, width, ...) into `cache`, no exits yet: padding and the call's
     2-D mask from the forward's own 2-D mask, else from the session's prompt mask (the prefill: the whole prompt,
     its next chunk, or the last `width` columns of a call continuing a cache; rows repeated when generate
     expanded them, e.g. num_return_sequences) and, with `running`, `cache`'s running mask after it. In decode
     steps, rows that fed one of the EOS ids or finished earlier count as padding: generate discards their
-    outputs, so they neither hold skip mode's layers for the others nor count in the statistics. `packed`: the
-    decode positions of a continuous-batching step."""
+    outputs, so they neither hold skip mode's layers for the others nor count in the statistics. `skipping`: skip
+    mode is on (the step gets its `SkipState`). `packed`: the decode positions of a continuous-batching step."""
     batch, width = tokens.shape[:2]
     if torch.compiler.is_compiling():  # transformers' compiled decoding steps, the call's own stream (an id
         stream, counted = None, True  # read in a graph would be guarded on: one graph per call)
@@ -129,4 +184,5 @@ def new_step(session: Session, tokens: torch.Tensor, mask: Any, num_layers: int,
             ended = ended | session.finished.to(tokens.device)
         valid = torch.cat([valid[:, :-1], valid[:, -1:] & ~ended[:, None]], dim=1)
     exit_layer = torch.full((batch, width), num_layers, dtype=torch.long, device=tokens.device)
-    return Step(valid, exit_layer, mask2d=mask, counted=counted, cache=cache, packed=packed)
+    return Step(valid, exit_layer, mask2d=mask, counted=counted, cache=cache, packed=packed,
+                skip=SkipState() if skipping else None)

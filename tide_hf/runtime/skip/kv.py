@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..compat import cache_in, write_kv, writes_cache
-from ..kernels import norm_spec
-from .session import Step
+from ...compat import cache_in, write_kv, writes_cache
+from ...kernels import norm_spec
+from ..session import Step
 
 
 def propagate_support(layer: nn.Module) -> str | None:
@@ -240,18 +240,17 @@ class KVRecompute:
         self.num_layers = num_layers
         self.pending: list[Pending] = []
         self.stock_mask: torch.Tensor | None = None  # the 2-D mask of a call without TIDE using this cache now
-        self.rows: Any = None  # the positions parked per row (`parked.ParkedRows`) where rows exit on their own
         self.mask2d: torch.Tensor | None = None  # the call's 2-D mask when the latest step was parked
 
     def park(self, hidden: torch.Tensor, depth: int, kwargs: dict[str, Any], mask2d: torch.Tensor | None = None
              ) -> None:
         """Remember the exit state of a step whose layers after `depth` are being skipped (`mask2d`: the call's
-        2-D mask so far, for a catch-up without a step, `settle`)."""
+        2-D mask so far, for a catch-up without a step, `catch_up`)."""
         cos, sin = kwargs["position_embeddings"]
         self.pending.append(Pending(hidden, depth, cos, sin))
         self.mask2d = mask2d
 
-    def settle(self, layers: nn.ModuleList, forwards: dict[int, Callable], kwargs: dict[str, Any]) -> None:
+    def catch_up(self, layers: nn.ModuleList, forwards: dict[int, Callable], kwargs: dict[str, Any]) -> None:
         """Run the waiting tokens through the layers they skipped, without a step of their own (`forwards`: layer
         number -> its forward; `kwargs`: the cache and use_cache), so every layer's cache holds them."""
         while self.pending:
@@ -291,14 +290,14 @@ class KVRecompute:
     def run(self, number: int, layer: nn.Module, original: Callable, hidden: torch.Tensor,
             kwargs: dict[str, Any], step: Step | None) -> Any:
         """Run layer `number` on [pending tokens at depth number-1, step tokens]; return the step's part. The
-        pending positions run are added to `step.recomputed` (work the step's own depth does not show). Without
-        a step (a call without TIDE) padding comes from `stock_mask`."""
+        pending positions run are added to the step's `SkipState.recomputed` (work the step's own depth does not
+        show). Without a step (a call without TIDE) padding comes from `stock_mask`."""
         extended = self.extend(number, layer, hidden, kwargs, self.stock_mask if step is None else step.mask2d)
         if extended is None:
             return original(hidden, **kwargs)
         due, block, ext = extended
         if step is not None:
-            step.recomputed += sum(p.positions for p in due)
+            step.skip.recomputed += sum(p.positions for p in due)
         out = original(block, **ext)
         mine = self.advance(due, out[0] if isinstance(out, tuple) else out, number)
         return (mine, *out[1:]) if isinstance(out, tuple) else mine

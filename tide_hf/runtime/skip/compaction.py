@@ -21,9 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compat import cache_in, is_paged, writes_cache
+from ...compat import cache_in, is_paged, writes_cache
 
-POSITION_DIM = 1  # hidden states, rotary embeddings and position ids are (B, T, ...)
 MASK_QUERY_DIM = 2  # 4-D attention masks are (B, 1, T, keys)
 # implementations that take any 4-D mask (flash kernels take none; continuous batching runs eager as "paged|eager")
 COMPACT_ATTENTION = ("sdpa", "eager", "paged|eager")
@@ -79,18 +78,6 @@ class Compaction:
                    tensor([b for b, _ in stopped]), tensor([t for _, t in stopped]),
                    tensor([i for i, (_, positions) in enumerate(kept) for _ in positions]),
                    tensor([j for _, positions in kept for j in range(len(positions))]))
-
-    @classmethod
-    def whole(cls, valid: torch.Tensor) -> Compaction:
-        """Every row and position running (a step where none stopped yet; parked positions join their rows)."""
-        batch, width = valid.shape
-        running = torch.ones_like(valid, dtype=torch.bool)
-        index = torch.arange(width, device=valid.device).expand(batch, width)
-        rows = torch.arange(batch, device=valid.device).repeat_interleave(width)
-        positions = torch.arange(width, device=valid.device).repeat(batch)
-        empty = rows[:0]
-        return cls(running, torch.arange(batch, device=valid.device), index, running.clone(), rows, positions,
-                   empty, empty, rows, positions)
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Rows and positions of `tensor` (B or 1, T, ...) as the small batch (R, S, ...)."""
@@ -224,109 +211,4 @@ def run_compacted(comp: Compaction, layer: nn.Module, original: Callable, hidden
             out = original(comp.gather(hidden), **small_kwargs)
     small = out[0] if isinstance(out, tuple) else out
     merged = comp.scatter(hidden, small)
-    return (merged, *out[1:]) if isinstance(out, tuple) else merged
-
-
-@dataclass
-class Plan:
-    """A layer's queries when parked positions join their rows (`parked.py`): per kept row, its due parked
-    positions (by slot), then its running step positions; padded like `Compaction`."""
-
-    rows: torch.Tensor  # (R,) rows with a query
-    source: torch.Tensor  # (R, S) index into [step positions (B x T, row-major); due parked positions]
-    positions: torch.Tensor  # (R, S) each query's cache slot (its position)
-    current: tuple[torch.Tensor, torch.Tensor]  # (slot row, slot column) of each step position (scattered back)
-    entry: tuple[torch.Tensor, torch.Tensor]  # ... of each due parked position (advanced)
-
-    @classmethod
-    def build(cls, comp: Compaction | None, due_rows: list[int], due_slots: list[int], width: int, past: int,
-              device: torch.device) -> Plan:
-        """The plan of step positions `comp` (None: none) and due parked positions (row, slot each; their
-        source index is B x T + their order in the due list)."""
-        step_rows = comp.rows.tolist() if comp is not None else []
-        counts = comp.real.sum(POSITION_DIM).tolist() if comp is not None else []
-        index = comp.index.tolist() if comp is not None else []
-        base = comp.running.numel() if comp is not None else 0
-        queries: dict[int, list[tuple[int, int, int]]] = {}  # row -> (source, position, kind: 1 step, 2 parked)
-        for e, (row, slot) in sorted(enumerate(zip(due_rows, due_slots)), key=lambda item: item[1][1]):
-            queries.setdefault(row, []).append((base + e, slot, 2))
-        for row, count, positions in zip(step_rows, counts, index):
-            queries.setdefault(row, []).extend((row * width + t, past + t, 1) for t in positions[:count])
-        rows = sorted(queries)
-        longest = max(len(q) for q in queries.values())
-        padded = [queries[r] + [(queries[r][-1][0], queries[r][-1][1], 0)] * (longest - len(queries[r]))
-                  for r in rows]
-        table = torch.tensor(padded, dtype=torch.long, device=device).reshape(len(rows), longest, 3)
-
-        def slots(kind: int) -> tuple[torch.Tensor, torch.Tensor]:
-            found = [(i, j) for i, row in enumerate(padded) for j, query in enumerate(row) if query[2] == kind]
-            return tuple(torch.tensor([f[k] for f in found], dtype=torch.long, device=device) for k in (0, 1))
-
-        return cls(torch.tensor(rows, dtype=torch.long, device=device), table[..., 0], table[..., 1], slots(1),
-                   slots(2))
-
-    def mask(self, key_valid: torch.Tensor | None, keys: int, dtype: torch.dtype) -> torch.Tensor:
-        """Additive mask (R, 1, S, keys): causal by slot, padding from `key_valid` (B, >= keys; None: none)."""
-        slots = torch.arange(keys, device=self.positions.device)
-        allowed = slots[None, None, :] <= self.positions[:, :, None]
-        if key_valid is not None:
-            valid = torch.ones(key_valid.shape[0], keys, dtype=torch.bool, device=allowed.device)
-            width = min(keys, key_valid.shape[1])
-            valid[:, :width] = key_valid[:, :width].to(allowed.device).bool()
-            allowed = allowed & valid[self.rows][:, None, :]
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-        return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
-
-
-def run_planned(plan: Plan, layer: nn.Module, original: Callable, hidden: torch.Tensor | None,
-                kwargs: dict[str, Any], parked: Any, due: torch.Tensor, number: int) -> torch.Tensor | tuple | None:
-    """Run layer `number` on `plan`'s queries: the step's running positions of `hidden` (B, T, H; None in a
-    catch-up without a step) and the due parked positions `due` of `parked` (a `ParkedRows`). The step's exited
-    positions get zero placeholders (a step appends to the cache); the parked ones write their K/V over theirs,
-    and advance. Returns the layer's output for the step (None without one)."""
-    cache = cache_in(kwargs)
-    layer_idx = layer.self_attn.layer_idx
-    flat = [parked.hidden[due]] if hidden is None else [hidden.reshape(-1, hidden.shape[-1]), parked.hidden[due]]
-    cos, sin = kwargs["position_embeddings"] if hidden is not None else (None, None)
-    batch, width = (0, 0) if hidden is None else hidden.shape[:2]
-
-    def rotary(part: torch.Tensor | None, own: torch.Tensor) -> torch.Tensor:
-        if part is None:
-            return own[plan.source]
-        part = part.expand(batch, *part.shape[1:]).reshape(batch * width, -1)
-        return torch.cat([part, own.to(part.dtype)])[plan.source]
-
-    small = torch.cat(flat)[plan.source]
-    past = cache.get_seq_length(layer_idx)
-    keys = past + width
-    small_kwargs = {k: v for k, v in kwargs.items() if k != "position_ids"}  # rotary comes from the embeddings
-    small_kwargs["position_embeddings"] = (rotary(cos, parked.cos[due]), rotary(sin, parked.sin[due]))
-    small_kwargs["attention_mask"] = plan.mask(parked.key_mask, keys, small.dtype)
-    entries = due[plan.source[plan.entry] - (batch * width)]  # (integer slots: no device sync)
-    entry_rows, entry_slots = parked.rows[entries], parked.slots[entries]
-    step_flat = plan.source[plan.current]
-    step_rows, step_positions = step_flat // max(width, 1), step_flat % max(width, 1)
-    update = cache.update
-
-    def write(key: torch.Tensor, value: torch.Tensor, *args: Any, **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if hidden is not None:  # the step's own positions append (zeros where they stopped)
-            full_k = key.new_zeros(batch, key.shape[1], width, key.shape[-1])
-            full_v = value.new_zeros(batch, value.shape[1], width, value.shape[-1])
-            full_k[step_rows, :, step_positions] = key[plan.current[0], :, plan.current[1]]
-            full_v[step_rows, :, step_positions] = value[plan.current[0], :, plan.current[1]]
-            all_keys, all_values = update(full_k, full_v, *args, **kw)
-        else:
-            all_keys, all_values = cache.layers[layer_idx].keys, cache.layers[layer_idx].values
-        all_keys[entry_rows, :, entry_slots] = key[plan.entry[0], :, plan.entry[1]].to(all_keys.dtype)
-        all_values[entry_rows, :, entry_slots] = value[plan.entry[0], :, plan.entry[1]].to(all_values.dtype)
-        return all_keys[plan.rows], all_values[plan.rows]
-
-    with intercepted_update(cache, write):
-        out = original(small, **small_kwargs)
-    result = out[0] if isinstance(out, tuple) else out
-    parked.advance(entries, result[plan.entry], number)
-    if hidden is None:
-        return None
-    merged = hidden.clone()
-    merged[step_rows, step_positions] = result[plan.current].to(hidden.dtype)
     return (merged, *out[1:]) if isinstance(out, tuple) else merged

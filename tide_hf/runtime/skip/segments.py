@@ -27,11 +27,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compat import cache_in, traceable_output_capture
-from .kv import KVRecompute, initialize_cache_layers, propagate_kv, sliding_window
-from .patching import Patches, forward_attribute
-from .session import Step
-from .skip import LayerSkipper, own_code
+from ...compat import cache_in, traceable_output_capture
+from ..patching import Patches, forward_attribute
+from ..session import CompiledState, Step, StepHost
+from .kv import initialize_cache_layers, propagate_kv, sliding_window
+from .skipper import LayerSkipper, own_code
 
 SEQUENCE_DIM = 1  # hidden states and rotary embeddings are (B, T, ...)
 MASK_QUERY_DIM = 2  # the catch-up attention mask is (B, 1, T, keys)
@@ -67,21 +67,15 @@ class SegmentedDecoding:
             return "accelerate's device hooks wrap its layers (a dispatched or offloaded model)"
         return None
 
-    def __init__(self, model: nn.Module, layers: nn.ModuleList, checkpoints: list[int], kv: str,
-                 threshold: Callable[[int], float],
-                 score: Callable[[int, torch.Tensor], torch.Tensor],
-                 exit_mask: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor],
-                 exit_state: Callable[[int, torch.Tensor], torch.Tensor],
-                 current_step: Callable[[], Step | None], recompute_state: Callable[[Any], KVRecompute | None],
-                 skipper: LayerSkipper, patches: Patches) -> None:
-        """Replace every layer's forward (recorded in `patches`, after the skipper's) by a dispatcher that runs
-        the segments while `step` runs, and the forward it replaced otherwise."""
-        self.model, self.layers, self.num_layers, self.kv = model, layers, len(layers), kv
-        self.score, self.exit_mask, self.exit_state = score, exit_mask, exit_state
-        self.current_step, self.recompute_state = current_step, recompute_state
-        bounds = [0, *checkpoints, self.num_layers]
-        self.segments = [Segment(a + 1, b, threshold(b) if b in checkpoints else None)
-                         for a, b in zip(bounds, bounds[1:])]
+    def __init__(self, model: nn.Module, layers: nn.ModuleList, thresholds: dict[int, float], kv: str,
+                 host: StepHost, skipper: LayerSkipper, patches: Patches) -> None:
+        """Segments of `layers` between the open checkpoints (`thresholds`: checkpoint -> its exit threshold);
+        `host` scores, decides exits and gives each forward's `Step`. The layers' dispatchers go in (recorded in
+        `patches`, after the skipper's) when compiled decoding first asks for a step (`compiled_call`): eager
+        decoding never passes through them."""
+        self.model, self.layers, self.num_layers, self.kv, self.host = model, layers, len(layers), kv, host
+        bounds = [0, *sorted(thresholds), self.num_layers]
+        self.segments = [Segment(a + 1, b, thresholds.get(b)) for a, b in zip(bounds, bounds[1:])]
         self.segment_of = {n: s for s in self.segments for n in range(s.first, s.last + 1)}
         self.forwards = [skipper.originals.get(n, layer.forward) for n, layer in enumerate(layers, 1)]
         self.fused = skipper.fused
@@ -89,13 +83,25 @@ class SegmentedDecoding:
         self._graphs: dict[tuple[int, bool], Callable] = {}  # (first layer, catch-up) -> compiled segment
         self._finish: dict[int, Callable] = {}
         self._config: Any = None
-        for number, layer in enumerate(layers, 1):
-            patches.replace_forward(layer, lambda previous, number=number: self._dispatch(number, previous))
+        self._patches: Patches | None = patches  # None once the dispatchers are in
+        self._installing = threading.Lock()
+
+    def _install(self) -> None:
+        """Replace every layer's forward by a dispatcher that runs the segments while `step` runs, and the forward
+        it replaced otherwise (once, whichever thread asks first)."""
+        with self._installing:
+            if self._patches is None:
+                return
+            for number, layer in enumerate(self.layers, 1):
+                self._patches.replace_forward(layer, lambda previous, number=number: self._dispatch(number, previous))
+            self._patches = None
 
     # -- graphs -----------------------------------------------------------------------------------
     def compiled_call(self, config: Any) -> Callable:
         """What `get_compiled_call(config)` returns while attached: `step`, with graphs compiled per `config`
         (a `transformers.CompileConfig`; a new config compiles new graphs)."""
+        if self._patches is not None:
+            self._install()
         if self._config != config:
             # dynamic=True would trace the segments' checkpoint numbers as symbols (and fail on `str(layer)`);
             # automatic dynamic shapes (None) mark a size dynamic once it changes, the catch-up's explicitly
@@ -119,7 +125,8 @@ class SegmentedDecoding:
 
     def _segment_fn(self, segment: Segment) -> Callable:
         forwards, num_layers = self.forwards[segment.first - 1 : segment.last], self.num_layers
-        score, exit_mask, exit_state_of, layer = self.score, self.exit_mask, self.exit_state, segment.last
+        host, layer = self.host, segment.last
+        score, exit_mask, exit_state_of = host.score, host.exit_mask, host.exit_state
 
         def run(block: torch.Tensor, exit_layer: torch.Tensor, exit_state: torch.Tensor | None, valid: torch.Tensor,
                 kwargs: dict[str, Any]) -> tuple:
@@ -163,14 +170,15 @@ class SegmentedDecoding:
     # -- per step ---------------------------------------------------------------------------------
     def _dispatch(self, number: int, previous: Callable) -> Callable:
         def forward(*args: Any, **kwargs: Any) -> Any:
-            step = self.current_step()
-            if step is None or not getattr(self._local, "running", False) \
-                    or (step.diverged_after is not None and number > step.diverged_after):
+            step = self.host.current_step()
+            if step is None or not getattr(self._local, "running", False):
+                return previous(*args, **kwargs)
+            if step.compiled is None:  # the checkpoint and final hooks leave this step to the segments
+                step.compiled = CompiledState()
+            elif step.compiled.diverged_at is not None and number > step.compiled.diverged_at:
                 return previous(*args, **kwargs)  # (after rows diverged: eager, on the rows still running)
-            if step.diverged_after is None:
-                step.segmented = True  # the checkpoint and final hooks leave this step to the segments
             segment = self.segment_of[number]
-            if number == segment.first and step.skip_after is None:
+            if number == segment.first and step.skip.all_exited_at is None:
                 hidden = args[0] if args else kwargs.pop("hidden_states")
                 self._local.output = self._run(segment, step, hidden, kwargs)
             return self._local.output  # later layers of a segment, and layers after an exit: its output
@@ -178,8 +186,8 @@ class SegmentedDecoding:
 
     def _run(self, segment: Segment, step: Step, hidden: torch.Tensor, kwargs: dict[str, Any]) -> Any:
         """Run one segment graph; at a checkpoint, read its flag and finish the step when every row exited."""
-        recompute = self.recompute_state(cache_in(kwargs))
-        extended = None if recompute is None else recompute.extend(
+        waiting = self.host.waiting_tokens(cache_in(kwargs))
+        extended = None if waiting is None else waiting.extend(
             segment.first, self.layers[segment.first - 1], hidden, kwargs, step.mask2d)
         block, call_kwargs = hidden, kwargs
         if extended is not None:  # tokens of earlier skipped steps catch up: one graph, query length dynamic
@@ -191,20 +199,20 @@ class SegmentedDecoding:
             for tensor in (block, cos, sin):
                 torch._dynamo.mark_dynamic(tensor, SEQUENCE_DIM, **bounds)
             torch._dynamo.mark_dynamic(mask, MASK_QUERY_DIM, **bounds)
-        if recompute is not None:  # deep cache layers a skipped prefill left unallocated: allocated before tracing
+        if waiting is not None:  # deep cache layers a skipped prefill left unallocated: allocated before tracing
             initialize_cache_layers(cache_in(kwargs), self.layers[segment.first - 1 : segment.last])
         with traceable_output_capture():
             states, out, step.exit_layer, step.exit_state, done = self._graphs[segment.first, extended is not None](
                 block, step.exit_layer, step.exit_state, step.valid, call_kwargs)
         if extended is not None:
-            step.recomputed += sum(p.positions for p in due) * (segment.last - segment.first + 1)
-            recompute.advance(due, states, segment.last)
+            step.skip.recomputed += sum(p.positions for p in due) * (segment.last - segment.first + 1)
+            waiting.advance(due, states, segment.last)
         if done is None or not bool(done):  # skip mode's one host read per checkpoint reached
             if done is not None and self.kv == "propagate":  # rows may have diverged: the rest of the step runs
-                step.segmented, step.diverged_after = False, segment.last  # eager, on the rows still running
-            return out
-        step.skip_after, step.skipped = segment.last, self.num_layers - segment.last
-        if recompute is not None:
-            recompute.park(out[0] if isinstance(out, tuple) else out, segment.last, kwargs, step.mask2d)
+                step.compiled.segmented, step.compiled.diverged_at = False, segment.last  # eager, on the rows
+            return out  # still running
+        step.skip.all_exited_at, step.skip.skipped = segment.last, self.num_layers - segment.last
+        if waiting is not None:
+            waiting.park(out[0] if isinstance(out, tuple) else out, segment.last, kwargs, step.mask2d)
         with traceable_output_capture():
             return self._finish[segment.last](out, step.exit_layer, step.exit_state, kwargs)

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compat import cache_in, with_cache
-from ..errors import TideUnsupportedError
-from ..modeling.devices import execution_device, onloaded
+from ...compat import cache_in, with_cache
+from ...errors import TideUnsupportedError
+from ...modeling.devices import execution_device, onloaded
 from .kv import FusedPropagation, propagate_kv
 
 PROBE_ROWS = 2  # rows of the probe forward

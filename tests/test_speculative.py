@@ -445,6 +445,38 @@ def test_default_draft_layer_from_metrics():
         assert choose_draft_layer(router, adapter, [4, 8]) == max(best, key=best.get), (top1, best)
 
 
+def test_the_draft_layer_follows_what_drafting_measured_on_this_model() -> None:
+    """Priors choose the draft checkpoint until drafting was measured. Then a checkpoint whose drafts kept failing
+    yields to one whose prior, priced at the verification costs measured on this path, promises more; once both
+    lost, the tie goes back to the priors' choice. A draft_layer asked for never moves."""
+    from tide_hf.integrations.draft import draft_plan
+    from tide_hf.integrations.sources import resolve_draft_layer
+
+    model = make_tiny_llama(num_layers=17, hidden=HIDDEN, seed=0)  # checkpoints 4, 8, 12, 16
+    router = make_router(model, "always")
+    router.config.metrics = {"4": {"label_rates": {"top1": 0.5}}, "8": {"label_rates": {"top1": 0.95}}}
+    adapter = tide_hf.modeling.get_adapter(model)
+    with tide_hf.attach(model, router, mode="speculative") as handle:
+        prior = choose_draft_layer(router, adapter, handle.checkpoints)
+        assert prior == 8 and resolve_draft_layer(handle) == prior
+        for layer in (8, 4):
+            vocab = draft_plan(router, adapter, layer)[0]
+            est = draft_estimates(handle, layer, vocab)
+            est.warm.update({"plain", "draft", "verify"})
+            est.plain_s, est.draft_s = 1.0, draft_cost(adapter, layer, vocab)  # measured on this path
+            est.verify_s = {w: linear_verify(0.05)(w) for w in range(2, MAX_DRAFT_TOKENS + 2)}
+            for _ in range(40):  # its drafts kept being rejected at the first token
+                est.observe_round(proposed=1, accepted=0)
+            assert est.measured and est.plan(MAX_DRAFT_TOKENS)[1] == 1.0
+            if layer == 8:  # checkpoint 4's prior, priced at the verification measured at 8, now promises more
+                priced = best_draft_length(0.5, draft_cost(adapter, 4, draft_plan(router, adapter, 4)[0]),
+                                           est.verify)[1]
+                assert priced > 1.0 and resolve_draft_layer(handle) == 4
+        assert resolve_draft_layer(handle) == prior
+    with tide_hf.attach(model, router, mode="speculative", draft_layer=12) as handle:
+        assert resolve_draft_layer(handle) == 12
+
+
 def test_beam_search_falls_back_to_stock():
     model = make_model("shallow")
     router = make_router(model, "always")

@@ -182,6 +182,11 @@ class DraftEstimates:
         return self.draft_s / self.plain_s if self.draft_s is not None and self.plain_s else self.prior_cost
 
     @property
+    def measured(self) -> bool:
+        """Whether this source drafted on the model: a draft forward and a verification were timed."""
+        return self.draft_s is not None and bool(self.verify_s) and self.plain_s is not None
+
+    @property
     def verify_costs(self) -> dict[int, float]:
         """Measured V(w) in plain steps (none until a plain step is timed), at least 1: a verification runs
         every layer and the head for at least one token, as a plain step does (a lower reading is noise)."""

@@ -33,7 +33,17 @@ import torch
 from torch import nn
 
 from ..runtime import TideHandle
-from .draft import EARLY_EXIT, LOOKUP, DraftEstimates, choose_draft_layer, draft_cost, prior_acceptance
+from .draft import (
+    EARLY_EXIT,
+    LOOKUP,
+    MAX_DRAFT_TOKENS,
+    DraftEstimates,
+    best_draft_length,
+    choose_draft_layer,
+    draft_cost,
+    draft_plan,
+    prior_acceptance,
+)
 from .vocab import coverage
 
 LOOKUP_MAX_TOKENS = 10  # longest lookup draft (transformers' recommended prompt_lookup_num_tokens)
@@ -73,10 +83,34 @@ def succession_prior(cls: int) -> float:
 
 
 def resolve_draft_layer(handle: TideHandle) -> int:
-    """`options.draft_layer`, or `choose_draft_layer` (attach checked that it is a router checkpoint and that one
-    is at or after `min_layers`: `TideOptions.validate`)."""
+    """`options.draft_layer`, else the checkpoint whose drafts pay best on this model and linear path.
+
+    A checkpoint that drafted on this model is ranked by what was measured there (`DraftEstimates`: acceptance,
+    draft and verification costs). One that has not is ranked by its calibration prior, priced at the
+    verification costs measured on this path. Before any verification was timed, priors alone decide
+    (`choose_draft_layer`), and ties go to that choice. So a checkpoint that drafted and lost yields to one that
+    promises more, and each is tried before the measured best settles."""
     layer = handle.options.draft_layer
-    return layer if layer is not None else choose_draft_layer(handle.router, handle.adapter, handle.checkpoints)
+    if layer is not None:
+        return layer
+    prior = choose_draft_layer(handle.router, handle.adapter, handle.checkpoints)
+    known = _ESTIMATES.get(handle.model, {})
+    drafted = {key: est for key, est in known.items() if est.measured}
+    if not drafted:
+        return prior
+    verify = max(drafted.values(), key=lambda est: len(est.verify_costs)).verify  # this path's verification
+
+    def gain(k: int) -> float:
+        vocab, _ = draft_plan(handle.router, handle.adapter, k)
+        if (k, vocab) in drafted:
+            return drafted[k, vocab].plan(MAX_DRAFT_TOKENS)[1]
+        acceptance = prior_acceptance(handle.router, k)
+        if acceptance is None:  # nothing known: a plain step's worth, the prior's choice breaking the tie
+            return 1.0
+        return best_draft_length(acceptance * coverage(handle.router, vocab), draft_cost(handle.adapter, k, vocab),
+                                 verify)[1]
+
+    return max(handle.checkpoints, key=lambda k: (gain(k), k == prior))
 
 
 def draft_estimates(handle: TideHandle, layer: int, vocab: int | None) -> DraftEstimates:

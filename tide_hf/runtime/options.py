@@ -50,8 +50,8 @@ class TideConfig:
             the next step (in a batch whose other rows run on: at once), so the quality target holds.
             "propagate": the exit state's keys and values, cheaper, with no quality guarantee (agreement drops
             in batches).
-        draft_layer: speculative mode: the checkpoint drafts are made at (None: chosen from the router's
-            calibration figures).
+        draft_layer: speculative mode: the checkpoint drafts are made at (None: chosen per call by what drafting
+            measured on this model, by the router's calibration figures until then).
 
     Example:
         >>> import tide_hf
@@ -112,7 +112,7 @@ class TideOptions:
     computing layers for the rows and positions that exited (`kv="recompute"`: once every row of a step has
     exited); "speculative" drafts with early exit while the routers say converged and
     verifies every draft at full depth (lossless). `kv`: how skip mode fills the cache of the layers it did
-    not run. `draft_layer`: the checkpoint speculative mode drafts at (None: chosen from the router's metrics).
+    not run. `draft_layer`: the checkpoint speculative mode drafts at (None: chosen per call, `resolve_draft_layer`).
     `auto`: the mode was chosen by attach's default (mode "auto"), not asked for; `reason`: why this mode
     serves, in words (`last_stats` repeats it).
     """

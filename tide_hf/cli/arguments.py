@@ -13,7 +13,7 @@ from contextlib import redirect_stderr, redirect_stdout
 
 from ..assets import DEFAULT_MODEL
 from ..settings import MODES, CalibrationConfig
-from .sections import add_bench
+from . import bench
 from .values import (
     CALIBRATE_FLAGS,
     CPU,
@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_calibrate(sub)
     add_demo(sub)
-    add_bench(sub)
+    bench.add_parser(sub)
     sub.add_parser("env", formatter_class=HelpFormatter, help="versions, devices, kernel backends and cache folders "
                    "(what a bug report needs)", description="Print the versions of Python, torch, transformers, "
                    "accelerate and tide_hf, the devices torch sees, the kernel backend of each (building the kernels "

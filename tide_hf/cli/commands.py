@@ -9,8 +9,9 @@ import shlex
 import sys
 import warnings
 
+from . import bench
 from .arguments import build_parser, check_router_paths, demo_settings
-from .checks import check_bench_flags, check_router_kind_flags, check_unread_flags, command_name
+from .checks import check_router_kind_flags, check_unread_flags, command_name
 
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
@@ -25,12 +26,6 @@ def cmd_demo(args: argparse.Namespace) -> None:
     run(demo_settings(args))
 
 
-def cmd_bench(args: argparse.Namespace) -> None:
-    from ..eval.bench import run
-
-    run(args)
-
-
 def cmd_env(args: argparse.Namespace) -> None:
     from ..eval.environment import run
 
@@ -43,8 +38,10 @@ def cmd_analyze(args: argparse.Namespace) -> None:
     run(args)
 
 
+# analyze's flags for one kind of router only (flag -> whether it needs exit paths)
+ANALYZE_ROUTER_KIND_FLAGS = {"targets": True}
 INTERRUPTED = 130  # a shell's status for a command stopped by SIGINT (128 + 2)
-COMMANDS = {"calibrate": cmd_calibrate, "demo": cmd_demo, "bench": cmd_bench, "analyze": cmd_analyze, "env": cmd_env}
+COMMANDS = {"calibrate": cmd_calibrate, "demo": cmd_demo, "bench": bench.run, "analyze": cmd_analyze, "env": cmd_env}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,9 +56,10 @@ def main(argv: list[str] | None = None) -> None:
     name, args.func = command_name(args), COMMANDS[args.command]
     check_unread_flags(parser, args)
     if args.command == "bench":
-        check_bench_flags(args)
+        bench.check(parser, args)
     check_router_paths(args)
-    check_router_kind_flags(parser, args)
+    if args.command == "analyze":
+        check_router_kind_flags(parser, args, ANALYZE_ROUTER_KIND_FLAGS)
     from ..calibration.distributed import finish  # torch: only once the arguments are known to be good
 
     args.command = shlex.join(["tide-hf", *(sys.argv[1:] if argv is None else argv)])  # recorded in result JSON

@@ -1,19 +1,17 @@
-"""`tide-hf bench SECTION`: one subcommand per benchmark, each with the flags it reads and no other (so none can be
-given to a section that would ignore it)."""
+"""`tide-hf bench SECTION`'s parsers: one subcommand per benchmark, each with the flags it reads and no other (so
+none can be given to a section that would ignore it)."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from ..assets import DEFAULT_MODEL
-from .values import (
+from tide_hf.assets import DEFAULT_MODEL
+from tide_hf.cli.values import (
     CPU,
     DTYPE_HELP,
     DTYPES,
     MODEL_HELP,
-    SYNTHETIC_CONFIGS,
-    SYNTHETIC_SHAPES,
     HelpFormatter,
     nonnegative_float,
     positive_float,
@@ -23,6 +21,10 @@ from .values import (
 )
 
 OUTPUT = "bench-out"
+# synthetic.SHAPES and CONFIGS, without importing torch (tests/test_cli.py checks they agree)
+SYNTHETIC_SHAPES = ("llama3-8b", "qwen2-0.5b", "tiny")
+SYNTHETIC_CONFIGS = ("stock", "exits-off", "select-scored", "select-exit", "skip-recompute", "skip-propagate",
+                     "truncated")
 TEXT = "text for prompts and perplexity (documents the routers never read)"
 
 
@@ -81,14 +83,8 @@ def batch_sizes(g: Any, what: str) -> None:
     g.add_argument("--batch-sizes", nargs="+", type=positive_int, default=[1, 8], metavar="N", help=what)
 
 
-def add_bench(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser(
-        "bench", formatter_class=HelpFormatter, usage="tide-hf bench SECTION [options]",
-        help="stock generate vs TIDE in one run: overhead, modes, batches, continuous, baselines, kernels, GPU",
-        description="Stock generate vs TIDE, measured in one process: each SECTION is one benchmark with its own "
-                    "flags (tide-hf bench SECTION --help) and writes SECTION's JSON and Markdown to --output.\n\n"
-                    "example: tide-hf bench overhead --router router-smollm2 --output bench-out\n"
-                    f"time {CPU}: ~5-10 min for overhead with the defaults (modes / baselines: ~10-20 min)")
+def add_sections(bench: argparse.ArgumentParser) -> None:
+    """`tide-hf bench`'s SECTION subcommands, added to its parser."""
     sections = bench.add_subparsers(dest="section", required=True, metavar="SECTION", help="the benchmark run")
     p = section(sections, "overhead", "overhead, exit rates, perplexity and agreement of TIDE vs stock",
                 "Stock generate vs TIDE with the given routers: the overhead of attached routers with exits "
@@ -114,7 +110,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--near-identity-after", type=positive_int, default=None, metavar="K",
                    help="make the layers after K near-identity (o_proj / down_proj scaled)")
     g.add_argument("--near-identity-scale", type=positive_float, default=None, metavar="X",
-                   help="their weights' factor (default: tide_hf.eval.easy.NEAR_IDENTITY_SCALE, 0.02)")
+                   help="their weights' factor (default: tide_bench.easy.NEAR_IDENTITY_SCALE, 0.02)")
     add_prompts(p)
     add_output(p, "modes(-easy).json and .md")
     p = section(sections, "batches", "skip mode in batches, rows exiting on their own, vs stock and the ideal",
@@ -206,9 +202,9 @@ help=f"dtype the model is built in: {', '.join(DTYPES)}")
     g.add_argument("--reps", type=positive_int, default=3, metavar="N", help="timing repetitions")
     batch_sizes(g, "batch sizes measured")
     add_output(p, "synthetic.json and synthetic.md")
-    p = section(sections, "gpu", "every GPU goal in one call (tide_hf.eval.gpu; random weights, no download)",
+    p = section(sections, "gpu", "every GPU goal in one call (tide_bench.gpu; random weights, no download)",
                 "The GPU suite: every GPU goal measured in one call on a random-weight Llama-3-8B shape, its plan "
-                "fixed (tide_hf.eval.gpu.GPU); writes gpu.json and gpu.md after every section.", "--output gpu-out",
+                "fixed (tide_bench.gpu.GPU); writes gpu.json and gpu.md after every section.", "--output gpu-out",
                 f"planned to fit 8 min on one H100 / H200, not yet run on one; --dry-run {CPU}: ~1 min", None)
     g = p.add_argument_group("suite")
     g.add_argument("--dry-run", action="store_true", help="the suite's code on tiny shapes on the CPU")

@@ -16,12 +16,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..assets import default_dataset, load_model
-from ..calibration import pad_token_id
-from ..integrations import attach
-from ..modeling import TideRouter
-from ..modeling.files import check_results_folder
-from ..record import CLOSED
+from tide_hf.assets import default_dataset, load_model
+from tide_hf.calibration import pad_token_id
+from tide_hf.integrations import attach
+from tide_hf.modeling import TideRouter
+from tide_hf.modeling.files import check_results_folder
+from tide_hf.record import CLOSED
+
 from .measure import check_exit_depths, evaluation_text, generate, left_pad, match_rate, perplexity
 from .tables import (
     format_baselines,

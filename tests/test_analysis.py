@@ -211,7 +211,7 @@ def test_verdict_picks_the_cheapest_baseline_at_equal_or_better_quality() -> Non
 def test_analyze_refuses_a_router_that_read_every_document_and_results_into_a_router_folder(tmp_path, monkeypatch):
     """A router calibrated on the only document there is has no held-out text (analyze died in torch.cat); a
     results folder that holds a router (or a model) would mix analyze's or bench's files with its own."""
-    from tide_bench import bench
+    import tide_bench as bench
     from tide_hf.cli import build_parser
     from tide_hf.eval import analyze
 

@@ -131,9 +131,8 @@ def test_the_benchmarks_import_tide_hf_never_the_reverse() -> None:
                and any(n.startswith("tide_bench") for n in ([a.name for a in node.names] if isinstance(node, ast.Import)
                                                              else [node.module or ""]))]
     assert not reverse, f"tide_hf modules importing the benchmarks: {reverse}"
-    private = [f"tide_bench.{path.stem} imports {target}.{n}" for path in sorted(BENCHMARKS.glob("*.py"))
-               for target, names in imports(f"tide_bench.{path.stem}", path, known) for n in names
-               if n.startswith("_")]
+    private = [f"{path.relative_to(BENCHMARKS)} imports {target}.{n}" for path in sorted(BENCHMARKS.rglob("*.py"))
+               for target, names in imports("tide_bench", path, known) for n in names if n.startswith("_")]
     assert BENCHMARKS.is_dir() and not private, "\n".join(private)
 
 

@@ -2,21 +2,11 @@
 (`tide-hf bench` finds this package in its benchmarks/ folder). They may import tide_hf; tide_hf never imports them.
 
 What `tide-hf bench` reads, importable without torch (so `tide-hf --help` answers at once): `add_sections` (the
-SECTION parsers), `check` (flags that go together) and `run` (a section's body, torch imported when it runs)."""
+SECTION parsers), `check` (flags that go together) and `run` (a section's body, torch imported when it runs), one
+module of `tide_bench.sections` per section."""
 
 from __future__ import annotations
 
-import argparse
-
-from .checks import check
-from .sections import add_sections
-
-
-def run(args: argparse.Namespace) -> dict:
-    """Run `args.section` (tide_bench.bench.run: writes its JSON and Markdown to --output)."""
-    from .bench import run as run_section
-
-    return run_section(args)
-
+from .sections import add_sections, check, run
 
 __all__ = ["add_sections", "check", "run"]

@@ -12,6 +12,7 @@ from types import ModuleType
 
 from .values import CPU, HelpFormatter
 
+NAME = "bench"
 BENCHMARKS = "tide_bench"  # the benchmark package
 CHECKOUT_FOLDER = "benchmarks"  # the checkout's folder holding it
 MISSING = (f"the benchmarks are not installed: they are not in the tide_hf wheel but in the source repository "
@@ -43,7 +44,7 @@ def find_benchmarks() -> ModuleType | None:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser(
-        "bench", formatter_class=HelpFormatter, usage="tide-hf bench SECTION [options]",
+        NAME, formatter_class=HelpFormatter, usage="tide-hf bench SECTION [options]",
         help="stock generate vs TIDE in one run: overhead, modes, batches, continuous, baselines, kernels, GPU "
              "(from a checkout)",
         description="Stock generate vs TIDE, measured in one process: each SECTION is one benchmark with its own "

@@ -1,6 +1,5 @@
-"""Which of `tide-hf`'s flags go together, where parsing alone cannot say it (checks that need no torch): a flag the
-run would ignore (analyze's router flags without --router, a flag the router's kind never reads) is refused rather
-than ignored."""
+"""What the commands' checks share (no torch): the subcommand's name and parser, the flags given away from their
+default, and the refusal of a flag the --router's kind never reads (rather than ignoring it)."""
 
 from __future__ import annotations
 
@@ -25,16 +24,6 @@ def changed(parser: argparse.ArgumentParser, args: argparse.Namespace, names: tu
     """Those of `names` given away from their default, as flags (`--prompt-len`)."""
     defaults = command_parser(parser, args)
     return [f"--{name.replace('_', '-')}" for name in names if getattr(args, name) != defaults.get_default(name)]
-
-
-ANALYZE_ROUTER_FLAGS = ("targets", "thresholds", "num_prompts", "prompt_len", "new_tokens")  # read with --router only
-
-
-def check_unread_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Refuse a flag, set away from its default, that this run never reads: analyze's router flags without
-    --router."""
-    if command_name(args) == "analyze" and not args.router and (given := changed(parser, args, ANALYZE_ROUTER_FLAGS)):
-        raise SystemExit(f"tide-hf analyze: {given[0]} goes with --router")
 
 
 def check_router_kind_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, flags: dict[str, bool]) -> None:

@@ -25,9 +25,7 @@ from tide_hf.modeling.files import check_results_folder
 from tide_hf.record import CLOSED
 
 from .measure import evaluation_text, generate, left_pad, match_rate, perplexity
-from .tables import (
-    format_speculative,
-)
+from .tables import format_speculative
 
 
 def overhead(model: Any, router: TideRouter, prompts: list[torch.Tensor], pad_id: int, batch_sizes: list[int],

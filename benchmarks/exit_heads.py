@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from report import format_exit_heads  # benchmarks/report.py, beside this script
 
+from report import format_exit_heads  # benchmarks/report.py, beside this script
 from tide_hf.assets import default_dataset, load_model
 from tide_hf.calibration import load_texts, make_samples, pad_token_id
 from tide_hf.calibration.heads import fit_exit_heads

@@ -86,7 +86,7 @@ def group_build() -> dict:
 def group_correct(route: str) -> dict:
     import torch
 
-    from tide_hf.eval.kernels import path_fn
+    from tide_bench.kernels import path_fn
 
     fn = path_fn(route)
     base_seed = int.from_bytes(os.urandom(4), "little")
@@ -134,7 +134,7 @@ def group_correct(route: str) -> dict:
 def group_nonfinite() -> dict:
     import torch
 
-    from tide_hf.eval.kernels import path_fn
+    from tide_bench.kernels import path_fn
 
     failures = []
     for route in ROUTES:
@@ -166,7 +166,7 @@ def group_poison() -> dict:
     by mistake shows up as NaN."""
     import torch
 
-    from tide_hf.eval.kernels import path_fn
+    from tide_bench.kernels import path_fn
 
     failures = []
     for route in ROUTES:
@@ -193,7 +193,7 @@ def group_poison() -> dict:
 def group_determinism() -> dict:
     import torch
 
-    from tide_hf.eval.kernels import path_fn
+    from tide_bench.kernels import path_fn
 
     failures = []
     for route in ROUTES:
@@ -256,7 +256,7 @@ def group_index_assert() -> dict:
 def group_bench_routes() -> dict:
     import torch
 
-    from tide_hf.eval.kernels import (
+    from tide_bench.kernels import (
         GPU_BOTTLENECK,
         GPU_HIDDEN,
         GPU_ROWS,

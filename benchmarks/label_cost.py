@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from tide_hf.eval.gpu import DRY_RUN, calibration_section
-from tide_hf.eval.synthetic import SHAPES, build_model
+from tide_bench.gpu import DRY_RUN, calibration_section
+from tide_bench.synthetic import SHAPES, build_model
 
 
 def main() -> None:

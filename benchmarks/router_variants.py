@@ -18,8 +18,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
-from router_features import load_features
 
+from router_features import load_features
 from tide_hf.calibration.thresholds import build_path, path_losses
 from tide_hf.calibration.training import auc
 from tide_hf.eval.analyze import oracle

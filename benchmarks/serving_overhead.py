@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 import tide_hf
+from tide_bench.measure import evaluation_text, generate, left_pad
 from tide_hf.assets import default_dataset, load_model
 from tide_hf.calibration import pad_token_id
-from tide_hf.eval.measure import evaluation_text, generate, left_pad
 
 MODES = ("skip", "speculative", "select")
 

@@ -12,10 +12,10 @@ from helpers import ByteTokenizer, make_documents, make_tiny_llama, new_router
 from torch import nn
 
 import tide_hf
+from tide_bench.baselines import ConfidenceHandle, dropped, greedy_drop_order, verdict
+from tide_bench.modes import truncated
 from tide_hf.calibration import make_samples
 from tide_hf.eval.analyze import convergence, oracle, router_efficiency
-from tide_hf.eval.baselines import ConfidenceHandle, dropped, greedy_drop_order, verdict
-from tide_hf.eval.modes import truncated
 from tide_hf.modeling import layer_output
 
 
@@ -211,8 +211,9 @@ def test_verdict_picks_the_cheapest_baseline_at_equal_or_better_quality() -> Non
 def test_analyze_refuses_a_router_that_read_every_document_and_results_into_a_router_folder(tmp_path, monkeypatch):
     """A router calibrated on the only document there is has no held-out text (analyze died in torch.cat); a
     results folder that holds a router (or a model) would mix analyze's or bench's files with its own."""
+    import tide_bench as bench
     from tide_hf.cli import build_parser
-    from tide_hf.eval import analyze, bench
+    from tide_hf.eval import analyze
 
     model, tok = make_tiny_llama(), ByteTokenizer()
     doc = tmp_path / "one.txt"

@@ -10,10 +10,10 @@ from helpers import ByteTokenizer, constant_router, make_documents, make_model, 
 from transformers import AutoModelForCausalLM
 
 import tide_hf
+from tide_bench.measure import match_rate, perplexity
+from tide_bench.modes import fit_line, truncated
 from tide_hf.calibration import held_out_texts, make_samples
 from tide_hf.config import TideRouterConfig
-from tide_hf.eval.measure import match_rate, perplexity
-from tide_hf.eval.modes import fit_line, truncated
 
 
 def test_truncated_context_runs_exactly_a_shallower_model_and_restores_depth():
@@ -76,9 +76,9 @@ def test_held_out_texts_are_exactly_the_documents_calibration_never_read():
 def test_speculative_section_reports_identical_output_and_consistent_counters():
     from helpers import constant_router, make_model
 
-    from tide_hf.eval.measure import left_pad
-    from tide_hf.eval.modes import speculative
-    from tide_hf.eval.tables import format_speculative
+    from tide_bench.measure import left_pad
+    from tide_bench.modes import speculative
+    from tide_bench.tables import format_speculative
 
     model = make_model()
     model.generation_config.eos_token_id = None
@@ -104,7 +104,7 @@ def test_synthetic_forced_exits_and_table() -> None:
     from types import SimpleNamespace
 
     import tide_hf
-    from tide_hf.eval.synthetic import build_model, configurations, run_synthetic
+    from tide_bench.synthetic import build_model, configurations, run_synthetic
 
     model = build_model("tiny", "cpu", torch.float32)
     ids = torch.randint(3, 256, (2, 6))
@@ -163,8 +163,8 @@ def test_modes_refuses_depths_between_checkpoints_before_loading_the_model(tmp_p
 def test_synthetic_table_reports_decode_times_below_noise_without_ratios() -> None:
     """(T(n) - T(1)) / (n - 1) can come out <= 0 when the decode time drowns in timing noise: no ratio is
     computed from such a time, and the table says so instead of printing a negative time."""
-    from tide_hf.eval.synthetic import with_ideal_ratios
-    from tide_hf.eval.tables import format_synthetic
+    from tide_bench.synthetic import with_ideal_ratios
+    from tide_bench.tables import format_synthetic
 
     rows = [{"config": "stock", "batch_size": 1, "compiled": False, "ms_per_token": 2.0, "vs_stock": 1.0},
             {"config": "select, all exit at 4", "batch_size": 1, "compiled": False, "ms_per_token": -0.5,
@@ -181,7 +181,7 @@ def test_synthetic_table_reports_decode_times_below_noise_without_ratios() -> No
 
 def test_bench_table_names_the_router_of_each_row_when_there_are_several() -> None:
     """Two routers of the same label gave rows nothing told apart."""
-    from tide_hf.eval.tables import format_table
+    from tide_bench.tables import format_table
 
     row = {"label": "top1", "threshold": 0.9, "decode_exit_rate": 0.5, "decode_mean_layers": 6.0,
            "greedy_exact_match": 1.0, "greedy_prefix_match": 1.0, "perplexity_change": 0.01, "speed_ratio": 1.1}
@@ -202,8 +202,8 @@ def test_batches_forced_rows_report_each_rows_depth_and_a_table() -> None:
     the running rows' step cost."""
     from test_skip import NUM_LAYERS, make, router_for
 
-    from tide_hf.eval.batches import forced, step_cost
-    from tide_hf.eval.tables import format_batches
+    from tide_bench.batches import forced, step_cost
+    from tide_bench.tables import format_batches
 
     model = make()
     prompts = [torch.randint(3, 128, (5,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
@@ -228,8 +228,8 @@ def test_batches_forced_rows_report_each_rows_depth_and_a_table() -> None:
 def test_continuous_generate_batch_returns_each_prompts_stock_greedy_tokens_in_order() -> None:
     """`bench continuous`'s call: one `generate_batch` over prompts of different lengths gives, in prompt order,
     each prompt's tokens from stock greedy `generate` alone; its table row shows the figures."""
-    from tide_hf.eval.continuous import generate_batch
-    from tide_hf.eval.tables import format_continuous
+    from tide_bench.continuous import generate_batch
+    from tide_bench.tables import format_continuous
 
     model = make_tiny_llama()
     prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in (7, 3, 5)]
@@ -249,7 +249,7 @@ def test_each_synthetic_configuration_runs_the_mode_it_is_named_after() -> None:
     skip mode with the kv it names (attach's default mode would otherwise run skip mode under select's name)."""
     import torch
 
-    from tide_hf.eval.synthetic import build_model, configurations
+    from tide_bench.synthetic import build_model, configurations
     from tide_hf.runtime import get_handle
 
     model = build_model("tiny", "cpu", torch.float32)
@@ -269,9 +269,9 @@ def test_linears_bench_times_both_paths_and_checks_tokens_against_the_same_path(
     """`bench linears`: a cost per k and path (each also in one-token steps of its path), then generation rows for
     stock on both paths and each method on the fast path; lossless methods give stock's tokens on the same path,
     skip mode with a router that never exits too; the fast path's stock gives eager stock's tokens here (fp32)."""
-    from tide_hf.eval.linears import FORWARD_TOKENS, METHODS, forward_costs, generation
-    from tide_hf.eval.measure import left_pad
-    from tide_hf.eval.tables import format_linears
+    from tide_bench.linears import FORWARD_TOKENS, METHODS, forward_costs, generation
+    from tide_bench.measure import left_pad
+    from tide_bench.tables import format_linears
 
     model = make_tiny_llama()
     costs = forward_costs(model, cache_len=8, repeats=1, vocab=256)

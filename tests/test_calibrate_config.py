@@ -180,7 +180,7 @@ def test_skip_mode_runs_fewer_layers_on_smollm2() -> None:
     `attach(model, router, mode="skip")`, one chat prompt. Skip mode at the router's default target runs fewer layers per
     decode step than the model has (stock runs them all), with the exact cache."""
     from tide_hf.assets import load_model
-    from tide_hf.cli.arguments import DEMO_CALIBRATION
+    from tide_hf.cli.demo import DEMO_CALIBRATION
 
     try:
         model, tok = load_model("smollm2")

@@ -200,7 +200,7 @@ def test_routers_calibrated_before_repeats_were_dropped_are_evaluated_on_their_o
     before `load_texts` dropped repeats must be evaluated on the list as it read it (else dropping the repeats
     shifts every position and part of its training text counts as held out); a new calibration records that it
     dropped them."""
-    from tide_hf.eval.measure import evaluation_text
+    from tide_bench.measure import evaluation_text
 
     docs = make_documents(24, 60)
     texts = docs + docs[:8]  # 8 documents twice
@@ -222,7 +222,7 @@ def test_routers_calibrated_before_repeats_were_dropped_are_evaluated_on_their_o
 def test_bench_evaluates_several_routers_on_documents_none_of_them_read(tmp_path: Path) -> None:
     """`tide-hf bench --router A B` took its held-out text from A's calibration alone: B, calibrated with another
     seed, was scored on documents it was trained on."""
-    from tide_hf.eval.measure import evaluation_text
+    from tide_bench.measure import evaluation_text
 
     docs = make_documents(24, 60)
     for i, text in enumerate(docs):

@@ -145,11 +145,11 @@ def test_the_cli_defaults_and_help_are_the_configs_own() -> None:
 
 
 def test_synthetic_choices_match_the_bench() -> None:
-    from tide_hf.cli import SYNTHETIC_CONFIGS, SYNTHETIC_SHAPES
-    from tide_hf.eval.synthetic import SHAPES, build_model, configurations
+    from tide_bench.sections import synthetic as parser
+    from tide_bench.synthetic import SHAPES, build_model, configurations
 
     model = build_model("tiny", "cpu", torch.float32)
-    assert SYNTHETIC_CONFIGS == tuple(configurations(model, 4)) and SYNTHETIC_SHAPES == tuple(SHAPES)
+    assert parser.CONFIGS == tuple(configurations(model, 4)) and parser.SHAPES == tuple(SHAPES)
 
 
 @pytest.mark.parametrize("argv,message", [

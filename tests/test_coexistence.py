@@ -13,7 +13,7 @@ from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_mod
 from helpers import constant_router, left_padded, make_model, mixed_router, new_router
 
 import tide_hf
-from tide_hf.eval.easy import make_near_identity
+from tide_bench.easy import make_near_identity
 
 
 def generate(model, ids, mask, **kwargs):

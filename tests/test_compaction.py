@@ -9,7 +9,7 @@ from test_skip import NUM_LAYERS, make, prompts, router_for
 from transformers import StaticCache
 
 import tide_hf
-from tide_hf.eval.modes import forced_rows
+from tide_bench.modes import forced_rows
 
 EXIT_AT = 4  # the forced rows leave after this checkpoint
 NEW_TOKENS = 6

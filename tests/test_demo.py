@@ -23,7 +23,7 @@ def demo_args(output: Path | None = None, **calibration) -> argparse.Namespace:
     """What `tide-hf demo [--output DIR]` runs with: the demo's fixed calibration settings, `calibration` changing
     some (as a later version of the demo might)."""
     from tide_hf.cli import build_parser
-    from tide_hf.cli.arguments import demo_settings
+    from tide_hf.cli.demo import demo_settings
 
     args = demo_settings(build_parser().parse_args(["demo", *([] if output is None else ["--output", str(output)])]))
     assert set(calibration) <= set(vars(args))

@@ -17,11 +17,11 @@ from helpers import make_tiny_llama, new_router
 from torch import nn
 
 import tide_hf
+from tide_bench.easy import make_near_identity
 from tide_hf import TideRouter
 from tide_hf.calibration import calibrate_tokens
 from tide_hf.calibration.vocab import candidate_sizes
 from tide_hf.errors import TideRouterFileError
-from tide_hf.eval.easy import make_near_identity
 from tide_hf.integrations.draft import MAX_DRAFT_TOKENS, draft_plan
 from tide_hf.integrations.speculative import draft_estimates
 from tide_hf.integrations.vocab import DraftHead, sliceable
@@ -218,7 +218,7 @@ def test_draft_vocabulary_round_trips_and_is_checked(tmp_path) -> None:
 def test_sampled_drafts_stop_when_processors_remove_the_whole_draft_vocabulary() -> None:
     """suppress_tokens covering every draft-vocabulary token leaves the draft no token to sample: it stops
     drafting instead of sampling from NaN, and the output is stock's sampled output."""
-    from tide_hf.eval.easy import make_near_identity
+    from tide_bench.easy import make_near_identity
 
     model = make_near_identity(make_tiny_llama(vocab=VOCAB, hidden=64), 4, scale=1e-3)
     prompt = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(1))

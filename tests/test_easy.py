@@ -10,8 +10,8 @@ import torch
 from helpers import make_tiny_llama
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from tide_bench.easy import make_near_identity
 from tide_hf.errors import TideArgumentError
-from tide_hf.eval.easy import make_near_identity
 
 
 @torch.no_grad()

@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
+from tide_bench import gpu
+from tide_bench.synthetic import build_model, configurations, row_configurations, with_ideal_ratios
+from tide_bench.tables import format_gpu_suite
 from tide_hf.errors import TideError
-from tide_hf.eval import gpu
-from tide_hf.eval.synthetic import build_model, configurations, row_configurations, with_ideal_ratios
-from tide_hf.eval.tables import format_gpu_suite
 
 
 @pytest.fixture(scope="module")

@@ -455,7 +455,7 @@ def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_waited_for(
 
 @pytest.mark.usefixtures("cpu_kernels")
 def test_microbench_reports_both_paths() -> None:
-    from tide_hf.eval.kernels import microbench
+    from tide_bench.kernels import microbench
 
     (row,) = microbench([(2, 64, 16)], torch.float32, "cpu")
     assert row["backend"] == "cpp" and row["kernel_us"] > 0 and row["torch_us"] > 0
@@ -465,7 +465,7 @@ def test_microbench_reports_both_paths() -> None:
 def test_format_kernels_places_gpu_rows_on_the_roofline() -> None:
     """GPU results carry the measured roofline: the table shows device and host time, shares as percentages,
     and the bound; CPU results (the committed README table) keep their columns."""
-    from tide_hf.eval.tables import format_kernels
+    from tide_bench.tables import format_kernels
 
     gpu = {"rows": 4096, "hidden": 4096, "bottleneck": 128, "dtype": "bfloat16", "device": "cuda",
            "backend": "cuda", "device_name": "NVIDIA H100", "copy_gbps": 3000.0, "matmul_tflops": 700.0,
@@ -498,7 +498,7 @@ def test_cuda_large_rows_and_hidden() -> None:
 def test_cuda_every_route_matches_reference(route: str, dtype: torch.dtype) -> None:
     """Each CUDA route forced on (auto picks one per shape, so the others would go untested); a route that
     cannot take an input (small: > 64 rows, tensor: fp32 rows or > 128 units) refuses it with an error."""
-    from tide_hf.eval.kernels import path_fn
+    from tide_bench.kernels import path_fn
 
     fn, ran = path_fn(route), 0
     for kind in KINDS:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tide_hf"
+BENCHMARKS = PACKAGE.parent / "benchmarks" / "tide_bench"  # `tide-hf bench`'s sections, not in the wheel
 # a bound against a module growing unnoticed, well above every module: a module is split when it holds two concepts,
 # never to pass a line count
 MAX_LINES = 600
@@ -121,10 +122,24 @@ def test_modules_are_small() -> None:
     assert not big, f"modules of {MAX_LINES}+ lines: {big}"
 
 
+def test_the_benchmarks_import_tide_hf_never_the_reverse() -> None:
+    """benchmarks/tide_bench uses tide_hf's public names (no private one); no tide_hf module imports it (`tide-hf
+    bench` looks it up by name, tide_hf.cli.bench, and says how to get it where it is missing)."""
+    known = modules()
+    reverse = [name for name, path in known.items() for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, (ast.Import, ast.ImportFrom))
+               and any(n.startswith("tide_bench") for n in ([a.name for a in node.names] if isinstance(node, ast.Import)
+                                                             else [node.module or ""]))]
+    assert not reverse, f"tide_hf modules importing the benchmarks: {reverse}"
+    private = [f"{path.relative_to(BENCHMARKS)} imports {target}.{n}" for path in sorted(BENCHMARKS.rglob("*.py"))
+               for target, names in imports("tide_bench", path, known) for n in names if n.startswith("_")]
+    assert BENCHMARKS.is_dir() and not private, "\n".join(private)
+
+
 def test_serving_import_is_light() -> None:
-    """`import tide_hf` (serving) loads neither the tooling (eval, cli) nor datasets or matplotlib."""
+    """`import tide_hf` (serving) loads neither the tooling (eval, cli, the benchmarks) nor datasets or matplotlib."""
     code = ("import json, sys, tide_hf; print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('datasets', 'matplotlib') or m.startswith(('tide_hf.eval', 'tide_hf.cli')))))")
+            "('datasets', 'matplotlib', 'tide_bench') or m.startswith(('tide_hf.eval', 'tide_hf.cli')))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 

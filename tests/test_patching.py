@@ -208,7 +208,7 @@ def test_every_error_class_is_in_the_errors_room() -> None:
 
     import tide_hf.errors as errors
 
-    rooms = ("calibration", "eval.bench", "eval.demo", "integrations", "kernels", "modeling", "plotting", "runtime")
+    rooms = ("calibration", "eval.analyze", "eval.demo", "integrations", "kernels", "modeling", "plotting", "runtime")
     for room in rooms:
         importlib.import_module(f"tide_hf.{room}")
     found, todo = set(), [errors.TideError]

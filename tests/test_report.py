@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from report import BEGIN, END, SECTIONS, render, section_markers, update  # benchmarks/report.py (conftest)
 
+from report import BEGIN, END, SECTIONS, render, section_markers, update  # benchmarks/report.py (conftest)
 from tide_hf.errors import TideArgumentError, TideDataError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,7 +109,8 @@ def test_rendering_the_readme_loads_no_torch(tmp_path: Path) -> None:
     readme.parent.mkdir()
     readme.write_text(PAGE.read_text())
     shutil.copytree(DOCS / "results" / "smollm2-cpu", tmp_path / "docs" / "results" / "smollm2-cpu")
-    code = ("import json, runpy, sys\nsys.argv = ['report', *sys.argv[1:]]\ntry:\n"
+    code = ("import json, runpy, sys\nsys.argv = ['report', *sys.argv[1:]]\n"
+            f"sys.path.insert(0, {str(SCRIPT.parent)!r})\ntry:\n"  # as `python benchmarks/report.py` has it
             f"    runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\nexcept SystemExit as e:\n"
             "    assert not e.code, e.code\nprint(json.dumps(sorted(m for m in ('torch', 'transformers') if m in "
             "sys.modules)))")

@@ -24,10 +24,10 @@ from transformers import (
 )
 
 import tide_hf
+from tide_bench.easy import make_near_identity
 from tide_hf import TideRouter, TideRouterConfig
 from tide_hf.compat import CACHE_KWARG
 from tide_hf.errors import TideUnsupportedError
-from tide_hf.eval.easy import make_near_identity
 from tide_hf.integrations.draft import (
     DEFAULT_ACCEPTANCE,
     MAX_DRAFT_TOKENS,

@@ -19,8 +19,8 @@ from test_speculative import (
     speculative,
 )
 
+from tide_bench.easy import make_near_identity
 from tide_hf import TideRouter, TideRouterConfig
-from tide_hf.eval.easy import make_near_identity
 from tide_hf.integrations.draft import DraftEstimates
 from tide_hf.modeling import model_fingerprint
 

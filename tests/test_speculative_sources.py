@@ -207,8 +207,8 @@ def test_smollm2_grounded_prompt_identical_to_stock():
     """SmolLM2 asked to repeat a passage (an input-grounded chat prompt): lookup drafts, stock's tokens."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tide_bench.modes import grounded_prompts
     from tide_hf.assets import smollm2_path
-    from tide_hf.eval.modes import grounded_prompts
 
     try:
         path = smollm2_path()

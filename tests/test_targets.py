@@ -296,7 +296,7 @@ def test_a_perplexity_target_exits_end_to_end_and_holds() -> None:
     start of the path stopped every perplexity target before any exit, a regression no synthetic path showed)."""
     import warnings
 
-    from tide_hf.eval.easy import make_near_identity
+    from tide_bench.easy import make_near_identity
 
     model = make_near_identity(make_tiny_llama(), 4, scale=0.01)
     gen = torch.Generator().manual_seed(0)

@@ -1,6 +1,7 @@
 """The package users install: the wheel built from a clean copy of the sources holds every module of `tide_hf/` and
-every kernel source of `cuda/`, and nothing else; installed (not editable) into a fresh virtual environment, its
-`tide-hf` answers `--help` without torch, reports the environment, and a tiny model generates in every mode.
+every kernel source of `cuda/`, and nothing else (no benchmark: those live in benchmarks/tide_bench/); installed (not
+editable) into a fresh virtual environment, its `tide-hf` answers `--help` without torch, reports the environment,
+says how to get the benchmarks, and a tiny model generates in every mode.
 
 The virtual environment sees the installed dependencies (`--system-site-packages`), so it tests the transformers CI
 installed (`.ci/install`: the newest release allowed), but imports tide_hf from the wheel only (checked).
@@ -23,6 +24,9 @@ SOURCES = ("pyproject.toml", "README.md", "LICENSE", "tide_hf", "cuda")  # what 
 KERNEL_SUFFIXES = {".cpp", ".cu", ".h", ".cuh"}  # pyproject's package data of tide_hf._kernel_src
 WHEEL_MODULE = "tide_hf"
 KERNEL_PACKAGE = f"{WHEEL_MODULE}/_kernel_src"
+# the benchmarks' modules, once in tide_hf/eval/: run from a checkout (benchmarks/tide_bench/), never shipped
+BENCH_ONLY = ("bench", "baselines", "batches", "continuous", "easy", "gpu", "kernels", "measure", "modes", "synthetic",
+              "linears")
 
 # A tiny Llama and a router for it, built in the process: stock greedy tokens, then each mode's. Select and skip mode
 # with a router that never exits give stock's tokens; speculative mode gives them always (lossless).
@@ -75,6 +79,9 @@ def test_the_wheel_holds_every_module_and_kernel_source_and_nothing_else(wheel: 
     assert kernels, "no kernel sources in cuda/"
     assert files == modules | kernels, (f"missing from the wheel: {sorted(modules | kernels - files)}; "
                                         f"not from the sources: {sorted(files - modules - kernels)}")
+    shipped = sorted(f for f in files if f.startswith(("tide_bench/", "benchmarks/"))
+                     or f in {f"{WHEEL_MODULE}/eval/{m}.py" for m in BENCH_ONLY})
+    assert not shipped, f"bench-only modules in the wheel: {shipped}"
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "tide-hf = tide_hf.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
@@ -111,6 +118,8 @@ def test_the_installed_cli_answers_help_without_torch_and_reports_the_environmen
     env = run(installed, "tide-hf", "env", cwd=tmp_path)
     assert env.returncode == 0, env.stderr
     assert "transformers:" in env.stdout and "tide_hf: 0." in env.stdout
+    bench = run(installed, "tide-hf", "bench", "overhead", "--router", "r", cwd=tmp_path)  # away from a checkout
+    assert bench.returncode == 1 and "not in the tide_hf wheel" in bench.stderr and "clone" in bench.stderr, bench
 
 
 def test_the_installed_package_generates_in_every_mode(installed: Path, tmp_path: Path) -> None:

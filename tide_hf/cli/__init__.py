@@ -3,8 +3,7 @@ once) and its commands (each imports its room when it runs)."""
 
 from __future__ import annotations
 
-from .arguments import build_parser, command_error
-from .commands import main
-from .values import OWN_FLAGS, SET_FIELDS, SYNTHETIC_CONFIGS, SYNTHETIC_SHAPES
+from .commands import build_parser, command_error, main
+from .values import OWN_FLAGS, SET_FIELDS
 
-__all__ = ["OWN_FLAGS", "SET_FIELDS", "SYNTHETIC_CONFIGS", "SYNTHETIC_SHAPES", "build_parser", "command_error", "main"]
+__all__ = ["OWN_FLAGS", "SET_FIELDS", "build_parser", "command_error", "main"]

@@ -1,50 +1,58 @@
-"""`tide-hf`'s commands: each runs from the room it belongs to (calibration, eval), imported when it runs, so
+"""`tide-hf`: its parser, made of one module per command (`COMMANDS`), and `main`, which runs one. A command runs
+from the room it belongs to (calibration, eval; bench: the benchmarks of a checkout), imported when it runs, so
 torch loads only once the arguments are known to be good."""
 
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import shlex
 import sys
 import warnings
+from contextlib import redirect_stderr, redirect_stdout
 
-from .arguments import build_parser, check_router_paths, demo_settings
-from .checks import check_bench_flags, check_router_kind_flags, check_unread_flags, command_name
-
-
-def cmd_calibrate(args: argparse.Namespace) -> None:
-    from ..calibration.command import run
-
-    run(args)
-
-
-def cmd_demo(args: argparse.Namespace) -> None:
-    from ..eval.demo import run
-
-    run(demo_settings(args))
-
-
-def cmd_bench(args: argparse.Namespace) -> None:
-    from ..eval.bench import run
-
-    run(args)
-
-
-def cmd_env(args: argparse.Namespace) -> None:
-    from ..eval.environment import run
-
-    run(args)
-
-
-def cmd_analyze(args: argparse.Namespace) -> None:
-    from ..eval.analyze import run
-
-    run(args)
-
+from . import analyze, bench, calibrate, demo, env
+from .arguments import check_router_paths
+from .checks import command_name
+from .values import CPU, HelpFormatter
 
 INTERRUPTED = 130  # a shell's status for a command stopped by SIGINT (128 + 2)
-COMMANDS = {"calibrate": cmd_calibrate, "demo": cmd_demo, "bench": cmd_bench, "analyze": cmd_analyze, "env": cmd_env}
+# one module per command: its parser (add_parser), the checks of its flags (check) and its run, which imports torch
+COMMANDS = {c.NAME: c for c in (calibrate, demo, bench, env, analyze)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """`tide-hf`'s parser: a subcommand per command of `COMMANDS` (bench's sections as its subcommands)."""
+    parser = argparse.ArgumentParser(
+        prog="tide-hf", formatter_class=HelpFormatter,
+        description="TIDE early exit for HuggingFace causal LMs.\n\nStart with `tide-hf demo` (~4 min the first "
+                    "time " + CPU + ")."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in COMMANDS.values():
+        command.add_parser(sub)
+    return parser
+
+
+def command_error(line: str) -> str | None:
+    """Why the shell line `line` (`tide-hf ...`) would not parse with this CLI, without running it; None where it
+    parses. The docs' commands are checked with it, and the results page marks recorded commands it refuses."""
+    try:
+        argv = shlex.split(line, comments=True)
+    except ValueError as err:
+        return f"not a shell command line: {err}"
+    if not argv or argv[0] != "tide-hf":
+        return "not a tide-hf command line"
+    err = io.StringIO()
+    try:
+        with redirect_stderr(err), redirect_stdout(io.StringIO()):
+            build_parser().parse_args(argv[1:])
+    except SystemExit as exit_:
+        if exit_.code:
+            lines = err.getvalue().strip().splitlines()
+            return lines[-1] if lines else str(exit_.code)
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -56,12 +64,10 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    name, args.func = command_name(args), COMMANDS[args.command]
-    check_unread_flags(parser, args)
-    if args.command == "bench":
-        check_bench_flags(args)
+    command = COMMANDS[args.command]
+    name, args.func = command_name(args), command.run
+    command.check(parser, args)  # before --router is looked at: "leave out --router" is the better answer
     check_router_paths(args)
-    check_router_kind_flags(parser, args)
     from ..calibration.distributed import finish  # torch: only once the arguments are known to be good
 
     args.command = shlex.join(["tide-hf", *(sys.argv[1:] if argv is None else argv)])  # recorded in result JSON

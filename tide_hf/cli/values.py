@@ -30,10 +30,6 @@ OWN_FLAGS = ("dataset", *(name for names in CALIBRATE_FLAGS.values() for name in
 SET_FIELDS = tuple(f.name for f in dataclasses.fields(CalibrationConfig) if f.name not in OWN_FLAGS)
 CLOSE_MATCHES = 3  # names an unknown --set key is compared with, at most
 CPU = "on a 2-core CPU"
-# eval.synthetic's SHAPES and CONFIGS, without importing torch (tests/test_cli.py checks they agree)
-SYNTHETIC_SHAPES = ("llama3-8b", "qwen2-0.5b", "tiny")
-SYNTHETIC_CONFIGS = ("stock", "exits-off", "select-scored", "select-exit", "skip-recompute", "skip-propagate",
-                     "truncated")
 HELP_POSITION = 32  # column the options' help starts at (argparse's 24 put most of it on a second line)
 
 

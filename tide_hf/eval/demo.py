@@ -2,7 +2,7 @@
 prompt answered by stock generate and by TIDE, each on eager and on the fast linear path (`fast_linears`), timed
 interleaved, and side by side: text, tokens/s (median and range), ratios against stock, what each step did,
 agreement with stock. Its calibration settings come with `args` (fixed by the CLI:
-`tide_hf.cli.arguments.DEMO_CALIBRATION`).
+`tide_hf.cli.demo.DEMO_CALIBRATION`).
 
 The demo attaches with `attach`'s defaults (what a user gets with no options), or with `--mode`.
 """

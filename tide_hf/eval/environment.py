@@ -1,6 +1,6 @@
 """`tide-hf env`: what a bug report needs, read from this process: versions, devices, kernel backends, cache folders.
 
-The GPU suite records the same versions beside its figures (`tide_hf.eval.gpu`).
+The GPU suite records the same versions beside its figures (`tide-hf bench gpu`, benchmarks/tide_bench/gpu.py).
 """
 
 from __future__ import annotations

@@ -23,13 +23,14 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..calibration import load_texts, make_samples, pad_right
-from ..integrations import attach_with
-from ..modeling import ModelAdapter, TideRouter, check_head, get_adapter
-from ..runtime import Patches, TideHandle
+from tide_hf.calibration import load_texts, make_samples, pad_right
+from tide_hf.eval.tables import percent
+from tide_hf.integrations import attach_with
+from tide_hf.modeling import ModelAdapter, TideRouter, check_head, get_adapter
+from tide_hf.runtime import Patches, TideHandle
+
 from .measure import generate, left_pad, match_rate, perplexity
 from .modes import truncated
-from .tables import percent
 
 _TUPLE_LAYERS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 PPL_LEVELS = (0.05, 0.10, 0.25)  # perplexity changes at which methods are compared

@@ -1,4 +1,5 @@
-"""`tide-hf bench`: stock generate and TIDE side by side, in one process, on the same prompts.
+"""What `tide-hf bench`'s sections run on: their results folder, routers, text and result files, and the overhead
+section's measurements (stock generate and TIDE side by side, in one process, on the same prompts).
 
 Speed is a ratio against stock transformers measured in the same run: the overhead run interleaves stock
 and TIDE repetition by repetition; the quality rows time stock once, before every threshold's run on the
@@ -16,24 +17,15 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..assets import default_dataset, load_model
-from ..calibration import pad_token_id
-from ..integrations import attach
-from ..modeling import TideRouter
-from ..modeling.files import check_results_folder
-from ..record import CLOSED
-from .measure import check_exit_depths, evaluation_text, generate, left_pad, match_rate, perplexity
-from .tables import (
-    format_baselines,
-    format_batches,
-    format_continuous,
-    format_kernels,
-    format_linears,
-    format_modes,
-    format_speculative,
-    format_synthetic,
-    format_table,
-)
+from tide_hf.assets import default_dataset
+from tide_hf.calibration import pad_token_id
+from tide_hf.integrations import attach
+from tide_hf.modeling import TideRouter
+from tide_hf.modeling.files import check_results_folder
+from tide_hf.record import CLOSED
+
+from .measure import evaluation_text, generate, left_pad, match_rate, perplexity
+from .tables import format_speculative
 
 
 def overhead(model: Any, router: TideRouter, prompts: list[torch.Tensor], pad_id: int, batch_sizes: list[int],
@@ -92,88 +84,34 @@ def quality(model: Any, routers: dict[str, TideRouter], thresholds: list[float],
     return {"stock_perplexity": base_ppl, "rows": rows}
 
 
-def run(args: Any) -> dict:
-    """The `tide-hf bench SECTION` command (`args.section`): writes JSON and Markdown tables to `args.output` and
-    prints them.
+def results_folder(args: Any, reads_text: bool = True) -> Path:
+    """The section's --output, checked (made when the first file is written, so a refusal leaves none); apart from
+    the --dataset folder where the section `reads_text`."""
+    out = Path(args.output)
+    check_results_folder(out, "--output", *([args.dataset] if reads_text else []))
+    return out
 
-    `overhead`: overhead and quality of TIDE vs stock. `modes`: skip mode vs stock and ideal, and speculative mode
-    vs stock and `assistant_early_exit` (`--near-identity-after K`: the same on the model with the layers after K
-    made near-identity). `batches`: skip mode in batches. `continuous`: skip mode in continuous batching.
-    `baselines`: TIDE vs fixed depth, static skipping and softmax confidence. `linears`: eager vs fast-path linear
-    layers, forward costs and generation. `kernels`: fused kernels vs the
-    PyTorch path. `synthetic`: a real architecture's shape with random weights. `gpu`: the GPU suite
-    (`tide_hf.eval.gpu`).
-    """
-    out, section = Path(args.output), args.section
-    if section in ("gpu", "synthetic", "kernels"):  # no text read: no --dataset
-        check_results_folder(out, "--output")  # made when the first file is written (a refusal leaves none)
-    else:
-        check_results_folder(out, "--output", args.dataset)
-    if section == "gpu":
-        from .gpu import run_suite
 
-        return run_suite(out, args.dry_run, args.command)
-    if section == "synthetic":
-        from .synthetic import run_synthetic
+def load_routers(args: Any) -> dict[str, TideRouter]:
+    """The --router routers by the names they were given, loaded before the model (a bad one fails first)."""
+    return {name: TideRouter.from_pretrained(name) for name in args.router or []}
 
-        return write_result(out, "synthetic", run_synthetic(args), format_synthetic)
-    if section == "kernels":
-        from .kernels import kernel_rows
 
-        return write_result(out, "kernels", {"rows": kernel_rows(args.dtype)}, format_kernels)
-    easy = section == "modes" and args.near_identity_after is not None
-    routers = {name: TideRouter.from_pretrained(name) for name in args.router or []}  # a bad one fails before the model
-    router = next(iter(routers.values()), None)  # modes, batches and baselines take one (the CLI refuses more)
-    if section == "modes" and not easy:
-        check_exit_depths(args.depths, router.config.checkpoint_layers, "--depths")
-    model, tokenizer = load_model(args.model, args.dtype)
-    if easy:
-        return _easy_modes(model, tokenizer, args, out)
-    pad_id = pad_token_id(tokenizer)
+def text_run(args: Any, tokenizer: Any, routers: dict[str, TideRouter], model: Any) -> tuple[int, list, list, dict]:
+    """The pad id, the held-out prompts and perplexity chunks (none where the section reads no --num-chunks) and
+    the result's header (model, device, threads, settings)."""
     prompts, chunks = evaluation_text(tokenizer, default_dataset(args.dataset), list(routers.values()),
                                       args.num_prompts, args.prompt_len, getattr(args, "num_chunks", 0),
-                                      getattr(args, "chunk_len", 0))  # (continuous: no chunks)
-    result = {"model": args.model, "device": str(next(model.parameters()).device),
-              "torch_threads": torch.get_num_threads(),
-              "settings": {k: v for k, v in vars(args).items() if k != "func"}}
-    if section == "baselines":
-        from .baselines import run_baselines
-        from .plots import pareto
-
-        result.update(run_baselines(model, tokenizer, router, default_dataset(args.dataset), prompts, chunks,
-                                    pad_id, args))
-        out.mkdir(parents=True, exist_ok=True)
-        print("Pareto plot:", pareto(result, out / "pareto.png"))
-        return write_result(out, "baselines", result, format_baselines)
-    if section == "batches":
-        from .batches import run_batches
-
-        if args.forced_depth is not None:
-            check_exit_depths([args.forced_depth], router.config.checkpoint_layers, "--forced-depth")
-        result.update(run_batches(model, router, prompts, chunks, pad_id, args))
-        return write_result(out, "batches", result, format_batches)
-    if section == "continuous":
-        from .continuous import run_continuous
-
-        result.update(run_continuous(model, router, prompts, pad_id, args))
-        return write_result(out, "continuous", result, format_continuous)
-    if section == "linears":
-        from .linears import run_linears
-
-        result.update(run_linears(model, router, prompts, pad_id, args))
-        return write_result(out, "linears", result, format_linears)
-    if section == "modes":
-        from .modes import run_modes
-
-        result.update(run_modes(model, tokenizer, router, prompts, chunks, pad_id, args))
-        return write_result(out, "modes", result, format_modes)
-    result["overhead"] = overhead(model, router, prompts, pad_id, args.batch_sizes, args.new_tokens, args.reps)
-    result["quality"] = quality(model, routers, args.thresholds, prompts, chunks, pad_id, args.quality_batch_size,
-                                args.new_tokens)
-    return write_result(out, "bench", result, format_table)
+                                      getattr(args, "chunk_len", 0))
+    return pad_token_id(tokenizer), prompts, chunks, result_header(args, model)
 
 
-def _easy_modes(model: Any, tokenizer: Any, args: Any, out: Path) -> dict:
+def result_header(args: Any, model: Any) -> dict:
+    return {"model": args.model, "device": str(next(model.parameters()).device),
+            "torch_threads": torch.get_num_threads(), "settings": {k: v for k, v in vars(args).items() if k != "func"}}
+
+
+def easy_modes(model: Any, tokenizer: Any, args: Any, out: Path) -> dict:
     """`bench modes --near-identity-after K`: the speculative section on the easy model, with routers calibrated
     on it, against stock and `assistant_early_exit=K` (writes modes-easy.json)."""
     from .easy import NEAR_IDENTITY_SCALE, easy_router, make_near_identity
@@ -187,16 +125,14 @@ def _easy_modes(model: Any, tokenizer: Any, args: Any, out: Path) -> dict:
     # prompts only (no perplexity here): one one-token chunk is all evaluation_text must find
     prompts, _ = evaluation_text(tokenizer, dataset, router, args.num_prompts, args.prompt_len, 1, 1)
     batches = [left_pad(prompts[i : i + 1], pad_id) for i in range(len(prompts))]
-    result = {"model": args.model, "device": str(next(model.parameters()).device),
-              "torch_threads": torch.get_num_threads(), "near_identity": {"after": args.near_identity_after,
-                                                                          "scale": scale},
-              "settings": {k: v for k, v in vars(args).items() if k != "func"},
+    result = {**result_header(args, model), "near_identity": {"after": args.near_identity_after, "scale": scale},
               "speculative": speculative(model, router, batches, left_pad(prompts[: args.quality_batch_size], pad_id),
                                          args.new_tokens, args.reps, assisted_layer=args.near_identity_after)}
     return write_result(out, "modes-easy", result, lambda r: format_speculative(r["speculative"]))
 
 
 def write_result(out: Path, name: str, result: dict, formatter: Any) -> dict:
+    """`name`.json and its Markdown (`formatter`) in `out`, the Markdown printed."""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(result, indent=2))
     table = formatter(result)

@@ -16,9 +16,10 @@ from typing import Any
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
-from ..compat import paged_config
-from ..integrations import attach
-from ..modeling import TideRouter
+from tide_hf.compat import paged_config
+from tide_hf.integrations import attach
+from tide_hf.modeling import TideRouter
+
 from .batches import decode_agreement, timed_runs
 from .measure import left_pad
 

@@ -26,12 +26,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..config import TideRouterConfig, default_checkpoints
-from ..errors import TideArgumentError
-from ..integrations import attach, attach_with
-from ..modeling import TideRouter
-from ..modeling.fingerprint import model_fingerprint
-from ..record import CLOSED
+from tide_hf.config import TideRouterConfig, default_checkpoints
+from tide_hf.errors import TideArgumentError
+from tide_hf.integrations import attach, attach_with
+from tide_hf.modeling import TideRouter
+from tide_hf.modeling.fingerprint import model_fingerprint
+from tide_hf.record import CLOSED
+
 from .measure import check_exit_depths
 from .modes import forced_rows, truncated
 

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..kernels import NORM_KINDS, NormSpec, active_backend, norm_router_scores, norm_router_scores_reference
-from ..kernels.build import extension
+from tide_hf.kernels import NORM_KINDS, NormSpec, active_backend, norm_router_scores, norm_router_scores_reference
+from tide_hf.kernels.build import extension
 
 BENCH_WARMUP = 3  # untimed calls, timed blocks, target seconds per block
 BENCH_BLOCKS = 7

@@ -18,13 +18,14 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..assets import load_model
-from ..compat import cache_in, with_cache
-from ..integrations import attach
-from ..integrations.draft import DRAFT_SOURCES, EARLY_EXIT, LOOKUP, with_acceptance
-from ..integrations.speculative import only_sources
-from ..modeling import TideRouter
-from ..runtime import fast_linears
+from tide_hf.assets import load_model
+from tide_hf.compat import cache_in, with_cache
+from tide_hf.integrations import attach
+from tide_hf.integrations.draft import DRAFT_SOURCES, EARLY_EXIT, LOOKUP, with_acceptance
+from tide_hf.integrations.speculative import only_sources
+from tide_hf.modeling import TideRouter
+from tide_hf.runtime import fast_linears
+
 from .measure import generate, left_pad, match_rate
 from .modes import source_counts
 

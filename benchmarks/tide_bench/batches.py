@@ -25,10 +25,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..compat import with_cache
-from ..integrations import attach, attach_with
-from ..modeling import TideRouter
-from ..runtime import TideHandle
+from tide_hf.compat import with_cache
+from tide_hf.integrations import attach, attach_with
+from tide_hf.modeling import TideRouter
+from tide_hf.runtime import TideHandle
+
 from .measure import generate, left_pad
 from .modes import forced_rows, truncated
 

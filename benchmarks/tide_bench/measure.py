@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from ..calibration import held_out_texts, load_texts, pad_right
-from ..errors import TideArgumentError, TideDataError
-from ..integrations import enable_generate_keyword
-from ..modeling import TideRouter
-from ..runtime import PhaseStats, get_handle, last_stats
+from tide_hf.calibration import held_out_texts, load_texts, pad_right
+from tide_hf.errors import TideArgumentError, TideDataError
+from tide_hf.integrations import enable_generate_keyword
+from tide_hf.modeling import TideRouter
+from tide_hf.runtime import PhaseStats, get_handle, last_stats
 
 
 def check_exit_depths(depths: list[int], checkpoints: list[int], flag: str) -> None:

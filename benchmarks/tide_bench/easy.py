@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..calibration import calibrate
-from ..errors import TideArgumentError
-from ..modeling import TideRouter, get_adapter
+from tide_hf.calibration import calibrate
+from tide_hf.errors import TideArgumentError
+from tide_hf.modeling import TideRouter, get_adapter
 
 NEAR_IDENTITY_SCALE = 0.02  # factor on o_proj / down_proj of the deep layers (the 8B experiment)
 EASY_CALIBRATION_SAMPLES = 48  # a quick calibration: the routers only need to see the easy layers

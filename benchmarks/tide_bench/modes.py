@@ -18,10 +18,17 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..integrations import attach
-from ..integrations.draft import EARLY_EXIT, SOURCE_COUNTERS, best_draft_length, interpolated_verify, with_acceptance
-from ..modeling import TideRouter
-from ..runtime import Patches, TideHandle
+from tide_hf.integrations import attach
+from tide_hf.integrations.draft import (
+    EARLY_EXIT,
+    SOURCE_COUNTERS,
+    best_draft_length,
+    interpolated_verify,
+    with_acceptance,
+)
+from tide_hf.modeling import TideRouter
+from tide_hf.runtime import Patches, TideHandle
+
 from .measure import generate, left_pad, match_rate, perplexity
 
 

@@ -29,10 +29,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..compat import compile_anywhere
-from ..config import KV_POLICIES
-from ..errors import TideError
-from .environment import versions
+from tide_hf.compat import compile_anywhere
+from tide_hf.config import KV_POLICIES
+from tide_hf.errors import TideError
+from tide_hf.eval.environment import versions
+
 from .synthetic import (
     FIRST_TEXT_ID,
     ROWS_LABEL,
@@ -179,7 +180,7 @@ def _bare_forward(model: Any, samples: list[torch.Tensor], batch_size: int, devi
 def calibration_section(plan: SuitePlan, model: Any, save: Callable[[dict], None]) -> dict:
     """Calibration with the default settings against bare forwards over the same tokens, timed before and
     after it (the mean is the reference)."""
-    from ..calibration import calibrate_tokens
+    from tide_hf.calibration import calibrate_tokens
 
     samples = _random_ids(plan, plan.calibration_samples, plan.calibration_len, SEED)
     _bare_forward(model, samples[: plan.calibration_batch], plan.calibration_batch, plan.device)  # warm-up
@@ -199,7 +200,8 @@ def calibration_section(plan: SuitePlan, model: Any, save: Callable[[dict], None
 def speculative_section(plan: SuitePlan, model: Any, save: Callable[[dict], None]) -> dict:
     """Speculative mode on the model with its layers after half the depth made near-identity (in place: this
     section runs last on the model), against stock, `assistant_early_exit` there and prompt lookup."""
-    from ..calibration import calibrate_tokens
+    from tide_hf.calibration import calibrate_tokens
+
     from .easy import EASY_CALIBRATION_LEN, NEAR_IDENTITY_SCALE, make_near_identity
     from .measure import left_pad
     from .modes import speculative
@@ -296,7 +298,8 @@ def goals(result: dict) -> list[dict]:
 def run_suite(out: Path, dry_run: bool, command: str) -> dict:
     """Run every section of the plan (`DRY_RUN` on the CPU, else `GPU`), rewriting `out`/gpu.json and gpu.md
     after each; `TideError` at the end naming the sections that failed (their errors are in the JSON)."""
-    from ..kernels import active_backend
+    from tide_hf.kernels import active_backend
+
     from .tables import format_gpu_suite
 
     plan = DRY_RUN if dry_run else GPU

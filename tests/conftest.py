@@ -53,3 +53,11 @@ def one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def early_exit_only(monkeypatch):
+    """Speculative mode without lookup drafts (no n-gram of the context ever matches): the early-exit source alone."""
+    from tide_hf.integrations.sources import ContextLookup
+
+    monkeypatch.setattr(ContextLookup, "draft", lambda *_: (None, 0))

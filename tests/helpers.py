@@ -223,3 +223,116 @@ def make_family(family: str) -> torch.nn.Module:
     """The family's tiny random model (seeded), in eval mode."""
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(FAMILIES[family]()).eval()
+
+
+# -- skip mode: a vocabulary-128 Llama (or another family) and constant routers (test_skip, test_compaction, bench) ----
+def skip_model(config_cls=LlamaConfig, seed: int = 0, **extra):
+    """A seeded random model of `config_cls` with NUM_LAYERS layers and a 128-token vocabulary, in eval mode."""
+    torch.manual_seed(seed)
+    config = config_cls(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=NUM_LAYERS,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                        pad_token_id=0, eos_token_id=2, **extra)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def router_for(model, logit: float) -> TideRouter:
+    """A router whose score is sigmoid(logit) everywhere: +30 always exits, -30 never (the global RNG untouched)."""
+    cfg = model.config
+    router = TideRouter(TideRouterConfig(
+        hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers, router_bottleneck_dim=8,
+        base_architecture=type(model).__name__, base_fingerprint=tide_hf.modeling.model_fingerprint(model),
+        exit_head="lens"))
+    with torch.no_grad():
+        for mlp in router.routers.values():
+            mlp.fc2.weight.zero_()
+            mlp.fc2.bias.fill_(logit)
+    return router
+
+
+def skip_prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    """Three 6-token prompts of a 128-token vocabulary, rows 1 and 2 left-padded by 2 and 4."""
+    ids = torch.randint(3, 128, (3, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding
+    mask[2, :4] = 0
+    return ids, mask
+
+
+# -- compiled decoding (test_compile, test_compile_skip) ------------------------------------------------------------
+def compiled(backend: str = "aot_eager"):
+    """transformers' CompileConfig, allowed on the CPU; aot_eager traces like inductor without its codegen."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(fullgraph=True, backend=backend, mode=None)
+    config._compile_all_devices = True
+    return config
+
+
+def greedy(model, ids, mask, new_tokens: int, **kwargs) -> torch.Tensor:
+    """Greedy generate of exactly `new_tokens` new tokens (pad 0)."""
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                          do_sample=False, pad_token_id=0, **kwargs)
+
+
+# -- speculative mode (test_speculative*) ---------------------------------------------------------------------------
+NEW = 16  # new tokens per speculative call
+SPECULATIVE_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
+                          "_forward_pre_hooks_with_kwargs")
+
+
+def speculative_model(kind: str = "random", seed: int = 0):
+    """'random': drafts at layer 4 rarely agree with the full model. 'shallow': layers 5-9 barely write to
+    the residual stream (o_proj / down_proj scaled by 1e-3), so layer-4 drafts are almost always right."""
+    from tide_hf.eval.easy import make_near_identity
+
+    model = make_tiny_llama(num_layers=NUM_LAYERS, hidden=64, seed=seed)
+    return make_near_identity(model, 4, scale=1e-3) if kind == "shallow" else model
+
+
+@torch.no_grad()
+def speculative_router(model, gate: str, seed: int = 0, prior: bool = True, exit_head: str = "lens") -> TideRouter:
+    """'always' (+30: converged everywhere), 'never' (-30), 'mixed' (saturated random scores around 0.5).
+
+    `prior`: calibration metrics with the top-1 agreement the gate's rate implies (the policy's prior
+    acceptance; without them it starts from `DEFAULT_ACCEPTANCE`).
+    """
+    torch.manual_seed(seed)
+    rate = {"always": 1.0, "never": 0.0, "mixed": 0.5}[gate]
+    router = TideRouter(TideRouterConfig(
+        hidden_size=model.config.hidden_size, num_hidden_layers=model.config.num_hidden_layers,
+        router_bottleneck_dim=16, base_architecture=type(model).__name__, label="top1", exit_head=exit_head,
+        base_fingerprint=tide_hf.modeling.model_fingerprint(model),
+        metrics={"4": {"predicted_rate": rate, "precision": 1.0, "label_rates": {"top1": rate}}} if prior else None))
+    for mlp in router.routers.values():
+        if gate == "mixed":
+            mlp.fc2.weight.mul_(40.0)
+            mlp.fc2.bias.zero_()
+        else:
+            mlp.fc2.weight.zero_()
+            mlp.fc2.bias.fill_(30.0 if gate == "always" else -30.0)
+    return router
+
+
+def snapshot(model) -> tuple:
+    """The model's attributes, forward hooks and configs: what a call must leave as it found them."""
+    hook_dicts = {name: {attr: dict(getattr(mod, attr)) for attr in SPECULATIVE_HOOK_DICTS}
+                  for name, mod in model.named_modules()}
+    return set(model.__dict__), hook_dicts, model.config.to_dict(), model.generation_config.to_dict()
+
+
+def counter(module) -> list[int]:
+    """A one-item list counting the module's forward calls from now on."""
+    calls = [0]
+    module.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+@torch.no_grad()
+def speculative(model, router, *args, draft_layer: int = 4, threshold: float = 0.5, **kwargs):
+    """(generate's output, the call's stats) with the router attached in speculative mode, detached after."""
+    handle = tide_hf.attach(model, router, mode="speculative", exit_threshold=threshold, draft_layer=draft_layer)
+    try:
+        out = model.generate(*args, **kwargs)
+        return out, handle.last_stats
+    finally:
+        handle.detach()

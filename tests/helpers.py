@@ -336,3 +336,59 @@ def speculative(model, router, *args, draft_layer: int = 4, threshold: float = 0
         return out, handle.last_stats
     finally:
         handle.detach()
+
+
+# -- a model shared across tests (conftest's session-scoped SmolLM2): what a test may not leave on it -----------------
+def stock_state(model) -> dict:
+    """What `left_behind` compares to: each module's instance attributes (patched methods show there), hooks and
+    train / eval mode, each parameter's in-place write counter, and a checksum of each parameter's values."""
+    modules = {name: (dict(vars(mod)), {attr: set(getattr(mod, attr)) for attr in HOOK_DICTS}, mod.training)
+               for name, mod in model.named_modules()}
+    params = {name: (p._version, p.dtype, p.device, _checksum(p)) for name, p in model.named_parameters()}
+    return {"modules": modules, "params": params}
+
+
+def _checksum(param: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float(param.detach().sum(dtype=torch.float64))
+
+
+def _origin(hook) -> str:
+    """The module a hook's function was defined in (a bound method's or a partial's function included)."""
+    fn = getattr(hook, "func", hook)
+    return getattr(getattr(fn, "__func__", fn), "__module__", "") or ""
+
+
+TRANSFORMERS_MARKS = {"_output_capturing_hooks_installed"}  # what transformers adds at its first hidden-states call
+
+
+def left_behind(model, stock: dict) -> list[str]:
+    """What differs from `stock` (a `stock_state` of the same model): an attached TIDE handle, module attributes
+    added or replaced, hooks added (but transformers' own output-capturing hooks), a module left in train mode,
+    weights of another dtype / device or written in place and not restored. Empty: the model is as loaded."""
+    found = ["a TIDE handle is still attached"] if tide_hf.get_handle(model) is not None else []
+    modules = dict(model.named_modules())
+    if set(modules) != set(stock["modules"]):
+        found.append(f"modules added or removed: {sorted(set(modules) ^ set(stock['modules']))[:5]}")
+    for name, (attrs, hook_keys, training) in stock["modules"].items():
+        mod = modules.get(name)
+        if mod is None:
+            continue
+        now = vars(mod)
+        added = sorted(set(now) - set(attrs) - TRANSFORMERS_MARKS)
+        replaced = sorted(k for k in attrs if k in now and now[k] is not attrs[k] and callable(attrs[k]))
+        if added or replaced:
+            found.append(f"{name or 'model'}: attributes added {added}, replaced {replaced}")
+        for attr, keys in hook_keys.items():
+            new = [h for k, h in getattr(mod, attr).items() if k not in keys]
+            if any(not _origin(h).startswith("transformers") for h in new):
+                found.append(f"{name or 'model'}.{attr}: hooks left {[_origin(h) for h in new]}")
+        if mod.training != training:
+            found.append(f"{name or 'model'} left in {'train' if mod.training else 'eval'} mode")
+    for name, param in model.named_parameters():
+        version, dtype, device, checksum = stock["params"].get(name, (None, None, None, None))
+        if (param.dtype, param.device) != (dtype, device):
+            found.append(f"parameter {name}: {param.dtype} on {param.device}, loaded as {dtype} on {device}")
+        elif param._version != version and _checksum(param) != checksum:
+            found.append(f"parameter {name} written in place and not restored")
+    return found

@@ -420,21 +420,17 @@ def test_the_silent_label_warning_names_checkpoints_silent_on_the_training_token
 
 
 @pytest.mark.slow
-def test_smollm2_sotu_end_to_end(tmp_path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def test_smollm2_sotu_end_to_end(tmp_path, smollm2, smollm2_calibration) -> None:
+    """The shared calibration (default exit heads) and the same one with the model's own head (lens)."""
+    from tide_hf.assets import sotu_path
 
-    from tide_hf.assets import smollm2_path, sotu_path
-
-    path = smollm2_path()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    model, tokenizer = smollm2
+    linear, linear_warnings = smollm2_calibration
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         router = calibrate(model, tokenizer, str(sotu_path()), num_samples=24, seq_len=64, num_epochs=3,
                            label="top1", exit_head="lens", progress=False)
-        linear = calibrate(model, tokenizer, str(sotu_path()), num_samples=24, seq_len=64, num_epochs=3,
-                           label="top1", progress=False)
-    assert tide_warnings(record) == []
+    assert tide_warnings(record) == [] and [m for m in linear_warnings if "TIDE calibration: label" in m] == []
     # the default exit heads (fitted on other tokens than each one they label) agree with the final layer far
     # more often than the model's own head on the same state, most of all at the shallow checkpoints
     rates = {name: [r.config.metrics[str(k)]["label_rates"]["top1"] for k in r.config.checkpoint_layers]

@@ -473,21 +473,7 @@ def test_pipeline_tide_keyword(word_tokenizer, tmp_path):
     assert text.endswith(word_tokenizer.decode(manual[0, enc["input_ids"].shape[1]:]))
 
 
-# -- SmolLM2 (real weights, real tokenizer) -----------------------------------------------------------
-@pytest.fixture(scope="module")
-def smollm2():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tide_hf.assets import smollm2_path
-
-    try:
-        path = smollm2_path()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
-    return model, AutoTokenizer.from_pretrained(path)
-
-
+# -- SmolLM2 (real weights, real tokenizer: conftest's shared `smollm2`) ---------------------------------------
 @pytest.mark.slow
 @torch.no_grad()
 def test_smollm2_identity_and_exit_semantics(smollm2):

@@ -330,10 +330,8 @@ def test_fingerprint_is_dtype_independent_tiny() -> None:
 
 
 @pytest.mark.slow
-def test_fingerprint_is_dtype_independent_smollm2() -> None:
-    from tide_hf.assets import load_model, smollm2_path
-
-    model, _ = load_model(str(smollm2_path()), "float32")
+def test_fingerprint_is_dtype_independent_smollm2(smollm2) -> None:
+    model = smollm2[0]  # fp32
     fp = tide_hf.modeling.model_fingerprint(model)
     copies = _dtype_copies(model)
     assert [tide_hf.modeling.model_fingerprint(m) for m in copies] == [fp, fp]

@@ -396,19 +396,9 @@ def test_return_dict_batch_one():
 
 # -- SmolLM2 --------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_smollm2_greedy_identical_to_stock(monkeypatch):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tide_hf.assets import smollm2_path, sotu_path
-
-    try:
-        path = smollm2_path()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(path)
-    router = tide_hf.calibrate(model, tok, str(sotu_path()), num_samples=24, seq_len=64, num_epochs=3,
-                               label="top1", progress=False)
+def test_smollm2_greedy_identical_to_stock(monkeypatch, smollm2, smollm2_calibration):
+    model, tok = smollm2
+    router, _ = smollm2_calibration
     texts = ["The state of the union is", "Our nation will build", "In the year 1900 the Congress",
              "The most important thing about peace is"]
     before = snapshot(model)
@@ -648,18 +638,16 @@ class ForceAtCall(LogitsProcessor):
         return scores
 
 
-def test_settings_assisted_decoding_changes_run_stock(monkeypatch):
+def test_settings_assisted_decoding_changes_run_stock(monkeypatch, smollm2):
     """Stop strings set in a generation config, a one-row logits processor that counts its calls, and
     `assistant_ensemble_weight` (stock sampling ignores it) run stock generate: equal output, fallback named.
     Drafting is forced every round, so a missed fallback would change the output."""
-    from transformers import AutoTokenizer, GenerationConfig
-
-    from tide_hf.assets import smollm2_path
+    from transformers import GenerationConfig
 
     monkeypatch.setattr(DraftEstimates, "plan", lambda _self, room: (min(room, 4), 1.0))
     model = speculative_model("shallow")
     router = speculative_router(model, "always")
-    tok = AutoTokenizer.from_pretrained(smollm2_path())
+    tok = smollm2[1]  # a real tokenizer: stop strings are matched on decoded text
 
     def stop_string(ids):  # an ASCII new token from the 3rd on, not generated before it (None: there is none)
         with torch.no_grad():

@@ -6,6 +6,8 @@ first layer's attention (its real work; a reusing verification passes that layer
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from helpers import NEW, counter, left_padded, snapshot, speculative, speculative_model, speculative_router
@@ -56,22 +58,13 @@ def test_per_layer_outputs_turn_reuse_off():
 
 
 @pytest.mark.slow
-def test_smollm2_easy_model_greedy_identical_with_reuse(monkeypatch):
+def test_smollm2_easy_model_greedy_identical_with_reuse(monkeypatch, smollm2):
     """SmolLM2 with layers after 16 near-identity, drafting 4 tokens at 16 every round: batch 1 and
     left-padded batches equal stock greedy, and the verifications reuse the drafts."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tide_hf.assets import smollm2_path
-
     monkeypatch.setattr(DraftEstimates, "plan", lambda _self, room: (min(room, 4), 1.0))
-
-    try:
-        path = smollm2_path()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-    model = make_near_identity(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), 16)
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.padding_side = "left"
+    model = make_near_identity(copy.deepcopy(smollm2[0]), 16)  # a copy: the shared model stays as loaded
+    tok = smollm2[1]
+    assert tok.padding_side == "left"
     router = TideRouter(TideRouterConfig(hidden_size=model.config.hidden_size, num_hidden_layers=30,
                                          router_bottleneck_dim=16, base_architecture=type(model).__name__,
                                          base_fingerprint=model_fingerprint(model), exit_head="lens"))

@@ -204,19 +204,11 @@ def test_sampling_with_lookup_drafts_returns_valid_tokens():
     assert stats.speculative["sources"][LOOKUP]["rounds"] > 0
 
 
-def test_smollm2_grounded_prompt_identical_to_stock():
+def test_smollm2_grounded_prompt_identical_to_stock(smollm2):
     """SmolLM2 asked to repeat a passage (an input-grounded chat prompt): lookup drafts, stock's tokens."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tide_hf.assets import smollm2_path
     from tide_hf.eval.modes import grounded_prompts
 
-    try:
-        path = smollm2_path()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(path)
+    model, tok = smollm2
     passage = torch.tensor(tok("We the people of the United States, in order to form a more perfect union, "
                                "establish justice, insure domestic tranquility, provide for the common defense, "
                                "promote the general welfare, and secure the blessings of liberty.")["input_ids"])

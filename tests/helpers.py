@@ -65,6 +65,17 @@ def make_model(seed: int = 0, hidden: int = 64, layers: int = NUM_LAYERS) -> Lla
     return LlamaForCausalLM(config).eval()
 
 
+# an exit path (calibration's certified table for one quality target) that opens checkpoint 4 at threshold 0.9
+CLOSED_PATH = {"thresholds": [[1.0, 1.0], [0.9, 1.0]], "errors": [0, 2], "n": 100, "nll_sum": [0.0, 0.5],
+               "nll_sumsq": [0.0, 0.5], "n_next": 90}
+
+
+def router_config(**fields) -> TideRouterConfig:
+    """A router config for a 9-layer, 64-wide model (lens exit heads unless `fields` says otherwise)."""
+    return TideRouterConfig(hidden_size=64, num_hidden_layers=9, router_bottleneck_dim=8,
+                            **{"exit_head": "lens", **fields})
+
+
 def inline_record(folder: Path) -> dict:
     """Turn a saved router's config.json into the layout before its "calibration" section (release 0.1.0:
     provenance and results at the top level) and return its dict, for a test to edit and write back."""

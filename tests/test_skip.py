@@ -7,7 +7,16 @@ import copy
 import pytest
 import torch
 from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
-from helpers import NUM_LAYERS, router_for, skip_model, skip_prompts
+from helpers import (
+    NUM_LAYERS,
+    constant_router,
+    left_padded,
+    make_model,
+    mixed_router,
+    router_for,
+    skip_model,
+    skip_prompts,
+)
 from transformers import (
     AutoModelForCausalLM,
     DynamicCache,
@@ -15,6 +24,7 @@ from transformers import (
     GPT2Config,
     LlamaConfig,
     MistralConfig,
+    MistralForCausalLM,
     NemotronConfig,
     PhiConfig,
     Qwen2Config,
@@ -25,6 +35,7 @@ from transformers import (
 
 import tide_hf
 from tide_hf.compat import CACHE_KWARG
+from tide_hf.errors import TideArgumentError, TideUnsupportedError
 from tide_hf.runtime.kv import FusedPropagation, propagate_kv
 
 
@@ -387,3 +398,29 @@ def test_recompute_with_an_empty_dynamic_cache_of_the_users(name: str) -> None:
     assert torch.equal(given, own)
     assert len(cache.layers) == model.config.num_hidden_layers
 
+
+# -- refusals and odd but valid input ---------------------------------------------------------------------------
+def test_recompute_refuses_decoding_that_edits_the_cache() -> None:
+    model = make_model()
+    ids, mask = left_padded()
+    router = mixed_router(model, ids, mask)
+    with tide_hf.attach(model, router, exit_threshold=0.5, mode="skip", kv="recompute"):
+        with pytest.raises(TideArgumentError, match="kv='recompute' cannot serve num_beams=2"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=3, num_beams=2, do_sample=False)
+        with pytest.raises(TideArgumentError, match="prompt_lookup_num_tokens"):
+            model.generate(ids[:1], max_new_tokens=3, prompt_lookup_num_tokens=2, do_sample=False)
+    with tide_hf.attach(model, router, exit_threshold=0.5, mode="skip", kv="propagate"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, num_beams=2, do_sample=False)
+
+
+
+def test_recompute_refuses_a_window_kept_in_the_config() -> None:
+    """Mistral keeps its sliding window in the config, not on the attention module."""
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=9, num_attention_heads=4, num_key_value_heads=2,
+                                             sliding_window=4, pad_token_id=0, eos_token_id=2)).eval()
+    assert not getattr(model.model.layers[0].self_attn, "sliding_window", None)
+    with pytest.raises(TideUnsupportedError, match="sliding-window attention") as info:
+        tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, mode="skip", kv="recompute")
+    assert isinstance(info.value, NotImplementedError)  # what it raised before it was a TideError

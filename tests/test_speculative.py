@@ -12,16 +12,7 @@ import math
 
 import pytest
 import torch
-from helpers import (
-    NEW,
-    NUM_LAYERS,
-    counter,
-    left_padded,
-    snapshot,
-    speculative,
-    speculative_model,
-    speculative_router,
-)
+from helpers import NEW, NUM_LAYERS, counter, left_padded, snapshot, speculative, speculative_model, speculative_router
 from transformers import (
     DynamicCache,
     GPT2Config,

@@ -48,10 +48,11 @@ def jsonl_file(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session", autouse=True)
 def one_intra_op_thread():
-    """These models are tiny: one intra-op thread is as fast, and on a small shared CPU box an OpenMP
-    pool competing with other jobs makes each op stall (minutes instead of seconds for this file)."""
+    """Every test runs on one intra-op thread (the suite did since test_skip_checks.py pinned it at import; a
+    module naming this fixture relies on it). The models are small: one thread is as fast, and on a small shared
+    CPU box an OpenMP pool competing with other jobs (CI's two xdist workers) makes each op stall."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -65,6 +65,17 @@ def make_model(seed: int = 0, hidden: int = 64, layers: int = NUM_LAYERS) -> Lla
     return LlamaForCausalLM(config).eval()
 
 
+# an exit path (calibration's certified table for one quality target) that opens checkpoint 4 at threshold 0.9
+CLOSED_PATH = {"thresholds": [[1.0, 1.0], [0.9, 1.0]], "errors": [0, 2], "n": 100, "nll_sum": [0.0, 0.5],
+               "nll_sumsq": [0.0, 0.5], "n_next": 90}
+
+
+def router_config(**fields) -> TideRouterConfig:
+    """A router config for a 9-layer, 64-wide model (lens exit heads unless `fields` says otherwise)."""
+    return TideRouterConfig(hidden_size=64, num_hidden_layers=9, router_bottleneck_dim=8,
+                            **{"exit_head": "lens", **fields})
+
+
 def inline_record(folder: Path) -> dict:
     """Turn a saved router's config.json into the layout before its "calibration" section (release 0.1.0:
     provenance and results at the top level) and return its dict, for a test to edit and write back."""
@@ -223,3 +234,172 @@ def make_family(family: str) -> torch.nn.Module:
     """The family's tiny random model (seeded), in eval mode."""
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(FAMILIES[family]()).eval()
+
+
+# -- skip mode: a vocabulary-128 Llama (or another family) and constant routers (test_skip, test_compaction, bench) ----
+def skip_model(config_cls=LlamaConfig, seed: int = 0, **extra):
+    """A seeded random model of `config_cls` with NUM_LAYERS layers and a 128-token vocabulary, in eval mode."""
+    torch.manual_seed(seed)
+    config = config_cls(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=NUM_LAYERS,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                        pad_token_id=0, eos_token_id=2, **extra)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def router_for(model, logit: float) -> TideRouter:
+    """A router whose score is sigmoid(logit) everywhere: +30 always exits, -30 never (the global RNG untouched)."""
+    cfg = model.config
+    router = TideRouter(TideRouterConfig(
+        hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers, router_bottleneck_dim=8,
+        base_architecture=type(model).__name__, base_fingerprint=tide_hf.modeling.model_fingerprint(model),
+        exit_head="lens"))
+    with torch.no_grad():
+        for mlp in router.routers.values():
+            mlp.fc2.weight.zero_()
+            mlp.fc2.bias.fill_(logit)
+    return router
+
+
+def skip_prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    """Three 6-token prompts of a 128-token vocabulary, rows 1 and 2 left-padded by 2 and 4."""
+    ids = torch.randint(3, 128, (3, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding
+    mask[2, :4] = 0
+    return ids, mask
+
+
+# -- compiled decoding (test_compile, test_compile_skip) ------------------------------------------------------------
+def compiled(backend: str = "aot_eager"):
+    """transformers' CompileConfig, allowed on the CPU; aot_eager traces like inductor without its codegen."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(fullgraph=True, backend=backend, mode=None)
+    config._compile_all_devices = True
+    return config
+
+
+def greedy(model, ids, mask, new_tokens: int, **kwargs) -> torch.Tensor:
+    """Greedy generate of exactly `new_tokens` new tokens (pad 0)."""
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                          do_sample=False, pad_token_id=0, **kwargs)
+
+
+# -- speculative mode (test_speculative*) ---------------------------------------------------------------------------
+NEW = 16  # new tokens per speculative call
+SPECULATIVE_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
+                          "_forward_pre_hooks_with_kwargs")
+
+
+def speculative_model(kind: str = "random", seed: int = 0):
+    """'random': drafts at layer 4 rarely agree with the full model. 'shallow': layers 5-9 barely write to
+    the residual stream (o_proj / down_proj scaled by 1e-3), so layer-4 drafts are almost always right."""
+    from tide_bench.easy import make_near_identity
+
+    model = make_tiny_llama(num_layers=NUM_LAYERS, hidden=64, seed=seed)
+    return make_near_identity(model, 4, scale=1e-3) if kind == "shallow" else model
+
+
+@torch.no_grad()
+def speculative_router(model, gate: str, seed: int = 0, prior: bool = True, exit_head: str = "lens") -> TideRouter:
+    """'always' (+30: converged everywhere), 'never' (-30), 'mixed' (saturated random scores around 0.5).
+
+    `prior`: calibration metrics with the top-1 agreement the gate's rate implies (the policy's prior
+    acceptance; without them it starts from `DEFAULT_ACCEPTANCE`).
+    """
+    torch.manual_seed(seed)
+    rate = {"always": 1.0, "never": 0.0, "mixed": 0.5}[gate]
+    router = TideRouter(TideRouterConfig(
+        hidden_size=model.config.hidden_size, num_hidden_layers=model.config.num_hidden_layers,
+        router_bottleneck_dim=16, base_architecture=type(model).__name__, label="top1", exit_head=exit_head,
+        base_fingerprint=tide_hf.modeling.model_fingerprint(model),
+        metrics={"4": {"predicted_rate": rate, "precision": 1.0, "label_rates": {"top1": rate}}} if prior else None))
+    for mlp in router.routers.values():
+        if gate == "mixed":
+            mlp.fc2.weight.mul_(40.0)
+            mlp.fc2.bias.zero_()
+        else:
+            mlp.fc2.weight.zero_()
+            mlp.fc2.bias.fill_(30.0 if gate == "always" else -30.0)
+    return router
+
+
+def snapshot(model) -> tuple:
+    """The model's attributes, forward hooks and configs: what a call must leave as it found them."""
+    hook_dicts = {name: {attr: dict(getattr(mod, attr)) for attr in SPECULATIVE_HOOK_DICTS}
+                  for name, mod in model.named_modules()}
+    return set(model.__dict__), hook_dicts, model.config.to_dict(), model.generation_config.to_dict()
+
+
+def counter(module) -> list[int]:
+    """A one-item list counting the module's forward calls from now on."""
+    calls = [0]
+    module.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+@torch.no_grad()
+def speculative(model, router, *args, draft_layer: int = 4, threshold: float = 0.5, **kwargs):
+    """(generate's output, the call's stats) with the router attached in speculative mode, detached after."""
+    handle = tide_hf.attach(model, router, mode="speculative", exit_threshold=threshold, draft_layer=draft_layer)
+    try:
+        out = model.generate(*args, **kwargs)
+        return out, handle.last_stats
+    finally:
+        handle.detach()
+
+
+# -- a model shared across tests (conftest's session-scoped SmolLM2): what a test may not leave on it -----------------
+def stock_state(model) -> dict:
+    """What `left_behind` compares to: each module's instance attributes (patched methods show there), hooks and
+    train / eval mode, each parameter's in-place write counter, and a checksum of each parameter's values."""
+    modules = {name: (dict(vars(mod)), {attr: set(getattr(mod, attr)) for attr in HOOK_DICTS}, mod.training)
+               for name, mod in model.named_modules()}
+    params = {name: (p._version, p.dtype, p.device, _checksum(p)) for name, p in model.named_parameters()}
+    return {"modules": modules, "params": params}
+
+
+def _checksum(param: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float(param.detach().sum(dtype=torch.float64))
+
+
+def _origin(hook) -> str:
+    """The module a hook's function was defined in (a bound method's or a partial's function included)."""
+    fn = getattr(hook, "func", hook)
+    return getattr(getattr(fn, "__func__", fn), "__module__", "") or ""
+
+
+TRANSFORMERS_MARKS = {"_output_capturing_hooks_installed"}  # what transformers adds at its first hidden-states call
+
+
+def left_behind(model, stock: dict) -> list[str]:
+    """What differs from `stock` (a `stock_state` of the same model): an attached TIDE handle, module attributes
+    added or replaced, hooks added (but transformers' own output-capturing hooks), a module left in train mode,
+    weights of another dtype / device or written in place and not restored. Empty: the model is as loaded."""
+    found = ["a TIDE handle is still attached"] if tide_hf.get_handle(model) is not None else []
+    modules = dict(model.named_modules())
+    if set(modules) != set(stock["modules"]):
+        found.append(f"modules added or removed: {sorted(set(modules) ^ set(stock['modules']))[:5]}")
+    for name, (attrs, hook_keys, training) in stock["modules"].items():
+        mod = modules.get(name)
+        if mod is None:
+            continue
+        now = vars(mod)
+        added = sorted(set(now) - set(attrs) - TRANSFORMERS_MARKS)
+        replaced = sorted(k for k in attrs if k in now and now[k] is not attrs[k] and callable(attrs[k]))
+        if added or replaced:
+            found.append(f"{name or 'model'}: attributes added {added}, replaced {replaced}")
+        for attr, keys in hook_keys.items():
+            new = [h for k, h in getattr(mod, attr).items() if k not in keys]
+            if any(not _origin(h).startswith("transformers") for h in new):
+                found.append(f"{name or 'model'}.{attr}: hooks left {[_origin(h) for h in new]}")
+        if mod.training != training:
+            found.append(f"{name or 'model'} left in {'train' if mod.training else 'eval'} mode")
+    for name, param in model.named_parameters():
+        version, dtype, device, checksum = stock["params"].get(name, (None, None, None, None))
+        if (param.dtype, param.device) != (dtype, device):
+            found.append(f"parameter {name}: {param.dtype} on {param.device}, loaded as {dtype} on {device}")
+        elif param._version != version and _checksum(param) != checksum:
+            found.append(f"parameter {name} written in place and not restored")
+    return found

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
+from helpers import ByteTokenizer, hooks, new_router
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
@@ -389,3 +390,37 @@ def test_recurrent_gemma_cap_is_read_from_its_own_config_field(registry: dict) -
     register_adapter("recurrent_gemma", layers="model.layers", norm="model.final_norm")
     assert get_adapter(model).logit_softcap == SOFTCAP
     check_head(model)
+
+
+# -- refusals and odd but valid input ---------------------------------------------------------------------------
+def test_a_head_tide_hf_does_not_reproduce_is_refused_where_tide_hf_computes_logits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Granite divides its logits by `logits_scaling`; with that entry gone the adapter's head is not the model's.
+    Where tide_hf computes logits itself (calibration labels, analyze, drafts over the draft vocabulary) the model
+    is refused before anything changes; speculative drafts through the model's own head still attach."""
+    from helpers import make_documents
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    import tide_hf.modeling.adapters as adapters_mod
+    from tide_hf.eval.analyze import convergence
+
+    torch.manual_seed(0)
+    model = GraniteForCausalLM(GraniteConfig(vocab_size=600, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=9, num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=64, logits_scaling=4.0)).eval()
+    drafting = new_router(model)
+    drafting.set_draft_vocab(torch.arange(512), {"256": 0.5, "512": 0.9})
+    tide_hf.attach(model, drafting, mode="speculative", draft_layer=4).detach()  # the scale known: accepted
+    monkeypatch.delitem(adapters_mod._LOGIT_SCALES, "granite")
+    before = hooks(model)
+    refused = pytest.raises(TideCompatibilityError, match=r"GraniteForCausalLM .* does not reproduce")
+    with refused:
+        tide_hf.calibration.calibrate_tokens(model, [torch.arange(3, 40)] * 8, progress=False)
+    with refused:
+        convergence(model, ByteTokenizer(), make_documents(4, 30), num_samples=2, seq_len=16, batch_size=2,
+                    checkpoint_interval=4, convergence_threshold=0.5, agreements=[0.9], bins=4, seed=0,
+                    progress=False)
+    with refused:
+        tide_hf.attach(model, drafting, mode="speculative", draft_layer=4)
+    assert hooks(model) == before and tide_hf.get_handle(model) is None
+    tide_hf.attach(model, new_router(model), mode="speculative", draft_layer=4).detach()  # the model's own head

@@ -6,25 +6,40 @@ Every expectation is computed a second way: from an `output_hidden_states=True` 
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections import Counter
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import (
+    CLOSED_PATH,
     HOOK_DICTS,
     NUM_LAYERS,
     constant_router,
     hooks,
+    left_behind,
     left_padded,
     make_model,
     mixed_router,
     new_router,
     positions,
     reference,
+    stock_state,
 )
 
 import tide_hf
-from tide_hf.errors import TideCompatibilityError
+from tide_hf import TideRouter
+from tide_hf.errors import (
+    TideArgumentError,
+    TideArgumentTypeError,
+    TideCompatibilityError,
+    TideRouterFileError,
+    TideTargetError,
+    TideUnsupportedError,
+)
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -432,3 +447,283 @@ def test_on_the_cpu_a_checkpoint_where_nothing_exits_makes_no_exit_state(monkeyp
         with torch.no_grad():
             model(input_ids=ids, attention_mask=mask)
     assert calls["exit_state"] > 0
+
+
+# -- refusals and odd but valid input ---------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(min_agreement="0.9"), TideArgumentTypeError, "min_agreement must be a number"),
+    (dict(min_agreement=True), TideArgumentTypeError, "min_agreement must be a number"),
+    (dict(confidence="x", min_agreement=0.9), TideArgumentTypeError, "confidence must be a number"),
+    (dict(max_perplexity_increase=math.inf), TideTargetError, "finite number"),
+    (dict(exit_threshold=0.5, confidence=0.9), TideArgumentError, "not both"),
+    (dict(ignore_fingerprint="no"), TideArgumentTypeError, "ignore_fingerprint must be True or False"),
+    (dict(mode="speculative", draft_layer=5), TideArgumentError, "draft_layer=5 has no router"),
+])
+def test_attach_refuses_bad_targets_before_touching_the_model(kwargs, error, message) -> None:
+    model = make_model()
+    router = new_router(model, exit_paths={"agreement": CLOSED_PATH, "perplexity": CLOSED_PATH})
+    before = hooks(model)
+    with pytest.raises(error, match=message):
+        tide_hf.attach(model, router, **kwargs)
+    assert hooks(model) == before and tide_hf.runtime.get_handle(model) is None
+
+
+
+def test_deliberate_errors_are_tide_errors() -> None:
+    model = make_model()
+    router = new_router(model)
+    with tide_hf.attach(model, router, mode="select"):
+        with pytest.raises(TideArgumentError, match="already has a TIDE router"):
+            tide_hf.attach(model, router, mode="select")
+    with pytest.raises(TideArgumentError, match="needs a router"):
+        model.generate(torch.tensor([[5, 6]]), max_new_tokens=1, tide=True)
+    with pytest.raises(TideArgumentTypeError, match="tide= takes"):
+        model.generate(torch.tensor([[5, 6]]), max_new_tokens=1, tide=3)
+
+
+
+def test_a_forward_that_raised_does_not_cost_the_next_call_its_stats() -> None:
+    model = make_model()
+    ids, mask = left_padded()
+    with tide_hf.attach(model, constant_router(model, -30.0), mode="select") as handle:
+        expected = None
+        for attempt in range(2):
+            if attempt:  # a plain forward that raises inside the model, before TIDE's end hook
+                boom = model.model.layers[2].register_forward_hook(lambda *_: (_ for _ in ()).throw(KeyError("boom")))
+                with pytest.raises(KeyError, match="boom"):
+                    model(input_ids=ids, attention_mask=mask)
+                boom.remove()
+            model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+            counts = (handle.last_stats.prefill.tokens, handle.last_stats.decode.tokens)
+            expected = expected or counts
+            assert counts == expected and counts[1] > 0
+
+
+
+def test_compatibility_errors_are_tide_errors() -> None:
+    class NoLayers(torch.nn.Module):
+        config = make_model().config
+
+    with pytest.raises(TideCompatibilityError):
+        tide_hf.attach(NoLayers(), new_router(make_model()), mode="select")
+
+
+
+def test_copying_an_attached_model_is_refused_with_the_way_out() -> None:
+    """torch.save(model), pickle and copy.copy failed on a hook's local function with an AttributeError."""
+    import copy
+    import io
+    import pickle
+
+    model = make_model()
+    for mode in ("select", "skip"):
+        with tide_hf.attach(model, constant_router(model, -30.0), mode=mode, exit_threshold=0.5):
+            for copying in (copy.deepcopy, copy.copy, pickle.dumps, lambda m: torch.save(m, io.BytesIO())):
+                with pytest.raises(TideArgumentError, match="cannot be deep-copied, copied or pickled"):
+                    copying(model)
+            copy.deepcopy(model.state_dict())  # its weights copy as they are
+    assert isinstance(copy.deepcopy(model), type(model))  # detached: copies as stock
+    assert isinstance(pickle.loads(pickle.dumps(model)), type(model)) and "__reduce_ex__" not in vars(model)
+
+
+
+def test_weights_loaded_while_attached_are_served_as_a_new_attach_would_serve_them() -> None:
+    """load_state_dict of a fine-tune while attached kept serving the router, and its certified target, on
+    weights a fresh attach refuses; a cast keeps the weights (and the fingerprint)."""
+    model, other = make_model(seed=0), make_model(seed=1)
+    ids, mask = left_padded()
+    own = {k: v.clone() for k, v in model.state_dict().items()}
+    router = new_router(model, exit_paths={"agreement": CLOSED_PATH}, min_agreement=0.9)
+    with tide_hf.attach(model, router, mode="select") as handle:
+        expected = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        model.load_state_dict(other.state_dict())
+        before = hooks(model)
+        for call in (lambda: model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False),
+                     lambda: model(ids, attention_mask=mask)):
+            with pytest.raises(TideCompatibilityError, match="weights changed while the router was attached"):
+                call()
+        assert hooks(model) == before and tide_hf.get_handle(model) is handle
+        model.load_state_dict(own)  # its own weights again (and a cast keeps them): served as before
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False), expected)
+        model.to(torch.float64)
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    model.to(torch.float32)
+    with tide_hf.attach(model, router, ignore_fingerprint=True, mode="select"):
+        model.load_state_dict(other.state_dict())
+        with pytest.warns(UserWarning, match="weights changed while attached: the quality target"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # said once per change
+            model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+
+
+
+def test_a_training_forward_while_attached_is_refused() -> None:
+    """model.train() and a loss with gradients trained on TIDE's exit logits (loss and gradients not stock's)."""
+    model = make_model()
+    ids = torch.tensor([[17, 99, 45, 3, 200, 31, 7]])
+    with tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, min_layers=4, mode="select"):
+        model.train()
+        with pytest.raises(TideUnsupportedError, match="a training forward .* while TIDE is attached"):
+            model(ids, labels=ids)
+        with torch.no_grad():  # generate in train mode (no gradients) is served
+            model.generate(ids, max_new_tokens=2, do_sample=False)
+        model.eval()
+        model(ids, labels=ids).loss.backward()  # eval mode with gradients (attributions): TIDE's logits
+    model.train()
+    model(ids, labels=ids).loss.backward()  # detached: stock
+    model.eval()
+
+
+
+def test_a_peft_style_wrapper_is_refused_with_the_model_to_attach_to() -> None:
+    """peft's PeftModel holds the causal LM (`get_base_model()`): the error named a layer path that exists."""
+    class Wrapper(torch.nn.Module):  # what PeftModel exposes to tide_hf (peft is not a dependency)
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.base_model, self.config = inner, inner.config
+
+        def get_base_model(self) -> torch.nn.Module:
+            return self.base_model
+
+    model = make_model()
+    router = new_router(model)
+    with pytest.raises(TideCompatibilityError, match=r"attach to model.get_base_model\(\)"):
+        tide_hf.attach(Wrapper(model), router, mode="select")
+    with tide_hf.attach(Wrapper(model).get_base_model(), router, exit_threshold=1.0, mode="select"):
+        assert tide_hf.get_handle(model) is not None
+
+
+
+def test_attach_takes_a_router_folder_and_names_missing_paths(tmp_path: Path) -> None:
+    """`attach(model, "my-router")` failed with a bare AttributeError (`tide="my-router"` took it); a router folder
+    or a calibration file named as a path that does not exist is a FileNotFoundError, never a Hub lookup."""
+    from tide_hf.errors import TideMissingError, TideMissingRouterError
+
+    model = make_model()
+    ids, mask = left_padded()
+    router = constant_router(model, 30.0)
+    router.save_pretrained(tmp_path / "r")
+    with tide_hf.attach(model, router, exit_threshold=0.5, mode="select"):
+        expected = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    with tide_hf.attach(model, str(tmp_path / "r"), exit_threshold=0.5, mode="select") as handle:
+        assert isinstance(handle.router, TideRouter)
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False), expected)
+    with pytest.raises(TideArgumentTypeError, match="router must be a TideRouter, a router folder or a Hub repo id"):
+        tide_hf.attach(model, 123, mode="select")
+    with pytest.raises(TideMissingRouterError, match="no TIDE router folder at") as caught:
+        tide_hf.attach(model, str(tmp_path / "nothing"), mode="select")
+    assert isinstance(caught.value, FileNotFoundError) and isinstance(caught.value, TideRouterFileError)
+    with pytest.raises(TideMissingRouterError, match="no TIDE router folder at"):
+        tide_hf.attach(model, tmp_path / "nothing", mode="select")  # a Path object is a path, whatever its spelling
+    # a bare name is no Hub repo id: it went to the Hub (~25 s of retries offline, then transformers' OSError)
+    with pytest.raises(TideMissingRouterError, match=r"no TIDE router folder named 'my-routr' here .*'owner/name'"):
+        tide_hf.attach(model, "my-routr", mode="select")
+    for missing in (str(tmp_path / "nofile.txt"), "./nofile.jsonl", "~/no/such/folder", tmp_path / "folder"):
+        with pytest.raises(TideMissingError, match="no such file or folder"):
+            tide_hf.calibration.load_texts(missing)
+
+
+
+def test_what_is_not_a_model_is_named() -> None:
+    """A model id or None was a raw TypeError from the registry's weak references (a pipeline: see
+    test_generate.py); a bad handle_class was a TypeError from calling it."""
+    model = make_model()
+    router = new_router(model)
+    for bad in (None, "HuggingFaceTB/SmolLM2-135M"):
+        for call in (lambda: tide_hf.attach(bad, router, mode="select"), lambda: tide_hf.detach(bad),
+                     lambda: tide_hf.last_stats(bad)):
+            with pytest.raises(TideArgumentTypeError, match=r"model must be a torch.nn.Module .*got (NoneType|str)"):
+                call()
+    with pytest.raises(TideArgumentTypeError, match="handle_class must be a TideHandle subclass, got <class 'int'>"):
+        tide_hf.integrations.attach_with(int, model, router)
+    assert tide_hf.get_handle(model) is None and hooks(model) == hooks(make_model())
+
+
+
+def test_any_real_exit_threshold_is_served_as_the_float():
+    """`exit_threshold=Fraction(1, 2)` passed the number check, was kept as a Fraction, and the first forward
+    failed comparing tensors with it."""
+    from fractions import Fraction
+
+    model = make_model()
+    ids, mask = left_padded()
+    router = mixed_router(model, ids, mask)
+    runs = []
+    for value in (0.5, Fraction(1, 2), np.float32(0.5)):
+        with tide_hf.attach(model, router, exit_threshold=value, mode="select") as handle:
+            assert type(handle.options.exit_threshold) is float
+            runs.append((model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False),
+                         handle.last_stats.as_dict()))
+    assert all(torch.equal(out, runs[0][0]) and stats == runs[0][1] for out, stats in runs)
+
+
+
+def test_a_model_without_weights_is_named_before_any_forward() -> None:
+    """A model built under accelerate's `init_empty_weights` and never loaded: with ignore_fingerprint=True, select
+    attach accepted it (generate then failed inside the model) and skip attach and calibration failed with a raw
+    'Tensor.item() cannot be called on meta tensors'."""
+    from accelerate import init_empty_weights
+
+    model = make_model()
+    router = new_router(model)
+    with init_empty_weights():
+        empty = type(model)(model.config).eval()
+    message = r"parameter model\.embed_tokens\.weight is on the meta device and no accelerate offload hook"
+    for mode in ("select", "skip", "speculative"):
+        for ignore in (False, True):
+            with pytest.raises(TideCompatibilityError, match=message):
+                tide_hf.attach(empty, router, mode=mode, ignore_fingerprint=ignore)
+            assert tide_hf.get_handle(empty) is None
+    with pytest.raises(TideCompatibilityError, match=message):
+        tide_hf.calibration.calibrate_tokens(empty, [torch.arange(3, 20)] * 4, progress=False, num_epochs=1)
+
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (dict(mode="select", kv="recompute"), r"kv='recompute' applies to mode='skip' only"),
+    (dict(mode="speculative", kv="propagate"), r"kv='propagate' applies to mode='skip' only"),
+    (dict(mode="select", draft_layer=4), r"draft_layer=4 applies to mode='speculative' only"),
+    (dict(mode="skip", draft_layer=4), r"draft_layer=4 applies to mode='speculative' only"),
+])
+def test_an_option_the_mode_never_reads_is_refused(options: dict, message: str) -> None:
+    """kv= in select / speculative mode and draft_layer= outside speculative mode were accepted and ignored."""
+    model = make_model()
+    with pytest.raises(TideArgumentError, match=message):
+        tide_hf.attach(model, new_router(model), **options)
+    assert tide_hf.get_handle(model) is None
+
+
+def test_the_removed_park_rows_is_named_as_removed() -> None:
+    """park_rows= (removed) is refused as removed, with why, not as an unknown option or silently ignored."""
+    model = make_model()
+    for value in (True, False):
+        with pytest.raises(TideArgumentTypeError, match=r"option 'park_rows' was removed: .*kv='recompute'"):
+            tide_hf.attach(model, new_router(model), mode="skip", park_rows=value)
+    assert tide_hf.get_handle(model) is None
+
+
+def test_the_shared_model_check_names_what_a_test_leaves_behind() -> None:
+    """conftest's after-test check of the shared SmolLM2 (`helpers.left_behind`) names an attached router and its
+    patches, a hook, train mode and a weight written in place, and nothing once each is undone (or detached)."""
+    model = make_model()
+    stock = stock_state(model)
+    assert left_behind(model, stock) == []
+    handle = tide_hf.attach(model, constant_router(model, -30.0), mode="skip", exit_threshold=0.5)
+    found = left_behind(model, stock)
+    assert found[0] == "a TIDE handle is still attached" and any("attributes added" in f for f in found[1:]), found
+    handle.detach()
+    assert left_behind(model, stock) == []
+    hook = model.model.layers[0].mlp.register_forward_hook(lambda *_: None)
+    assert [f.split(":")[0] for f in left_behind(model, stock)] == ["model.layers.0.mlp._forward_hooks"]
+    hook.remove()
+    model.model.norm.train()
+    assert left_behind(model, stock) == ["model.norm left in train mode"]
+    model.eval()
+    weight = model.lm_head.weight
+    original = float(weight[0, 0])
+    with torch.no_grad():
+        weight[0, 0] = original + 1.0
+        assert left_behind(model, stock) == ["parameter lm_head.weight written in place and not restored"]
+        weight[0, 0] = original
+    assert left_behind(model, stock) == []

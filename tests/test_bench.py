@@ -6,7 +6,17 @@ import copy
 
 import pytest
 import torch
-from helpers import ByteTokenizer, constant_router, make_documents, make_model, make_tiny_llama, new_router
+from helpers import (
+    NUM_LAYERS,
+    ByteTokenizer,
+    constant_router,
+    make_documents,
+    make_model,
+    make_tiny_llama,
+    new_router,
+    router_for,
+    skip_model,
+)
 from transformers import AutoModelForCausalLM
 
 import tide_hf
@@ -200,12 +210,10 @@ def test_batches_forced_rows_report_each_rows_depth_and_a_table() -> None:
     depth is their mean (kv="propagate"); kv="recompute" runs the batch
     whole until every row has exited; at batch 1 the one row leaves. The row-cost ideal prices the deep layers at
     the running rows' step cost."""
-    from test_skip import NUM_LAYERS, make, router_for
-
     from tide_bench.batches import forced, step_cost
     from tide_bench.tables import format_batches
 
-    model = make()
+    model = skip_model()
     prompts = [torch.randint(3, 128, (5,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
     costs = step_cost(model, prompts, 0, [1, 2], steps=2, reps=1)
     assert [c["rows"] for c in costs] == [1, 2] and costs[0]["over_first"] == 1.0 and costs[1]["step_s"] > 0

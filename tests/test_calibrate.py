@@ -9,13 +9,14 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import make_tiny_llama
+from helpers import ByteTokenizer, make_model, make_tiny_llama, router_config
 
+import tide_hf
 from tide_hf import TideRouter, TideRouterConfig, calibrate
 from tide_hf.calibration import calibrate_tokens, make_samples
 from tide_hf.calibration.labels import collect, label
 from tide_hf.calibration.training import auc
-from tide_hf.errors import TideCompatibilityError, TideDataError
+from tide_hf.errors import TideArgumentError, TideArgumentTypeError, TideCompatibilityError, TideDataError
 from tide_hf.modeling import get_adapter, model_fingerprint
 
 FAST = dict(seq_len=32, num_epochs=3, router_bottleneck_dim=16, progress=False)
@@ -420,21 +421,17 @@ def test_the_silent_label_warning_names_checkpoints_silent_on_the_training_token
 
 
 @pytest.mark.slow
-def test_smollm2_sotu_end_to_end(tmp_path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def test_smollm2_sotu_end_to_end(tmp_path, smollm2, smollm2_calibration) -> None:
+    """The shared calibration (default exit heads) and the same one with the model's own head (lens)."""
+    from tide_hf.assets import sotu_path
 
-    from tide_hf.assets import smollm2_path, sotu_path
-
-    path = smollm2_path()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    model, tokenizer = smollm2
+    linear, linear_warnings = smollm2_calibration
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         router = calibrate(model, tokenizer, str(sotu_path()), num_samples=24, seq_len=64, num_epochs=3,
                            label="top1", exit_head="lens", progress=False)
-        linear = calibrate(model, tokenizer, str(sotu_path()), num_samples=24, seq_len=64, num_epochs=3,
-                           label="top1", progress=False)
-    assert tide_warnings(record) == []
+    assert tide_warnings(record) == [] and [m for m in linear_warnings if "TIDE calibration: label" in m] == []
     # the default exit heads (fitted on other tokens than each one they label) agree with the final layer far
     # more often than the model's own head on the same state, most of all at the shallow checkpoints
     rates = {name: [r.config.metrics[str(k)]["label_rates"]["top1"] for k in r.config.checkpoint_layers]
@@ -480,3 +477,37 @@ def test_smollm2_sotu_end_to_end(tmp_path) -> None:
         with torch.no_grad():
             weight.view(-1)[0] = original
     loaded.check_compatible(model)
+
+
+# -- refusals and odd but valid input ---------------------------------------------------------------------------
+def test_empty_dataset_name_is_refused_not_replaced() -> None:
+    model = make_model()
+    with pytest.raises(TideArgumentError, match="dataset is an empty name"):
+        tide_hf.calibrate(model, ByteTokenizer(), "", num_samples=4, seq_len=8)
+
+
+
+def test_calibration_warns_when_its_default_target_opens_nothing() -> None:
+    from tide_hf.calibration.pipeline import warn_if_closed
+
+    closed = {"thresholds": [[1.0, 1.0], [0.5, 0.5]], "errors": [0, 50], "n": 100, "nll_sum": [0.0, 1.0],
+              "nll_sumsq": [0.0, 1.0], "n_next": 100}
+    with pytest.warns(UserWarning, match="lets no token exit: 100 threshold-split tokens certify no exit"):
+        warn_if_closed(router_config(exit_paths={"agreement": closed}))
+    opened = {**closed, "errors": [0, 0], "n": 1000}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_closed(router_config(exit_paths={"agreement": opened}))
+
+
+
+@pytest.mark.parametrize("samples,pad_id,error,message", [
+    ([torch.tensor([5, 300])], 0, TideArgumentError, r"in \[0, 256\).*5\.\.300"),
+    ([torch.tensor([-1, 5])], 0, TideArgumentError, r"-1\.\.5"),
+    ([torch.tensor([5, 6])], 999, TideArgumentError, "pad_id is 999"),
+    ([torch.tensor([5, 6])], 2.5, TideArgumentTypeError, "pad_id must be an int"),
+    ([torch.tensor([True, False])], 0, TideArgumentTypeError, "integer token tensors"),
+])
+def test_calibrate_tokens_refuses_ids_the_model_cannot_embed(samples, pad_id, error, message) -> None:
+    with pytest.raises(error, match=message):
+        tide_hf.calibration.calibrate_tokens(make_model(), samples, pad_id=pad_id)

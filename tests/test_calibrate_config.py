@@ -175,17 +175,13 @@ def test_a_file_without_exit_head_reads_as_the_lens(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_skip_mode_runs_fewer_layers_on_smollm2() -> None:
+def test_skip_mode_runs_fewer_layers_on_smollm2(smollm2) -> None:
     """Skip mode as a user gets it on the real model: routers calibrated as the demo calibrates them,
-    `attach(model, router, mode="skip")`, one chat prompt. Skip mode at the router's default target runs fewer layers per
-    decode step than the model has (stock runs them all), with the exact cache."""
-    from tide_hf.assets import load_model
+    `attach(model, router, mode="skip")`, one chat prompt. Skip mode at the router's default target runs fewer
+    layers per decode step than the model has (stock runs them all), with the exact cache."""
     from tide_hf.cli.demo import DEMO_CALIBRATION
 
-    try:
-        model, tok = load_model("smollm2")
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
+    model, tok = smollm2
     fields = {f.name for f in dataclasses.fields(CalibrationConfig)}
     settings = CalibrationConfig(**{k: v for k, v in DEMO_CALIBRATION.items() if k in fields})
     with warnings.catch_warnings():

@@ -296,3 +296,14 @@ def test_a_tokenizer_that_is_no_tokenizer_or_ids_outside_the_embeddings_are_name
     with pytest.warns(UserWarning, match="TIDE calibration"):
         router = tide_hf.calibrate(model, NoPad(), str(records), num_samples=12, **FAST)
     assert router.config.num_samples == 12
+
+
+# -- refusals and odd but valid input ---------------------------------------------------------------------------
+def test_records_that_are_not_text_are_refused_not_dropped(tmp_path: Path) -> None:
+    from tide_hf.calibration import load_texts
+    from tide_hf.errors import TideDataError
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"text": value}) for value in (1, 2, 3)) + "\n")
+    with pytest.raises(TideDataError, match="3 'text' values are not strings"):
+        load_texts(str(data))

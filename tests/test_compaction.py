@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_skip import NUM_LAYERS, make, prompts, router_for
+from helpers import NUM_LAYERS, router_for, skip_model, skip_prompts
 from transformers import StaticCache
 
 import tide_hf
@@ -54,8 +54,8 @@ def generate_forced(model, rows: torch.Tensor, ids, mask, cache: str, kv: str = 
 @pytest.mark.parametrize("kv", ["propagate", "recompute"])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_forced_per_row_exits_give_each_row_its_tokens_alone_and_stop_its_layers(cache, kv):
-    model = make()
-    ids, mask = prompts()  # rows 1 and 2 left-padded
+    model = skip_model()
+    ids, mask = skip_prompts()  # rows 1 and 2 left-padded
     rows = torch.tensor([True, False, True])
     seen: list[int] = []
     batched, stats = generate_forced(model, rows, ids, mask, cache, kv, seen=seen)
@@ -77,8 +77,8 @@ def test_forced_per_row_exits_give_each_row_its_tokens_alone_and_stop_its_layers
 
 @pytest.mark.parametrize("kv", ["propagate", "recompute"])
 def test_forced_per_row_exits_return_a_complete_cache(kv):
-    model = make()
-    ids, mask = prompts()
+    model = skip_model()
+    ids, mask = skip_prompts()
     out, _ = generate_forced(model, torch.tensor([True, False, False]), ids, mask, "dynamic", kv)
     lengths = {layer.keys.shape[-2] for layer in out.past_key_values.layers}
     assert lengths == {ids.shape[1] + NEW_TOKENS - 1}  # every layer holds every position, every row
@@ -88,8 +88,8 @@ def test_forced_per_row_exits_return_a_complete_cache(kv):
 def test_recompute_in_a_batch_returns_the_stock_models_cache_of_its_tokens():
     """kv='recompute' with rows exiting on their own: the cache generate returns holds, at every layer, the K/V
     the stock model computes for the same tokens."""
-    model = make()
-    ids, mask = prompts()
+    model = skip_model()
+    ids, mask = skip_prompts()
     out, _ = generate_forced(model, torch.tensor([True, False, True]), ids, mask, "dynamic", "recompute")
     full_mask = torch.cat([mask, torch.ones(3, NEW_TOKENS - 1, dtype=mask.dtype)], dim=1)
     with torch.no_grad():
@@ -105,8 +105,8 @@ def test_recompute_in_a_batch_with_rows_exiting_on_their_own_gives_select_modes_
     """Real (state-dependent) decisions: rows exit at different steps and checkpoints, and every deep K/V is exact
     (the batch runs whole until every row has exited), so the tokens are select mode's (which runs every layer with
     the same exits)."""
-    model = make()
-    ids, mask = prompts()
+    model = skip_model()
+    ids, mask = skip_prompts()
     router = state_router(model)
     outputs, stats = {}, {}
     for mode, options in (("select", {}), ("skip", {"kv": "recompute"})):
@@ -122,8 +122,8 @@ def test_recompute_in_a_batch_with_rows_exiting_on_their_own_gives_select_modes_
 def test_the_propagated_cache_of_an_exited_row_is_what_the_layer_computes_from_its_exit_state():
     """The K/V an exited row gets for a skipped layer equal that layer's K/V on the state that exited (the row
     alone, where the whole step is skipped and `propagate_kv` writes them: the reference of single-row skip)."""
-    model = make()
-    ids, mask = prompts()
+    model = skip_model()
+    ids, mask = skip_prompts()
     rows = torch.tensor([True, False, True])
     batched, _ = generate_forced(model, rows, ids, mask, "dynamic")
     alone, _ = generate_forced(model, rows[:1], ids[:1], mask[:1], "dynamic")
@@ -136,7 +136,7 @@ def test_prefill_positions_that_exit_stop_and_match_the_same_positions_fed_one_b
     """Positions of one prompt exit at different checkpoints (a router reading the state): prefilled in one
     forward, the exited positions stop computing, and the next-token logits equal those of the same prompt fed
     one token per forward (where a position that exits skips its whole step)."""
-    model = make()
+    model = skip_model()
     router = state_router(model)
     ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(3))
     handle = tide_hf.attach(model, router, exit_threshold=0.7, mode="skip", kv="propagate")  # exits at both checkpoints
@@ -162,8 +162,8 @@ def test_prefill_positions_that_exit_stop_and_match_the_same_positions_fed_one_b
 def test_a_batch_of_rows_exiting_on_their_own_gives_each_row_its_tokens_alone():
     """Real (state-dependent) router decisions: each row of a left-padded batch exits when its own state says so,
     stops computing, and gets the tokens it gets alone."""
-    model = make()
-    ids, mask = prompts()
+    model = skip_model()
+    ids, mask = skip_prompts()
     router = state_router(model)
     handle = tide_hf.attach(model, router, exit_threshold=0.5, mode="skip", kv="propagate")
     try:

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import NUM_LAYERS, constant_router, left_padded, make_model, mixed_router
+from helpers import NUM_LAYERS, compiled, constant_router, greedy, left_padded, make_model, mixed_router
 from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile
-from transformers import CompileConfig
 
 import tide_hf
 from tide_hf.kernels import NORM_KINDS, NormSpec, norm_router_scores_reference
@@ -29,11 +28,6 @@ def setup():
     return model, ids, mask, mixed_router(model, ids, mask)
 
 
-def generate(model, ids, mask, new_tokens: int, **kwargs) -> torch.Tensor:
-    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                          do_sample=False, pad_token_id=0, **kwargs)
-
-
 def host_syncs(fn) -> int:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
@@ -41,8 +35,8 @@ def host_syncs(fn) -> int:
 
 
 def syncs_per_step(model, ids, mask) -> float:
-    short = host_syncs(lambda: generate(model, ids, mask, SHORT))
-    long = host_syncs(lambda: generate(model, ids, mask, LONG))
+    short = host_syncs(lambda: greedy(model, ids, mask, SHORT))
+    long = host_syncs(lambda: greedy(model, ids, mask, LONG))
     return (long - short) / (LONG - SHORT)
 
 
@@ -89,7 +83,7 @@ def test_a_static_cache_prefill_counts_no_padding(setup, mode: str) -> None:
     stats = {}
     for cache in ("dynamic", "static"):
         with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode=mode) as handle:
-            generate(model, ids, mask, 3, cache_implementation=cache)
+            greedy(model, ids, mask, 3, cache_implementation=cache)
             stats[cache] = handle.last_stats.prefill
     assert sum(stats["static"].executed.values()) == int(mask.sum()) < mask.numel()
     assert dict(stats["static"].exits) == dict(stats["dynamic"].exits)
@@ -112,23 +106,16 @@ def test_custom_ops_pass_opcheck(kind: str, dtype: torch.dtype) -> None:
     torch.library.opcheck(scatter_rows_op, (hidden.clone(), index, torch.randn(3, 24).to(dtype)))
 
 
-def compiled(backend: str = "aot_eager") -> CompileConfig:
-    """transformers' CompileConfig, allowed on the CPU; aot_eager traces like inductor without its codegen."""
-    config = CompileConfig(fullgraph=True, backend=backend, mode=None)
-    config._compile_all_devices = True
-    return config
-
-
 def test_select_mode_compiles_without_graph_breaks(setup) -> None:
     model, ids, mask, router = setup
     with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="select") as handle:
-        eager = generate(model, ids, mask, 32)
+        eager = greedy(model, ids, mask, 32)
         torch._dynamo.reset()
         counters.clear()
-        first = generate(model, ids, mask, 32, cache_implementation="static", compile_config=compiled())
+        first = greedy(model, ids, mask, 32, cache_implementation="static", compile_config=compiled())
         assert 0 < handle.last_stats.decode.exit_rate < 1
         warm = dict(counters["stats"])
-        second = generate(model, ids, mask, 32, cache_implementation="static", compile_config=compiled())
+        second = greedy(model, ids, mask, 32, cache_implementation="static", compile_config=compiled())
     assert not counters["graph_break"]  # fullgraph=True would also have raised
     # one step graph, as stock: a mask growing per step (kept for kv="recompute" only) recompiled it
     assert warm.get("unique_graphs", 0) == 1
@@ -160,17 +147,17 @@ def test_compiled_decoding_sees_attach_and_detach() -> None:
     config = compiled()
     config.fullgraph = False
     torch._dynamo.reset()
-    stock = generate(model, ids, mask, 8)
-    assert torch.equal(generate(model, ids, mask, 8, cache_implementation="static", compile_config=config), stock)
+    stock = greedy(model, ids, mask, 8)
+    assert torch.equal(greedy(model, ids, mask, 8, cache_implementation="static", compile_config=config), stock)
     with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="select"):
-        eager = generate(model, ids, mask, 8)
+        eager = greedy(model, ids, mask, 8)
         assert not torch.equal(eager, stock)
-        assert torch.equal(generate(model, ids, mask, 8, cache_implementation="static", compile_config=config), eager)
-    assert torch.equal(generate(model, ids, mask, 8, cache_implementation="static", compile_config=config), stock)
+        assert torch.equal(greedy(model, ids, mask, 8, cache_implementation="static", compile_config=config), eager)
+    assert torch.equal(greedy(model, ids, mask, 8, cache_implementation="static", compile_config=config), stock)
 
 
 def test_a_per_call_router_compiles_without_graph_breaks_and_other_threads_stay_stock() -> None:
-    """`generate(tide=router)` scopes its hooks to the calling thread; that check read `threading.get_ident()`,
+    """`greedy(tide=router)` scopes its hooks to the calling thread; that check read `threading.get_ident()`,
     which broke every compiled step graph (`fullgraph=True` raised). It is a thread-local flag now."""
     import threading
 
@@ -181,18 +168,18 @@ def test_a_per_call_router_compiles_without_graph_breaks_and_other_threads_stay_
     router = mixed_router(model, ids, mask)
     router.config.exit_threshold, router.config.exit_paths = 0.5, {}  # per-call options: this global threshold
     static = dict(cache_implementation="static")
-    stock = generate(model, ids, mask, 8, **static)
-    eager = generate(model, ids, mask, 8, tide=router, **static)
+    stock = greedy(model, ids, mask, 8, **static)
+    eager = greedy(model, ids, mask, 8, tide=router, **static)
     assert not torch.equal(eager, stock)  # the router changes the output: the comparisons below mean something
     torch._dynamo.reset()
     counters.clear()
-    assert torch.equal(generate(model, ids, mask, 8, tide=router, compile_config=compiled(), **static), eager)
+    assert torch.equal(greedy(model, ids, mask, 8, tide=router, compile_config=compiled(), **static), eager)
     assert not counters["graph_break"]
     handle = attach_for_call(model, router)  # as while a per-call generate runs in this thread
     try:
         other = {}
         thread = threading.Thread(target=lambda: other.setdefault(
-            "out", generate(model, ids, mask, 8, compile_config=compiled(), **static)))
+            "out", greedy(model, ids, mask, 8, compile_config=compiled(), **static)))
         thread.start()
         thread.join()
     finally:
@@ -211,11 +198,11 @@ def test_chunked_prefill_compiles_no_graph_per_chunk(setup, mode: str) -> None:
     options = dict(exit_threshold=0.5, min_layers=4, mode=mode)
     settings = dict(cache_implementation="static", prefill_chunk_size=3)
     with tide_hf.attach(model, router, **options) as handle:
-        eager = generate(model, ids, mask, 6, **settings)
+        eager = greedy(model, ids, mask, 6, **settings)
         eager_stats = handle.last_stats
         torch._dynamo.reset()
         counters.clear()
-        out = generate(model, ids, mask, 6, compile_config=compiled(), **settings)
+        out = greedy(model, ids, mask, 6, compile_config=compiled(), **settings)
         assert torch.equal(out, eager)
         assert handle.last_stats.prefill.tokens == eager_stats.prefill.tokens == int(mask.sum())
         if mode == "select":
@@ -223,16 +210,16 @@ def test_chunked_prefill_compiles_no_graph_per_chunk(setup, mode: str) -> None:
 
 
 def test_per_call_routers_compile_past_the_recompile_limit() -> None:
-    """Each `generate(tide=router)` places new hooks, which the graphs of an earlier call guard against: all
+    """Each `greedy(tide=router)` places new hooks, which the graphs of an earlier call guard against: all
     shared one code object, and the 9th call failed at dynamo's recompile limit under `fullgraph=True`."""
     model = make_model()
     ids, mask = left_padded()
     router = mixed_router(model, ids, mask)
     router.config.exit_threshold, router.config.exit_paths = 0.5, {}
     static = dict(cache_implementation="static")
-    eager = generate(model, ids, mask, 4, tide=router, **static)
+    eager = greedy(model, ids, mask, 4, tide=router, **static)
     torch._dynamo.reset()
     with torch._dynamo.config.patch(recompile_limit=2):  # the limit lowered: past it in 4 calls, not 10
         for _ in range(torch._dynamo.config.recompile_limit + 2):
-            assert torch.equal(generate(model, ids, mask, 4, tide=router, compile_config=compiled(), **static),
+            assert torch.equal(greedy(model, ids, mask, 4, tide=router, compile_config=compiled(), **static),
                                eager)

@@ -14,8 +14,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from helpers import NUM_LAYERS, constant_router, left_padded, make_model, mixed_router
-from test_compile import compiled, generate
+from helpers import NUM_LAYERS, compiled, constant_router, greedy, left_padded, make_model, mixed_router
 from torch._dynamo.utils import counters
 
 import tide_hf
@@ -71,14 +70,14 @@ def test_skip_mode_compiles_into_bounded_segment_graphs(kv: str, decisions: str)
     router = constant_router(model, 30.0) if decisions == "forced" else \
         mixed_router(model, ids, mask, quantiles=MIXED, **heads)
     with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="skip", kv=kv) as handle:
-        eager = [generate(model, i, m, NEW_TOKENS, **static()) for i, m in ((ids, mask), (later_ids, later_mask))]
+        eager = [greedy(model, i, m, NEW_TOKENS, **static()) for i, m in ((ids, mask), (later_ids, later_mask))]
         executed = dict(handle.last_stats.decode.executed)
         recomputed = handle.last_stats.decode.recomputed
         torch._dynamo.reset()
         counters.clear()
-        first = generate(model, ids, mask, NEW_TOKENS, **static(compile_config=compiled()))
+        first = greedy(model, ids, mask, NEW_TOKENS, **static(compile_config=compiled()))
         with recompile_log() as recompiles:
-            later = generate(model, later_ids, later_mask, NEW_TOKENS, **static(compile_config=compiled()))
+            later = greedy(model, later_ids, later_mask, NEW_TOKENS, **static(compile_config=compiled()))
         assert dict(handle.last_stats.decode.executed) == executed  # the compiled steps skipped what eager skipped
         assert handle.last_stats.decode.recomputed == recomputed  # ... and made up what eager made up
     assert (recomputed > 0) == (kv == "recompute" and decisions != "forced")
@@ -130,10 +129,10 @@ def test_dynamic_compile_configs_get_segment_graphs_too() -> None:
     config = compiled()
     config.dynamic = True
     with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="skip", kv="propagate"):
-        eager = generate(model, ids, mask, 8, **static())
+        eager = greedy(model, ids, mask, 8, **static())
         torch._dynamo.reset()
         counters.clear()
-        assert torch.equal(generate(model, ids, mask, 8, **static(compile_config=config)), eager)
+        assert torch.equal(greedy(model, ids, mask, 8, **static(compile_config=config)), eager)
     assert not counters["graph_break"]
 
 
@@ -156,13 +155,13 @@ def test_models_mixing_attention_kinds_keep_the_whole_step_compile() -> None:
     config = compiled()
     config.fullgraph = False
     with tide_hf.attach(model, router, exit_threshold=0.5, min_layers=4, mode="skip", kv="propagate") as handle:
-        eager = generate(model, ids, mask, 12, **static())
+        eager = greedy(model, ids, mask, 12, **static())
         assert len(handle.last_stats.decode.executed) > 1  # the steps skipped at different depths
         skipped = [layer.forward for layer in model.model.layers[4:]]  # replaced after the first checkpoint
         assert len({forward.__code__ for forward in skipped}) == len(skipped)  # dynamo counts per code object
         torch._dynamo.reset()
         with recompile_log() as recompiles:
-            assert torch.equal(generate(model, ids, mask, 12, **static(compile_config=config)), eager)
+            assert torch.equal(greedy(model, ids, mask, 12, **static(compile_config=config)), eager)
     # the graph breaks compile the skipped layers' forwards as frames of their own: one code object per layer
     # (they shared one, whose recompiles reached dynamo's limit, and the skipped layers' K/V writes ran uncompiled)
     ours = Counter(m.split()[2] for m in recompiles if "tide_hf/runtime/skip/skipper.py" in m.splitlines()[0])
@@ -206,7 +205,7 @@ def test_fullgraph_is_refused_before_the_prefill_where_segments_cannot_run(famil
         counting = model.register_forward_pre_hook(lambda *_: forwards.append(1))
         with pytest.raises(TideUnsupportedError, match=r"fullgraph=True in mode='skip' on .*mix attention kinds.*"
                                                        r"CompileConfig\(fullgraph=False\).*mode='select'"):
-            generate(model, ids, mask, 4, **static(compile_config=compiled()))
+            greedy(model, ids, mask, 4, **static(compile_config=compiled()))
         counting.remove()
         assert not forwards  # refused when transformers asks for the compiled step, before the prefill
         config = compiled()

@@ -29,9 +29,7 @@ HOOK_ATTRS = ("_hf_hook", "_old_forward", "forward")
 HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _threads(one_intra_op_thread):
-    yield
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def device_map(offload: str, main: str | int = "cpu") -> dict[str, str | int]:

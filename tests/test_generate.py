@@ -10,16 +10,29 @@ from __future__ import annotations
 import copy
 import threading
 from collections import Counter
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from helpers import NUM_LAYERS, constant_router, hooks, make_model, mixed_router, new_router, reference
+from helpers import NUM_LAYERS, constant_router, hooks, left_padded, make_model, mixed_router, new_router, reference
 from helpers import left_padded as batch
-from transformers import LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList, pipeline
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    GenerationConfig,
+    LlamaForCausalLM,
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    pipeline,
+)
 from transformers.generation.streamers import BaseStreamer
 
 import tide_hf
-from tide_hf.errors import TideCompatibilityError
+from tide_hf import TideRouter
+from tide_hf.errors import TideArgumentError, TideArgumentTypeError, TideCompatibilityError
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 NEW = 8  # new tokens per generate call
@@ -482,21 +495,7 @@ def served(stats: dict) -> dict:
     return {**stats, "speculative": spec and {k: spec[k] for k in ("draft_layer", "fallback")}}
 
 
-# -- SmolLM2 (real weights, real tokenizer) -----------------------------------------------------------
-@pytest.fixture(scope="module")
-def smollm2():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tide_hf.assets import smollm2_path
-
-    try:
-        path = smollm2_path()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
-    return model, AutoTokenizer.from_pretrained(path)
-
-
+# -- SmolLM2 (real weights, real tokenizer: conftest's shared `smollm2`) ---------------------------------------
 @pytest.mark.slow
 @torch.no_grad()
 def test_smollm2_identity_and_exit_semantics(smollm2):
@@ -536,3 +535,73 @@ def test_attaching_to_a_pipeline_points_to_its_model(word_tokenizer):
         tide_hf.attach(pipe, new_router(model), mode="select")
     with tide_hf.attach(pipe.model, new_router(model), mode="select"):
         assert tide_hf.get_handle(model) is not None
+
+
+# -- refusals and odd but valid input ---------------------------------------------------------------------------
+def test_eos_as_a_0d_tensor_is_served_like_stock() -> None:
+    model = make_model()
+    ids, mask = left_padded()
+    stock = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, eos_token_id=torch.tensor(2))
+    with tide_hf.attach(model, constant_router(model, -30.0), mode="select"):
+        ours = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                              eos_token_id=torch.tensor(2))
+    assert torch.equal(stock, ours)
+
+
+
+@pytest.mark.parametrize("cache", ["static", "sliding_window"])
+def test_sliding_window_models_get_a_mask_per_layer_type_and_are_served_like_stock(cache: str) -> None:
+    """Gemma2 (and Qwen2 with a window) receive `attention_mask` as a dict of masks per layer type under these
+    caches: the hooks called `.dim()` on it and every attached call crashed."""
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(Gemma2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=9,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                           sliding_window=4, pad_token_id=0)).eval()
+    ids = torch.randint(3, 256, (2, 6), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(max_new_tokens=5, do_sample=False, cache_implementation=cache)
+    stock = model.generate(input_ids=ids, **kwargs)
+    assert torch.equal(model.generate(input_ids=ids, **kwargs, tide=constant_router(model, -30.0)), stock)
+    with tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, min_layers=4, mode="select") as handle:
+        model.generate(input_ids=ids, **kwargs)
+        assert dict(handle.last_stats.prefill.exits) == {4: ids.numel()}  # every position, no padding
+
+
+
+def test_positional_generate_arguments_are_read_like_keywords() -> None:
+    """`generate(ids, generation_config, logits_processor)` crashed (logits_processor given twice), and a
+    positional config with beams slipped past recompute's refusal."""
+    model = make_model()
+    ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(0))
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    processors = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.5)])
+    stock = model.generate(ids, config, processors)
+    assert torch.equal(model.generate(ids, config, processors, tide=constant_router(model, -30.0)), stock)
+    beams = GenerationConfig(max_new_tokens=3, num_beams=2, do_sample=False, pad_token_id=0)
+    with tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, mode="skip", kv="recompute"):
+        with pytest.raises(TideArgumentError, match="cannot serve num_beams=2"):
+            model.generate(ids, beams)
+
+
+
+def test_tide_naming_the_attached_routers_folder_uses_the_attached_router(tmp_path: Path) -> None:
+    """A folder loads as a new object: it was refused as "a different router" although it is the same one."""
+    model = make_model()
+    ids, mask = left_padded()
+    new_router(model, seed=1).save_pretrained(tmp_path / "same")
+    new_router(model, seed=2).save_pretrained(tmp_path / "other")
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with tide_hf.attach(model, TideRouter.from_pretrained(tmp_path / "same"), exit_threshold=0.5,
+                        mode="select") as handle:
+        attached = model.generate(**kwargs)
+        assert torch.equal(model.generate(**kwargs, tide=str(tmp_path / "same")), attached)
+        assert handle.last_stats.decode.tokens > 0
+        with pytest.raises(TideArgumentError, match="a different TIDE router is already attached"):
+            model.generate(**kwargs, tide=str(tmp_path / "other"))
+
+
+
+def test_a_numpy_bool_for_tide_is_named_with_its_value() -> None:
+    """`tide=np.bool_(True)` was refused as 'takes True/False ...; got bool', contradicting itself."""
+    model = make_model()
+    with pytest.raises(TideArgumentTypeError, match=r"got np\.True_ \(bool\)"):
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, tide=np.bool_(True))

@@ -13,7 +13,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 import tide_hf
 from tide_hf import TideError, TideRouterConfig
 from tide_hf.cli import main as cli_main
-from tide_hf.errors import TideArgumentError, TideArgumentTypeError
+from tide_hf.errors import TideArgumentError, TideArgumentTypeError, TideCompatibilityError
 from tide_hf.runtime import TideHandle
 
 FAST = {"num_epochs": 2, "early_stopping_patience": 0}
@@ -330,10 +330,8 @@ def test_fingerprint_is_dtype_independent_tiny() -> None:
 
 
 @pytest.mark.slow
-def test_fingerprint_is_dtype_independent_smollm2() -> None:
-    from tide_hf.assets import load_model, smollm2_path
-
-    model, _ = load_model(str(smollm2_path()), "float32")
+def test_fingerprint_is_dtype_independent_smollm2(smollm2) -> None:
+    model = smollm2[0]  # fp32
     fp = tide_hf.modeling.model_fingerprint(model)
     copies = _dtype_copies(model)
     assert [tide_hf.modeling.model_fingerprint(m) for m in copies] == [fp, fp]
@@ -342,3 +340,29 @@ def test_fingerprint_is_dtype_independent_smollm2() -> None:
         router.check_compatible(served)
     del copies
     assert tide_hf.modeling.model_fingerprint(_fine_tuned(model, 1e-3)) != fp
+
+
+# -- refusals and odd but valid input ---------------------------------------------------------------------------
+def test_the_fingerprint_covers_every_layer_and_older_routers_still_pair() -> None:
+    """A model whose middle layers alone differ (a fine-tune of some layers) had the same fingerprint: attach
+    accepted it and reported a quality target certified on other weights. Routers calibrated before keep their
+    fingerprint of the embeddings, first and last layer, checked that way."""
+    import copy
+
+    model, other = make_model(seed=0), make_model(seed=1)
+    changed = copy.deepcopy(model)
+    changed.model.layers[4].load_state_dict(other.model.layers[4].state_dict())
+    fingerprint = tide_hf.modeling.model_fingerprint
+    assert fingerprint(changed) != fingerprint(model)
+    assert fingerprint(changed, version=1) == fingerprint(model, version=1)  # what the first version missed
+    with pytest.raises(TideCompatibilityError, match="weights fingerprint"):
+        tide_hf.attach(changed, new_router(model), mode="select")
+    older = new_router(model)
+    older.config.base_fingerprint = fingerprint(model, version=1)
+    tide_hf.attach(model, older, mode="select").detach()
+    with pytest.raises(TideCompatibilityError, match="weights fingerprint"):
+        tide_hf.attach(other, older, mode="select")
+    newer = new_router(model)
+    newer.config.base_fingerprint = "v3:" + fingerprint(model).split(":")[1]  # made by a later tide_hf
+    with pytest.raises(TideCompatibilityError, match="cannot check: a newer tide_hf made it; upgrade tide_hf"):
+        tide_hf.attach(model, newer, mode="select")

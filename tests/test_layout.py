@@ -176,3 +176,18 @@ def test_no_file_holds_a_merge_conflict_marker() -> None:
              and (PACKAGE.parent / name).is_file()
              and any(line.startswith(markers) for line in (PACKAGE.parent / name).read_text().splitlines())]
     assert not found, found
+
+
+def test_no_test_module_imports_another() -> None:
+    """Shared test code lives in tests/helpers.py and the fixtures in tests/conftest.py: a test module imported by
+    another ties the two files' edits together and brings its module-level fixtures and settings along."""
+    tests = PACKAGE.parent / "tests"
+    test_modules = {path.stem for path in tests.glob("test_*.py")}
+    offenders = []
+    for path in sorted(tests.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):  # imports inside functions too
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.name}: {n}" for n in names
+                          if n.split(".")[0] in test_modules or n.split(".")[0] == "tests"]
+    assert test_modules and not offenders, offenders

@@ -326,15 +326,7 @@ def test_cpu_offload_leaves_every_layer() -> None:
     assert_restored(model, before)
 
 
-# -- SmolLM2 (real weights) --------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def smollm2():
-    from tide_hf.assets import load_model
-
-    model, tok = load_model("smollm2")
-    return model.eval(), tok
-
-
+# -- SmolLM2 (real weights: conftest's shared `smollm2`) ----------------------------------------------------------
 @pytest.mark.slow
 def test_smollm2_generates_eagers_tokens(smollm2) -> None:
     model, tok = smollm2

@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from helpers import constant_router, hooks, left_padded, make_model
-from transformers import GenerationMixin, GPT2Config
+from helpers import constant_router, hooks, left_padded, make_model, mixed_router
+from transformers import GenerationConfig, GenerationMixin, GPT2Config
 
 import tide_hf
 from tide_hf.integrations import disable_generate_keyword, enable_generate_keyword
@@ -241,10 +243,7 @@ def test_attach_alone_wires_the_models_generate() -> None:
     """Without the generate keyword enabled, an attached model's own generate runs TIDE: the same tokens and decode
     statistics as with the keyword (this process has it enabled), in every mode; detach takes the wiring back.
     A fresh process: this one enabled the keyword long ago."""
-    import json
-    from pathlib import Path
 
-    from helpers import mixed_router
 
     script = WIRED_CHECK.format(tests=str(Path(__file__).parent))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
@@ -260,3 +259,51 @@ def test_attach_alone_wires_the_models_generate() -> None:
         assert got["runs"][mode] == [out.tolist(), decode], mode
         assert decode["tokens"] > 0
     assert got["left"] is False and "generate" not in vars(model)
+
+
+# -- refusals and odd but valid input ---------------------------------------------------------------------------
+def test_patch_layers_are_removed_by_identity_not_equality() -> None:
+    from tide_hf.runtime import Patches
+
+    class Box:
+        pass
+
+    box = Box()
+    first, second = Patches(), Patches()
+    mine, theirs = torch.zeros(2), torch.zeros(2)
+    first.set_attr(box, "value", mine)  # tensors' == is elementwise: removal must not compare them
+    second.set_attr(box, "value", theirs)
+    first.restore()
+    assert box.value is theirs
+    second.restore()
+    assert "value" not in vars(box)
+    first.set_attr(box, "flag", 1)
+    second.set_attr(box, "flag", True)  # equal to 1, but the other owner's
+    first.restore()
+    assert box.flag is True
+    second.restore()
+    assert "flag" not in vars(box)
+
+
+
+def test_positional_arguments_pass_through_another_librarys_generate_wrapper() -> None:
+    """Under a `(self, *args, **kwargs)` wrapper of generate (another library's patch without functools.wraps)
+    the positional arguments were bound to its `*args` and sent on as a keyword `args=`."""
+    from transformers import GenerationMixin
+
+    model = make_model()
+    ids, mask = left_padded()
+    config = GenerationConfig(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    stock = model.generate(ids, config, attention_mask=mask)
+    tide_hf.integrations.disable_generate_keyword()
+    plain = GenerationMixin.generate
+    GenerationMixin.generate = lambda self, *args, **kwargs: plain(self, *args, **kwargs)
+    tide_hf.integrations.enable_generate_keyword()
+    try:
+        with tide_hf.attach(model, constant_router(model, -30.0), exit_threshold=0.5, mode="select") as handle:
+            assert torch.equal(model.generate(ids, config, attention_mask=mask), stock)
+            assert handle.last_stats.prefill.tokens == int(mask.sum())
+    finally:
+        tide_hf.integrations.disable_generate_keyword()
+        GenerationMixin.generate = plain
+        tide_hf.integrations.enable_generate_keyword()

@@ -4,22 +4,33 @@ whose key misspells a field (through transformers' own config loaders too), pick
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import signal
+import stat
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from helpers import make_model, new_router
+from helpers import CLOSED_PATH, make_model, new_router, router_config
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
+import tide_hf
 import tide_hf.modeling.files as files
 from tide_hf import TideRouter, TideRouterConfig
-from tide_hf.errors import TideArgumentError, TideMissingRouterError, TideRouterFileError
+from tide_hf.errors import (
+    TideArgumentError,
+    TideArgumentTypeError,
+    TideCompatibilityError,
+    TideError,
+    TideMissingRouterError,
+    TideRouterFileError,
+)
 
 
 @pytest.mark.parametrize("key,value", [("exit_heads.4.down.weight", float("nan")),
@@ -324,7 +335,6 @@ def test_a_save_refuses_what_it_could_not_load_back(tmp_path: Path) -> None:
 def test_attach_names_a_config_edited_after_loading(tmp_path: Path) -> None:
     """checkpoint_layers edited after loading was a raw KeyError mid-attach, exit_paths set to nonsense a raw
     TypeError; a module without a config (no transformers model) an AttributeError in check_compatible."""
-    import tide_hf
     from tide_hf.errors import TideArgumentError, TideArgumentTypeError, TideCompatibilityError
 
     model = make_model()
@@ -422,3 +432,169 @@ def test_auto_classes_load_a_router_folder_after_import_tide_hf(tmp_path: Path) 
     loaded = load_file(tmp_path / "w.st")
     assert loaded.keys() == router.state_dict().keys()
     assert all(torch.equal(loaded[k], v) for k, v in router.state_dict().items())
+
+
+# -- refusals and odd but valid input ---------------------------------------------------------------------------
+@pytest.mark.parametrize("paths,message", [
+    ("abc", "exit_paths must be a dict"),
+    ({"speed": CLOSED_PATH}, "kinds must be among"),
+    ({"agreement": {**CLOSED_PATH, "thresholds": [[1.0], [0.5]]}}, "one value per checkpoint"),
+    ({"agreement": {**CLOSED_PATH, "thresholds": [[0.9, 1.0], [0.5, 1.0]]}}, "first threshold vector must close"),
+    ({"agreement": {**CLOSED_PATH, "errors": [0]}}, r"\['errors'\] must be a list with one entry"),
+    ({"agreement": {**CLOSED_PATH, "errors": [0, 200]}}, "200 errors out of n=100"),
+    ({"agreement": {**CLOSED_PATH, "n": -5}}, r"\['n'\] must be >= 0"),
+    ({"agreement": {k: v for k, v in CLOSED_PATH.items() if k != "nll_sum"}}, r"lacks \['nll_sum'\]"),
+    ({"agreement": {**CLOSED_PATH, "thresholds": [[1.0, 1.0], [1.5, 1.0]]}}, "threshold must be a finite number"),
+])
+def test_a_hand_edited_exit_path_is_refused_at_load(tmp_path: Path, paths, message) -> None:
+    model = make_model()
+    router = new_router(model, exit_paths={"agreement": CLOSED_PATH})
+    router.save_pretrained(tmp_path / "r")
+    saved = json.loads((tmp_path / "r" / "config.json").read_text())
+    saved["calibration"]["results"]["exit_paths"] = paths  # where config.json keeps the results
+    (tmp_path / "r" / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(TideError, match=message):
+        TideRouter.from_pretrained(tmp_path / "r")
+
+
+
+def test_numpy_numbers_and_paths_are_stored_as_plain_values(tmp_path: Path) -> None:
+    """What a script computes (numpy ints and floats, a pathlib dataset) saves as JSON and reloads equal."""
+    cfg = router_config(seq_len=np.int64(32), learning_rate=np.float32(0.5), seed=np.int64(3),
+                 dataset=tmp_path / "texts", checkpoint_layers=[np.int64(4), np.int64(8)])
+    assert type(cfg.seq_len) is int and type(cfg.learning_rate) is float and type(cfg.seed) is int
+    assert cfg.dataset == str(tmp_path / "texts") and all(type(k) is int for k in cfg.checkpoint_layers)
+    TideRouter(cfg).save_pretrained(tmp_path / "r")
+    loaded = TideRouter.from_pretrained(tmp_path / "r").config
+    assert (loaded.seq_len, loaded.learning_rate, loaded.seed) == (32, 0.5, 3)
+    with pytest.raises(TideArgumentError, match="seed must be in"):
+        router_config(seed=2**70)
+    with pytest.raises(TideArgumentTypeError, match="dataset must be a string"):
+        router_config(dataset=3)
+
+
+
+def test_load_time_keywords_are_checked_like_the_file(tmp_path: Path) -> None:
+    new_router(make_model()).save_pretrained(tmp_path / "r")
+    for bad, message in ((dict(exit_threshold=math.nan), "exit_threshold"), (dict(min_layers=100), "min_layers"),
+                         (dict(label="bogus"), "label")):
+        with pytest.raises(TideArgumentError, match=message):
+            TideRouter.from_pretrained(tmp_path / "r", **bad)
+    loaded = TideRouter.from_pretrained(tmp_path / "r", exit_threshold=np.float32(0.5), seed=np.int64(3),
+                                        dataset=tmp_path / "texts")  # crashed inside transformers' config repr
+    cfg = loaded.config
+    assert (cfg.exit_threshold, cfg.seed, cfg.dataset) == (0.5, 3, str(tmp_path / "texts"))
+    assert type(loaded.config.exit_threshold) is float and type(loaded.config.seed) is int
+
+
+
+def test_unreadable_weights_and_negative_draft_ids_are_router_file_errors(tmp_path: Path) -> None:
+    model = make_model()
+    router = new_router(model)
+    router.set_draft_vocab(torch.arange(256), {"256": 1.0})
+    router.save_pretrained(tmp_path / "r")
+    weights = tmp_path / "r" / "model.safetensors"
+    data = weights.read_bytes()
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(weights)
+    tensors["draft_vocab"][3] = -7
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(TideRouterFileError, match="negative token ids"):
+        TideRouter.from_pretrained(tmp_path / "r")
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(TideRouterFileError, match="weights file cannot be read"):
+        TideRouter.from_pretrained(tmp_path / "r")
+
+
+
+def test_saving_through_a_link_replaces_the_linked_router_with_the_umask_permissions(tmp_path: Path) -> None:
+    model = make_model()
+    new_router(model, seed=0).save_pretrained(tmp_path / "real")
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    newer = new_router(model, seed=1)
+    old_umask = os.umask(0o022)
+    try:
+        newer.save_pretrained(tmp_path / "link", overwrite=True)
+    finally:
+        os.umask(old_umask)
+    assert (tmp_path / "link").is_symlink()
+    loaded = TideRouter.from_pretrained(tmp_path / "real")
+    torch.testing.assert_close(loaded.routers["4"].fc1.weight, newer.routers["4"].fc1.weight)
+    assert stat.S_IMODE((tmp_path / "real").stat().st_mode) == 0o755
+
+
+
+def test_model_card_shows_the_default_target_and_keeps_local_paths_out_of_metadata(tmp_path: Path) -> None:
+    model = make_model()
+    router = new_router(model, exit_paths={"agreement": CLOSED_PATH}, base_model_name_or_path=str(tmp_path),
+                        dataset=str(tmp_path / "texts"))
+    card = router.model_card()
+    assert card.data.base_model is None and not card.data.datasets
+    assert "tide_hf.attach(model, router)  # top-1 agreement >= 0.95" in card.text
+    assert "exit_threshold" not in card.text.split("```")[1]
+    hub = new_router(model, base_model_name_or_path="org/base", dataset="org/texts").model_card()
+    assert hub.data.base_model == "org/base" and hub.data.datasets == ["org/texts"]
+    assert "attach(model, router, exit_threshold=0.85)" in hub.text  # no exit paths: the global threshold
+
+
+
+def test_held_out_fractions_that_leave_no_training_samples_are_refused_naming_both() -> None:
+    with pytest.raises(TideArgumentError, match=r"validation_fraction \(0.95\) \+ threshold_fraction \(0.1\)"):
+        router_config(validation_fraction=0.95)
+
+
+
+def test_missing_or_wrong_folders_are_named(tmp_path: Path) -> None:
+    from tide_hf.assets import load_model
+
+    with pytest.raises(FileNotFoundError, match="model folder not found"):
+        load_model(str(tmp_path / "nowhere"))
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("x")
+    with pytest.raises(TideCompatibilityError, match="cannot be loaded as a causal LM"):
+        load_model(str(tmp_path / "notes"))
+    with pytest.raises(TideRouterFileError, match="no TIDE router folder at"):
+        TideRouter.from_pretrained(tmp_path / "no-router")
+
+
+
+def test_the_working_directory_is_never_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    router = new_router(make_model())
+    for target in (".", "..", str(work)):
+        with pytest.raises(TideRouterFileError, match="working directory"):
+            router.save_pretrained(target)
+    router.save_pretrained("inside")  # a folder in it is fine
+    assert (work / "inside" / "config.json").is_file() and Path.cwd() == work
+
+
+
+def test_numbers_nested_in_tables_are_stored_as_plain_values(tmp_path: Path) -> None:
+    path = {**CLOSED_PATH, "thresholds": [[1.0, 1.0], [np.float32(0.5), 1.0]], "errors": [0, np.int64(2)],
+            "n": np.int64(100)}
+    cfg = router_config(exit_paths={"agreement": path}, metrics={"4": {"auc": np.float64(0.8)}},
+                 seed=2**64 - 1)
+    json.loads(cfg.to_json_string())  # would raise on a numpy number
+    assert type(cfg.exit_paths["agreement"]["n"]) is int and type(cfg.metrics["4"]["auc"]) is float
+
+
+
+def test_misspelled_fields_are_refused_not_left_at_their_defaults(tmp_path: Path) -> None:
+    """transformers keeps unknown config keys: a hand-edited `exit_treshold` loaded with the default threshold
+    and no word. A key close to a field is now refused, naming the field; other unknown keys stay allowed."""
+    new_router(make_model()).save_pretrained(tmp_path / "r")
+    path = tmp_path / "r" / "config.json"
+    good = json.loads(path.read_text())
+    path.write_text(json.dumps({**good, "exit_treshold": 0.5}))
+    with pytest.raises(TideRouterFileError, match="'exit_treshold' is not a TIDE router field; did you mean "
+                                                  "'exit_threshold'"):
+        TideRouter.from_pretrained(tmp_path / "r")
+    path.write_text(json.dumps({**good, "my_notes": "calibrated on Tuesday"}))
+    assert TideRouter.from_pretrained(tmp_path / "r").config.my_notes == "calibrated on Tuesday"
+    with pytest.raises(TideRouterFileError, match="from_pretrained: 'min_layer' is not a TIDE router field"):
+        TideRouter.from_pretrained(tmp_path / "r", min_layer=8)
+    with pytest.raises(TideRouterFileError, match="TideRouterConfig: 'exit_treshold' is not a TIDE router field"):
+        TideRouter(router_config(exit_treshold=0.5))  # was built and saved, then refused at load

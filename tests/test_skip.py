@@ -7,6 +7,16 @@ import copy
 import pytest
 import torch
 from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+from helpers import (
+    NUM_LAYERS,
+    constant_router,
+    left_padded,
+    make_model,
+    mixed_router,
+    router_for,
+    skip_model,
+    skip_prompts,
+)
 from transformers import (
     AutoModelForCausalLM,
     DynamicCache,
@@ -14,6 +24,7 @@ from transformers import (
     GPT2Config,
     LlamaConfig,
     MistralConfig,
+    MistralForCausalLM,
     NemotronConfig,
     PhiConfig,
     Qwen2Config,
@@ -24,31 +35,8 @@ from transformers import (
 
 import tide_hf
 from tide_hf.compat import CACHE_KWARG
+from tide_hf.errors import TideArgumentError, TideUnsupportedError
 from tide_hf.runtime.skip.kv import FusedPropagation, propagate_kv
-
-NUM_LAYERS = 9  # router checkpoints [4, 8]
-
-
-def make(config_cls=LlamaConfig, seed: int = 0, **extra):
-    torch.manual_seed(seed)
-    config = config_cls(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=NUM_LAYERS,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                        pad_token_id=0, eos_token_id=2, **extra)
-    return AutoModelForCausalLM.from_config(config).eval()
-
-
-def router_for(model, logit: float) -> tide_hf.TideRouter:
-    """A router whose score is sigmoid(logit) everywhere: +30 always exits, -30 never."""
-    cfg = model.config
-    router = tide_hf.TideRouter(tide_hf.TideRouterConfig(
-        hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers, router_bottleneck_dim=8,
-        base_architecture=type(model).__name__, base_fingerprint=tide_hf.modeling.model_fingerprint(model),
-        exit_head="lens"))
-    with torch.no_grad():
-        for mlp in router.routers.values():
-            mlp.fc2.weight.zero_()
-            mlp.fc2.bias.fill_(logit)
-    return router
 
 
 def truncated(model, layers: int):
@@ -60,14 +48,6 @@ def truncated(model, layers: int):
     return small
 
 
-def prompts():
-    ids = torch.randint(3, 128, (3, 6), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones_like(ids)
-    mask[1, :2] = 0  # left padding
-    mask[2, :4] = 0
-    return ids, mask
-
-
 def count_mlp_calls(model) -> list[int]:
     calls = [0] * NUM_LAYERS
     for i, layer in enumerate(model.model.layers):
@@ -77,8 +57,8 @@ def count_mlp_calls(model) -> list[int]:
 
 @pytest.mark.parametrize("exit_at", [4, 8])
 def test_all_rows_exit_equals_truncated_model_and_layers_are_not_run(exit_at):
-    model = make()
-    ids, mask = prompts()
+    model = skip_model()
+    ids, mask = skip_prompts()
     expected = truncated(model, exit_at).generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     handle = tide_hf.attach(model, router_for(model, 30.0), exit_threshold=0.5, min_layers=exit_at, mode="skip",
                             kv="propagate")
@@ -93,8 +73,8 @@ def test_all_rows_exit_equals_truncated_model_and_layers_are_not_run(exit_at):
 
 
 def test_mixed_rows_run_every_layer_like_select_mode():
-    model = make()
-    ids, mask = prompts()
+    model = skip_model()
+    ids, mask = skip_prompts()
     router = router_for(model, 0.0)
     with torch.no_grad():  # score depends on the state: rows differ, so not every row exits
         for mlp in router.routers.values():
@@ -111,8 +91,8 @@ def test_mixed_rows_run_every_layer_like_select_mode():
 
 
 def test_threshold_one_in_skip_mode_is_stock():
-    model = make()
-    ids, mask = prompts()
+    model = skip_model()
+    ids, mask = skip_prompts()
     stock = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
     handle = tide_hf.attach(model, router_for(model, 30.0), exit_threshold=1.0, mode="skip", kv="propagate")
     assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False), stock)
@@ -122,8 +102,8 @@ def test_threshold_one_in_skip_mode_is_stock():
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_every_layer_cache_has_the_same_length_after_every_step(cache):
-    model = make()
-    ids, mask = prompts()
+    model = skip_model()
+    ids, mask = skip_prompts()
     tide_hf.attach(model, router_for(model, 30.0), exit_threshold=0.5, min_layers=4, mode="skip", kv="propagate")
     past = (DynamicCache(config=model.config) if cache == "dynamic"
             else StaticCache(config=model.config, max_cache_len=32))
@@ -150,7 +130,7 @@ NO_ROPE_AT_6 = [1] * 6 + [0] + [1] * (NUM_LAYERS - 7)  # SmolLM3: the layer unde
 def test_propagated_kv_equals_what_the_layer_itself_writes(config_cls, extra):
     """kv='propagate' must write exactly the K/V the layer's own attention computes for the exit state (Phi:
     partial rotary and a key LayerNorm; SmolLM3: a layer without rotary; both were written wrong)."""
-    model = make(config_cls, **extra)
+    model = skip_model(config_cls, **extra)
     layer = model.model.layers[6]
     hidden = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(5))
     position_ids = torch.arange(3).expand(2, 3)
@@ -168,7 +148,7 @@ def test_propagated_kv_equals_what_the_layer_itself_writes(config_cls, extra):
 def test_fused_propagation_writes_what_propagate_writes_layer_by_layer(config_cls, extra):
     """Folding the input norms into one stacked K/V projection (Qwen2: K/V biases; Gemma: (1 + w) norms)
     changes only rounding: every skipped layer's cache gets the same K/V as `propagate_kv` writes."""
-    model = make(config_cls, **extra)
+    model = skip_model(config_cls, **extra)
     with torch.no_grad():  # norm weights differ per layer, so a wrong fold cannot pass
         for layer in model.model.layers:
             layer.input_layernorm.weight.normal_(0.5, 0.3)
@@ -191,11 +171,11 @@ def test_fused_propagation_writes_what_propagate_writes_layer_by_layer(config_cl
 
 
 def test_fused_propagation_declines_layers_it_cannot_fold():
-    qwen3 = make(Qwen3Config, head_dim=16)  # per-head K norm after the projection
+    qwen3 = skip_model(Qwen3Config, head_dim=16)  # per-head K norm after the projection
     assert FusedPropagation.build(list(qwen3.model.layers)[4:], 5) is None
-    smollm3 = make(SmolLM3Config, no_rope_layers=NO_ROPE_AT_6)  # one layer without rotary among rotary ones
+    smollm3 = skip_model(SmolLM3Config, no_rope_layers=NO_ROPE_AT_6)  # one layer without rotary among rotary ones
     assert FusedPropagation.build(list(smollm3.model.layers)[4:], 5) is None
-    llama = make()
+    llama = skip_model()
     layers = list(llama.model.layers)[4:]
     layers[2].input_layernorm.variance_epsilon = 1e-3  # a different eps than the others
     assert FusedPropagation.build(layers, 5) is None
@@ -205,7 +185,7 @@ def test_propagated_kv_of_a_layernorm_subclass_is_what_the_layers_write():
     """Nemotron's input norms are nn.LayerNorm subclasses scaling by (1 + w): folded as plain LayerNorms they
     wrote wrong deep K/V. Reference: the model's own layers run on the layer-4 state (pre-hooks feed it to every
     deeper layer) write their K/V into a stock cache."""
-    model = make(NemotronConfig)
+    model = skip_model(NemotronConfig)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.input_layernorm.weight.normal_(0.5, 0.3)
@@ -235,8 +215,8 @@ def test_propagated_kv_of_a_layernorm_subclass_is_what_the_layers_write():
 
 
 def test_detach_restores_forward_and_keeps_accelerate_hooks():
-    model = make()
-    ids, mask = prompts()
+    model = skip_model()
+    ids, mask = skip_prompts()
     stock = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
     layer = model.model.layers[6]
     add_hook_to_module(layer, ModelHook())  # what accelerate's dispatch does: forward wraps _old_forward
@@ -269,7 +249,7 @@ def test_recompute_a_plain_forward_returns_the_exact_deep_cache(rows):
     """kv='recompute': a skipped token's deep K/V are computed from its exit state, which is its true layer-k
     output. A plain forward (outside generate) writes them before it returns, so its cache equals the stock model's
     in every layer at once, and the next call, with TIDE or without, reads a complete cache."""
-    model = make()
+    model = skip_model()
     prompt = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(1))[:rows]
     t1, t2 = torch.tensor([[7], [9]])[:rows], torch.tensor([[11], [13]])[:rows]
     stock_cache = DynamicCache(config=model.config)
@@ -308,7 +288,7 @@ def test_recompute_a_plain_prefill_whose_tokens_all_exit_returns_a_complete_cach
     own `test_past_key_values_format` read None keys in the deep layers)."""
     if given == "cache" and CACHE_KWARG != "cache":
         pytest.skip("transformers < 5.24 names the cache keyword past_key_values only")
-    model = make()
+    model = skip_model()
     ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         stock = model(input_ids=ids, use_cache=True)
@@ -328,8 +308,8 @@ def test_recompute_a_plain_prefill_whose_tokens_all_exit_returns_a_complete_cach
 def test_recompute_generate_matches_select_outputs_and_keeps_lengths_consistent():
     """In generate, recompute skips whole steps yet every step's tokens equal an exact recomputation:
     with an always-exit router, outputs equal the truncated model (the deep cache never changes outputs)."""
-    model = make()
-    ids, mask = prompts()
+    model = skip_model()
+    ids, mask = skip_prompts()
     expected = truncated(model, 4).generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
     handle = tide_hf.attach(model, router_for(model, 30.0), exit_threshold=0.5, min_layers=4, mode="skip",
                             kv="recompute")
@@ -418,3 +398,29 @@ def test_recompute_with_an_empty_dynamic_cache_of_the_users(name: str) -> None:
     assert torch.equal(given, own)
     assert len(cache.layers) == model.config.num_hidden_layers
 
+
+# -- refusals and odd but valid input ---------------------------------------------------------------------------
+def test_recompute_refuses_decoding_that_edits_the_cache() -> None:
+    model = make_model()
+    ids, mask = left_padded()
+    router = mixed_router(model, ids, mask)
+    with tide_hf.attach(model, router, exit_threshold=0.5, mode="skip", kv="recompute"):
+        with pytest.raises(TideArgumentError, match="kv='recompute' cannot serve num_beams=2"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=3, num_beams=2, do_sample=False)
+        with pytest.raises(TideArgumentError, match="prompt_lookup_num_tokens"):
+            model.generate(ids[:1], max_new_tokens=3, prompt_lookup_num_tokens=2, do_sample=False)
+    with tide_hf.attach(model, router, exit_threshold=0.5, mode="skip", kv="propagate"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, num_beams=2, do_sample=False)
+
+
+
+def test_recompute_refuses_a_window_kept_in_the_config() -> None:
+    """Mistral keeps its sliding window in the config, not on the attention module."""
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=9, num_attention_heads=4, num_key_value_heads=2,
+                                             sliding_window=4, pad_token_id=0, eos_token_id=2)).eval()
+    assert not getattr(model.model.layers[0].self_attn, "sliding_window", None)
+    with pytest.raises(TideUnsupportedError, match="sliding-window attention") as info:
+        tide_hf.attach(model, constant_router(model, 30.0), exit_threshold=0.5, mode="skip", kv="recompute")
+    assert isinstance(info.value, NotImplementedError)  # what it raised before it was a TideError

@@ -3,6 +3,7 @@ layers, attention weights it cannot return, interrupted calls, finished rows, a 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers
 from helpers import constant_router, hooks, left_padded, make_model, mixed_router, new_router
@@ -10,7 +11,7 @@ from helpers import constant_router, hooks, left_padded, make_model, mixed_route
 import tide_hf
 from tide_hf.errors import TideUnsupportedError
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 

@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from helpers import make_tiny_llama
+from helpers import NEW, NUM_LAYERS, counter, left_padded, snapshot, speculative, speculative_model, speculative_router
 from transformers import (
     DynamicCache,
     GPT2Config,
@@ -41,105 +41,22 @@ from tide_hf.integrations.draft import (
     interpolated_verify,
     linear_verify,
 )
-from tide_hf.integrations.sources import ContextLookup
 from tide_hf.integrations.speculative import draft_estimates
 
-NUM_LAYERS = 9  # router checkpoints [4, 8]
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 HIDDEN = 64
-NEW = 16
-HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread, and the CI runners are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def early_exit_only(monkeypatch):
-    """No lookup drafts (no n-gram of the context ever matches): tests of the early-exit source alone."""
-    monkeypatch.setattr(ContextLookup, "draft", lambda *_: (None, 0))
-
-
-# -- helpers ------------------------------------------------------------------------------------------
-def make_model(kind: str = "random", seed: int = 0):
-    """'random': drafts at layer 4 rarely agree with the full model. 'shallow': layers 5-9 barely write to
-    the residual stream (o_proj / down_proj scaled by 1e-3), so layer-4 drafts are almost always right."""
-    model = make_tiny_llama(num_layers=NUM_LAYERS, hidden=HIDDEN, seed=seed)
-    return make_near_identity(model, 4, scale=1e-3) if kind == "shallow" else model
-
-
-@torch.no_grad()
-def make_router(model, gate: str, seed: int = 0, prior: bool = True, exit_head: str = "lens") -> TideRouter:
-    """'always' (+30: converged everywhere), 'never' (-30), 'mixed' (saturated random scores around 0.5).
-
-    `prior`: calibration metrics with the top-1 agreement the gate's rate implies (the policy's prior
-    acceptance; without them it starts from `DEFAULT_ACCEPTANCE`).
-    """
-    torch.manual_seed(seed)
-    rate = {"always": 1.0, "never": 0.0, "mixed": 0.5}[gate]
-    router = TideRouter(TideRouterConfig(
-        hidden_size=model.config.hidden_size, num_hidden_layers=model.config.num_hidden_layers,
-        router_bottleneck_dim=16, base_architecture=type(model).__name__, label="top1", exit_head=exit_head,
-        base_fingerprint=tide_hf.modeling.model_fingerprint(model),
-        metrics={"4": {"predicted_rate": rate, "precision": 1.0, "label_rates": {"top1": rate}}} if prior else None))
-    for mlp in router.routers.values():
-        if gate == "mixed":
-            mlp.fc2.weight.mul_(40.0)
-            mlp.fc2.bias.zero_()
-        else:
-            mlp.fc2.weight.zero_()
-            mlp.fc2.bias.fill_(30.0 if gate == "always" else -30.0)
-    return router
-
-
-def prompts(seed: int, lengths=(7, 5, 3)) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded ids (pad 0; tokens from 3 up, so no BOS/EOS) and their attention mask."""
-    gen = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        ids[row, width - n:] = torch.randint(3, 256, (n,), generator=gen)
-        mask[row, width - n:] = 1
-    return ids, mask
-
-
-def snapshot(model) -> tuple:
-    hooks = {name: {attr: dict(getattr(mod, attr)) for attr in HOOK_DICTS} for name, mod in model.named_modules()}
-    return set(model.__dict__), hooks, model.config.to_dict(), model.generation_config.to_dict()
-
-
-def counter(module) -> list[int]:
-    calls = [0]
-    module.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    return calls
-
-
-@torch.no_grad()
-def speculative(model, router, *args, draft_layer: int = 4, threshold: float = 0.5, **kwargs):
-    handle = tide_hf.attach(model, router, mode="speculative", exit_threshold=threshold, draft_layer=draft_layer)
-    try:
-        out = model.generate(*args, **kwargs)
-        return out, handle.last_stats
-    finally:
-        handle.detach()
 
 
 # -- greedy identity ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["random", "shallow"])
 @pytest.mark.parametrize("gate", ["always", "never", "mixed"])
 def test_greedy_identical_to_stock(kind, gate):
-    model = make_model(kind)
-    router = make_router(model, gate)
+    model = speculative_model(kind)
+    router = speculative_router(model, gate)
     before = snapshot(model)
     drafted = 0
     for seed in range(3):
-        ids, mask = prompts(seed)
+        ids, mask = left_padded(seed)
         call = {"max_new_tokens": NEW, "do_sample": False}
         with torch.no_grad():
             stock_batch = model.generate(ids, attention_mask=mask, **call)
@@ -157,9 +74,9 @@ def test_greedy_identical_to_stock(kind, gate):
 
 
 def test_batch_rows_finishing_early_are_padded_like_stock():
-    model = make_model("shallow")
-    router = make_router(model, "always")
-    ids, mask = prompts(3)
+    model = speculative_model("shallow")
+    router = speculative_router(model, "always")
+    ids, mask = left_padded(3)
     with torch.no_grad():
         free = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
     eos = int(free[1, ids.shape[1] + 3])  # row 1 stops after 4 new tokens, the others later or never
@@ -173,9 +90,9 @@ def test_batch_rows_finishing_early_are_padded_like_stock():
 
 # -- speculation really happens, and pays in forwards -------------------------------------------------
 def test_drafts_are_accepted_and_save_full_forwards(early_exit_only):
-    model = make_model("shallow")
-    router = make_router(model, "always")
-    ids, mask = prompts(0)
+    model = speculative_model("shallow")
+    router = speculative_router(model, "always")
+    ids, mask = left_padded(0)
     prompt = ids[:1, -int(mask[0].sum()):]
     full, draft = counter(model.model.layers[-1]), counter(model.model.layers[3])
     computed = counter(model.model.layers[0].self_attn)  # layer 1's real work (reusing verifications skip it)
@@ -202,14 +119,14 @@ def test_drafts_are_accepted_and_save_full_forwards(early_exit_only):
 def test_drafts_come_from_the_exit_head_and_stay_lossless(early_exit_only):
     """A router with random exit heads drafts through them: on the shallow model, whose layer-4 lens already
     predicts the final tokens, its drafts are rejected far more often, and the output is still stock's."""
-    model = make_model("shallow")
-    ids, mask = prompts(0)
+    model = speculative_model("shallow")
+    ids, mask = left_padded(0)
     prompt = ids[:1, -int(mask[0].sum()):]
     with torch.no_grad():
         stock = model.generate(prompt, max_new_tokens=32, do_sample=False)
     rates = {}
     for head in ("lens", "linear"):
-        out, stats = speculative(model, make_router(model, "always", exit_head=head), prompt, max_new_tokens=32,
+        out, stats = speculative(model, speculative_router(model, "always", exit_head=head), prompt, max_new_tokens=32,
                                  do_sample=False)
         assert torch.equal(out, stock)
         rates[head] = stats.speculative["accepted"] / max(stats.speculative["drafted"], 1)
@@ -217,9 +134,9 @@ def test_drafts_come_from_the_exit_head_and_stay_lossless(early_exit_only):
 
 
 def test_sampling_returns_valid_tokens():
-    model = make_model("shallow")
-    router = make_router(model, "always")
-    ids, mask = prompts(1)
+    model = speculative_model("shallow")
+    router = speculative_router(model, "always")
+    ids, mask = left_padded(1)
     torch.manual_seed(0)
     out, stats = speculative(model, router, ids, attention_mask=mask, max_new_tokens=NEW, do_sample=True,
                              top_k=20, temperature=0.8, eos_token_id=None)
@@ -231,9 +148,9 @@ def test_sampling_returns_valid_tokens():
 
 # -- the gate and the drafting policy -------------------------------------------------------------------
 def test_closed_gate_drafts_nothing(early_exit_only):
-    model = make_model("shallow")
-    router = make_router(model, "never")
-    ids, mask = prompts(0)
+    model = speculative_model("shallow")
+    router = speculative_router(model, "never")
+    ids, mask = left_padded(0)
     out, stats = speculative(model, router, ids[:1], max_new_tokens=32, do_sample=False)
     spec = stats.speculative
     # the previous token's score (free, from the full-depth forward) keeps every round from drafting
@@ -323,10 +240,10 @@ def frozen_costs(monkeypatch):
 
 
 def test_policy_drafts_the_optimal_length_when_drafts_are_right(frozen_costs, early_exit_only):
-    model = make_model("shallow")
-    router = make_router(model, "always")
+    model = speculative_model("shallow")
+    router = speculative_router(model, "always")
     est = frozen_costs(model, router, cost=0.3, slope=0.05)
-    prompt = prompts(0)[0][:1]
+    prompt = left_padded(0)[0][:1]
     full = counter(model.model.layers[-1])
     with torch.no_grad():
         stock = model.generate(prompt, max_new_tokens=64, do_sample=False, eos_token_id=None)
@@ -343,10 +260,10 @@ def test_policy_drafts_the_optimal_length_when_drafts_are_right(frozen_costs, ea
 
 
 def test_policy_falls_back_while_drafts_lose_and_probes(frozen_costs, early_exit_only):
-    model = make_model("random")
-    router = make_router(model, "always")
+    model = speculative_model("random")
+    router = speculative_router(model, "always")
     est = frozen_costs(model, router, cost=0.5, slope=0.1)
-    ids, _ = prompts(2)
+    ids, _ = left_padded(2)
     new = 96
     out, stats = speculative(model, router, ids[:1], max_new_tokens=new, do_sample=False, eos_token_id=None)
     spec = stats.speculative
@@ -365,8 +282,8 @@ def test_policy_falls_back_while_drafts_lose_and_probes(frozen_costs, early_exit
 def test_model_restored_after_errors(where, early_exit_only):
     """An error raised in a full-depth forward (a hook on the last layer) or inside a draft (a hook on the draft
     layer while `config.num_hidden_layers` is lowered) leaves the model exactly as before."""
-    model = make_model("shallow")
-    router = make_router(model, "always")
+    model = speculative_model("shallow")
+    router = speculative_router(model, "always")
     before = snapshot(model)
     handle = tide_hf.attach(model, router, mode="speculative", exit_threshold=0.5, draft_layer=4)
     layer = model.model.layers[-1 if where == "verification" else 3]
@@ -381,7 +298,7 @@ def test_model_restored_after_errors(where, early_exit_only):
     hook = layer.register_forward_hook(boom)
     try:
         with pytest.raises(RuntimeError, match="boom"):
-            model.generate(prompts(0)[0][:1], max_new_tokens=NEW, do_sample=False)
+            model.generate(left_padded(0)[0][:1], max_new_tokens=NEW, do_sample=False)
         assert "_get_candidate_generator" not in model.__dict__
         assert model.config.num_hidden_layers == NUM_LAYERS
     finally:
@@ -416,23 +333,23 @@ def test_model_without_layer_truncation_is_refused_and_restored():
 
 # -- options and fallbacks ----------------------------------------------------------------------------
 def test_draft_layer_must_be_a_router_checkpoint():
-    model = make_model()
+    model = speculative_model()
     with pytest.raises(ValueError, match="draft_layer=3 has no router"):
-        speculative(model, make_router(model, "always"), prompts(0)[0][:1], draft_layer=3, max_new_tokens=2)
+        speculative(model, speculative_router(model, "always"), left_padded(0)[0][:1], draft_layer=3, max_new_tokens=2)
 
 
 def test_a_draft_layer_below_min_layers_is_refused():
     """min_layers says no token leaves before it: a draft at an earlier checkpoint would be accepted and ignored."""
-    model = make_model()
-    router = make_router(model, "always")
+    model = speculative_model()
+    router = speculative_router(model, "always")
     with pytest.raises(tide_hf.errors.TideArgumentError, match="draft_layer=4 is below min_layers=8"):
         tide_hf.attach(model, router, mode="speculative", draft_layer=4, min_layers=8)
     assert tide_hf.get_handle(model) is None
 
 
 def test_default_draft_layer_from_metrics():
-    model = make_model()
-    router = make_router(model, "always", prior=False)
+    model = speculative_model()
+    router = speculative_router(model, "always", prior=False)
     adapter = tide_hf.modeling.get_adapter(model)
     assert choose_draft_layer(router, adapter, [4, 8]) == 4  # no metrics: nearest half depth
     cost4, cost8 = draft_cost(adapter, 4), draft_cost(adapter, 8)
@@ -478,9 +395,9 @@ def test_the_draft_layer_follows_what_drafting_measured_on_this_model() -> None:
 
 
 def test_beam_search_falls_back_to_stock():
-    model = make_model("shallow")
-    router = make_router(model, "always")
-    ids, mask = prompts(0)
+    model = speculative_model("shallow")
+    router = speculative_router(model, "always")
+    ids, mask = left_padded(0)
     call = {"max_new_tokens": 6, "do_sample": False, "num_beams": 2}
     with torch.no_grad():
         stock = model.generate(ids, attention_mask=mask, **call)
@@ -489,9 +406,9 @@ def test_beam_search_falls_back_to_stock():
 
 
 def test_return_dict_batch_one():
-    model = make_model("shallow")
-    router = make_router(model, "always")
-    ids = prompts(0)[0][:1]
+    model = speculative_model("shallow")
+    router = speculative_router(model, "always")
+    ids = left_padded(0)[0][:1]
     call = {"max_new_tokens": NEW, "do_sample": False, "return_dict_in_generate": True, "output_scores": True}
     with torch.no_grad():
         stock = model.generate(ids, **call)
@@ -503,19 +420,9 @@ def test_return_dict_batch_one():
 
 # -- SmolLM2 --------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_smollm2_greedy_identical_to_stock(monkeypatch):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tide_hf.assets import smollm2_path, sotu_path
-
-    try:
-        path = smollm2_path()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(path)
-    router = tide_hf.calibrate(model, tok, str(sotu_path()), num_samples=24, seq_len=64, num_epochs=3,
-                               label="top1", progress=False)
+def test_smollm2_greedy_identical_to_stock(monkeypatch, smollm2, smollm2_calibration):
+    model, tok = smollm2
+    router, _ = smollm2_calibration
     texts = ["The state of the union is", "Our nation will build", "In the year 1900 the Congress",
              "The most important thing about peace is"]
     before = snapshot(model)
@@ -543,9 +450,9 @@ def test_a_generation_config_object_is_merged_with_the_models_defaults_like_stoc
     id; so must the row-by-row re-assembly."""
     from transformers import GenerationConfig
 
-    model = make_model("shallow")
-    router = make_router(model, "always")
-    ids, mask = prompts(3)
+    model = speculative_model("shallow")
+    router = speculative_router(model, "always")
+    ids, mask = left_padded(3)
     with torch.no_grad():
         free = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
     eos = int(free[1, ids.shape[1] + 1])  # row 1 stops after 2 new tokens
@@ -558,9 +465,9 @@ def test_a_generation_config_object_is_merged_with_the_models_defaults_like_stoc
 
 
 def test_fallbacks_count_their_tokens_and_an_eos_tensor_pads_batches():
-    model = make_model("shallow")
-    router = make_router(model, "always")
-    ids, mask = prompts(0)
+    model = speculative_model("shallow")
+    router = speculative_router(model, "always")
+    ids, mask = left_padded(0)
     out, stats = speculative(model, router, ids, attention_mask=mask, max_new_tokens=6, do_sample=False, num_beams=2)
     # per beam, as select mode counts them: each beam fed the prompt, then 5 decode steps
     assert stats.speculative["fallback"] and stats.prefill.tokens == 2 * int(mask.sum())
@@ -576,9 +483,9 @@ def test_fallbacks_count_their_tokens_and_an_eos_tensor_pads_batches():
 def test_eos_ids_as_a_tensor_the_size_of_the_batch_end_every_row_like_stock():
     """Generation settings hold for every row, whatever their shape: three EOS ids in a tensor of a 3-row batch
     are not one EOS id per row (slicing them per row let row 0 run past its stock end)."""
-    model = make_model("shallow")
-    router = make_router(model, "always")
-    ids, mask = prompts(0)
+    model = speculative_model("shallow")
+    router = speculative_router(model, "always")
+    ids, mask = left_padded(0)
     with torch.no_grad():
         free = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
     row0 = free[0, ids.shape[1]:].tolist()
@@ -618,9 +525,9 @@ class PerRowStop(StoppingCriteria):
 def test_batch_arguments_meant_per_row_equal_stock():
     """prefix_allowed_tokens_fn is asked with each row's own batch index (drafting goes on); a logits processor or
     stopping criteria sized for the batch make the call run stock generate (the rows are decoded one at a time)."""
-    model = make_model("shallow")
-    router = make_router(model, "always")
-    ids, mask = prompts(1)
+    model = speculative_model("shallow")
+    router = speculative_router(model, "always")
+    ids, mask = left_padded(1)
     allowed = {row: list(range(10 + 60 * row, 30 + 60 * row)) for row in range(3)}
     call = {"attention_mask": mask, "max_new_tokens": 6, "do_sample": False}
     with torch.no_grad():
@@ -645,12 +552,12 @@ def test_max_time_bounds_the_whole_batch(monkeypatch):
     by row, each row would get the whole time (three times the forwards)."""
     from transformers.generation import stopping_criteria
 
-    model = make_model("shallow")
-    router = make_router(model, "never")
+    model = speculative_model("shallow")
+    router = speculative_router(model, "never")
     clock = [0.0]
     model.register_forward_hook(lambda *_: clock.__setitem__(0, clock[0] + 1.0))
     monkeypatch.setattr(stopping_criteria, "time", type("Clock", (), {"time": staticmethod(lambda: clock[0])}))
-    ids, mask = prompts(2)
+    ids, mask = left_padded(2)
     call = {"attention_mask": mask, "max_new_tokens": NEW, "do_sample": False, "max_time": 4.5}
     with torch.no_grad():
         stock = model.generate(ids, **call)
@@ -665,8 +572,8 @@ def test_statistics_count_like_select_mode(case):
     """Every token of speculative mode runs every layer; its counts must be select mode's with a router that never
     exits (prompt positions generate attends to, tokens fed while a row still generates, per beam), drafting or
     falling back to stock, and record no exit (the router says "converged" everywhere)."""
-    model = make_model("shallow")
-    ids, mask = prompts(3)
+    model = speculative_model("shallow")
+    ids, mask = left_padded(3)
     width = ids.shape[1]
     with torch.no_grad():
         free = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None)
@@ -679,7 +586,7 @@ def test_statistics_count_like_select_mode(case):
     counts = {}
     for mode, gate in (("select", "never"), ("speculative", "always")):
         drafting = {"draft_layer": 4} if mode == "speculative" else {}
-        with torch.no_grad(), tide_hf.attach(model, make_router(model, gate), mode=mode, exit_threshold=0.5,
+        with torch.no_grad(), tide_hf.attach(model, speculative_router(model, gate), mode=mode, exit_threshold=0.5,
                                              **drafting) as handle:
             model.generate(ids, **call)
             stats = handle.last_stats
@@ -704,8 +611,8 @@ def test_llama4_text_model_drafts_and_equals_stock():
         vocab_size=256, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, intermediate_size_mlp=2 * HIDDEN,
         num_hidden_layers=NUM_LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         num_local_experts=2, num_experts_per_tok=1, pad_token_id=0, bos_token_id=1, eos_token_id=2)).eval()
-    router = make_router(model, "always")
-    ids, mask = prompts(0)
+    router = speculative_router(model, "always")
+    ids, mask = left_padded(0)
     call = {"attention_mask": mask, "max_new_tokens": NEW, "do_sample": False}
     with torch.no_grad():
         stock = model.generate(ids, **call)
@@ -755,18 +662,16 @@ class ForceAtCall(LogitsProcessor):
         return scores
 
 
-def test_settings_assisted_decoding_changes_run_stock(monkeypatch):
+def test_settings_assisted_decoding_changes_run_stock(monkeypatch, smollm2):
     """Stop strings set in a generation config, a one-row logits processor that counts its calls, and
     `assistant_ensemble_weight` (stock sampling ignores it) run stock generate: equal output, fallback named.
     Drafting is forced every round, so a missed fallback would change the output."""
-    from transformers import AutoTokenizer, GenerationConfig
-
-    from tide_hf.assets import smollm2_path
+    from transformers import GenerationConfig
 
     monkeypatch.setattr(DraftEstimates, "plan", lambda _self, room: (min(room, 4), 1.0))
-    model = make_model("shallow")
-    router = make_router(model, "always")
-    tok = AutoTokenizer.from_pretrained(smollm2_path())
+    model = speculative_model("shallow")
+    router = speculative_router(model, "always")
+    tok = smollm2[1]  # a real tokenizer: stop strings are matched on decoded text
 
     def stop_string(ids):  # an ASCII new token from the 3rd on, not generated before it (None: there is none)
         with torch.no_grad():
@@ -774,7 +679,7 @@ def test_settings_assisted_decoding_changes_run_stock(monkeypatch):
         return next((tok.decode([t]) for i, t in enumerate(new) if i >= 2 and t not in new[:i]
                      and tok.decode([t]).strip().isascii() and tok.decode([t]).strip().isalnum()), None)
 
-    ids, stop = next((ids, stop) for ids in (prompts(seed)[0][:1] for seed in range(8))
+    ids, stop = next((ids, stop) for ids in (left_padded(seed)[0][:1] for seed in range(8))
                      if (stop := stop_string(ids)) is not None)
     stop_config = GenerationConfig(max_new_tokens=NEW, do_sample=False, stop_strings=[stop])
     cases = {
@@ -801,15 +706,15 @@ def test_draft_ending_in_eos_counts_as_accepted(monkeypatch, early_exit_only):
     """Stock reports a fully matched draft whose last token is EOS one short (it emits that EOS as the
     verification's own token); the statistics and the policy's acceptance must count it accepted."""
     monkeypatch.setattr(DraftEstimates, "plan", lambda _self, room: (min(room, 4), 1.0))
-    model = make_model("shallow")
-    router = make_router(model, "always")
+    model = speculative_model("shallow")
+    router = speculative_router(model, "always")
 
     def fresh(ids):  # a new token from the 4th on, not generated before it (None: there is none)
         with torch.no_grad():
             new = model.generate(ids, max_new_tokens=NEW, do_sample=False)[0, ids.shape[1]:].tolist()
         return next((t for i, t in enumerate(new) if i >= 3 and t not in new[:i]), None)
 
-    ids, eos = next((ids, eos) for ids in (prompts(seed)[0][:1] for seed in range(8))
+    ids, eos = next((ids, eos) for ids in (left_padded(seed)[0][:1] for seed in range(8))
                     if (eos := fresh(ids)) is not None)
     call = {"max_new_tokens": NEW, "do_sample": False, "eos_token_id": eos, "pad_token_id": 0}
     with torch.no_grad():
@@ -826,19 +731,19 @@ def test_generation_config_with_speculative_logs_nothing_stock_does_not(caplog):
     from transformers import GenerationConfig
     from transformers.utils import logging as hf_logging
 
-    model = make_model("shallow")
-    router = make_router(model, "always")
+    model = speculative_model("shallow")
+    router = speculative_router(model, "always")
     config = GenerationConfig(max_new_tokens=8, do_sample=False)
     logging.Logger.warning_once.cache_clear()  # (transformers logs that warning once per process)
     hf_logging.enable_propagation()
     try:
         with caplog.at_level("WARNING"):
-            out, _ = speculative(model, router, prompts(0)[0][:1], generation_config=config)
+            out, _ = speculative(model, router, left_padded(0)[0][:1], generation_config=config)
     finally:
         hf_logging.disable_propagation()
     assert "generation_config" not in caplog.text and config.assistant_early_exit is None
     with torch.no_grad():
-        assert torch.equal(out, model.generate(prompts(0)[0][:1], generation_config=config))
+        assert torch.equal(out, model.generate(left_padded(0)[0][:1], generation_config=config))
 
 
 @pytest.mark.skipif(CACHE_KWARG != "cache", reason="generate takes cache_params as the cache from transformers 5.24")
@@ -846,9 +751,9 @@ def test_a_cache_given_under_any_of_generates_names_falls_back_to_stock():
     """transformers 5.24's generate takes the cache as `cache`, `past_key_values` or `cache_params`; the last was
     not known as a user cache, so the batch was decoded row by row into the one cache object: rows 2-3 came out
     wrong and the cache held every row's tokens back to back."""
-    model = make_model()
-    router = make_router(model, "never")
-    ids, mask = prompts(0)
+    model = speculative_model()
+    router = speculative_router(model, "never")
+    ids, mask = left_padded(0)
     call = {"attention_mask": mask, "max_new_tokens": 5, "do_sample": False}
     stock_cache = DynamicCache()
     with torch.no_grad():
@@ -863,9 +768,9 @@ def test_a_cache_given_under_any_of_generates_names_falls_back_to_stock():
 def test_a_prompt_prefilled_in_chunks_falls_back_to_stock():
     """Assisted decoding prefills the prompt in one forward: with `prefill_chunk_size` the memory bound the user
     asked for was not kept, and the logits were the unchunked run's."""
-    model = make_model()
-    router = make_router(model, "never")
-    ids, mask = prompts(0)
+    model = speculative_model()
+    router = speculative_router(model, "never")
+    ids, mask = left_padded(0)
     call = {"attention_mask": mask[:1], "max_new_tokens": 6, "do_sample": False, "return_dict_in_generate": True,
             "output_logits": True, "prefill_chunk_size": 3}
     with torch.no_grad():

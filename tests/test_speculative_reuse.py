@@ -6,39 +6,26 @@ first layer's attention (its real work; a reusing verification passes that layer
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
-from test_speculative import (
-    NEW,
-    counter,
-    early_exit_only,  # noqa: F401 (a fixture, used by name)
-    make_model,
-    make_router,
-    prompts,
-    snapshot,
-    speculative,
-)
+from helpers import NEW, counter, left_padded, snapshot, speculative, speculative_model, speculative_router
 
 from tide_bench.easy import make_near_identity
 from tide_hf import TideRouter, TideRouterConfig
 from tide_hf.integrations.draft import DraftEstimates
 from tide_hf.modeling import model_fingerprint
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 @pytest.mark.usefixtures("early_exit_only")
 def test_reused_verification_logits_match_stock_steps():
     """The deep layers run on the draft's layer-4 states: every emitted position's logits are stock's."""
-    model = make_model("shallow")
-    router = make_router(model, "always")
-    ids = prompts(1)[0][:1]
+    model = speculative_model("shallow")
+    router = speculative_router(model, "always")
+    ids = left_padded(1)[0][:1]
     call = {"max_new_tokens": NEW, "do_sample": False, "return_dict_in_generate": True, "output_logits": True}
     with torch.no_grad():
         stock = model.generate(ids, **call)
@@ -53,9 +40,9 @@ def test_reused_verification_logits_match_stock_steps():
 @pytest.mark.usefixtures("early_exit_only")
 def test_per_layer_outputs_turn_reuse_off():
     """Requested hidden states must come from real layers: verification then recomputes every layer."""
-    model = make_model("shallow")
-    router = make_router(model, "always")
-    ids = prompts(2)[0][:1]
+    model = speculative_model("shallow")
+    router = speculative_router(model, "always")
+    ids = left_padded(2)[0][:1]
     call = {"max_new_tokens": NEW, "do_sample": False, "return_dict_in_generate": True,
             "output_hidden_states": True}
     computed = counter(model.model.layers[0].self_attn)
@@ -71,22 +58,13 @@ def test_per_layer_outputs_turn_reuse_off():
 
 
 @pytest.mark.slow
-def test_smollm2_easy_model_greedy_identical_with_reuse(monkeypatch):
+def test_smollm2_easy_model_greedy_identical_with_reuse(monkeypatch, smollm2):
     """SmolLM2 with layers after 16 near-identity, drafting 4 tokens at 16 every round: batch 1 and
     left-padded batches equal stock greedy, and the verifications reuse the drafts."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tide_hf.assets import smollm2_path
-
     monkeypatch.setattr(DraftEstimates, "plan", lambda _self, room: (min(room, 4), 1.0))
-
-    try:
-        path = smollm2_path()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-    model = make_near_identity(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), 16)
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.padding_side = "left"
+    model = make_near_identity(copy.deepcopy(smollm2[0]), 16)  # a copy: the shared model stays as loaded
+    tok = smollm2[1]
+    assert tok.padding_side == "left"
     router = TideRouter(TideRouterConfig(hidden_size=model.config.hidden_size, num_hidden_layers=30,
                                          router_bottleneck_dim=16, base_architecture=type(model).__name__,
                                          base_fingerprint=model_fingerprint(model), exit_head="lens"))
@@ -127,9 +105,10 @@ def test_verify_timings_come_from_rounds_with_a_tail(monkeypatch):
     monkeypatch.setattr(DraftEstimates, "observe_verify", lambda _self, _s, tokens: widths.append(tokens))
     monkeypatch.setattr(DraftEstimates, "observe_plain", observe_plain)
     monkeypatch.setattr(DraftEstimates, "plan", lambda _self, room: (1, 1.0))  # one token: the gate stops some
-    model = make_model("shallow")
-    router = make_router(model, "mixed")
-    out, stats = speculative(model, router, prompts(0)[0][:1], max_new_tokens=48, do_sample=False, eos_token_id=None)
+    model = speculative_model("shallow")
+    router = speculative_router(model, "mixed")
+    out, stats = speculative(model, router, left_padded(0)[0][:1], max_new_tokens=48, do_sample=False,
+                             eos_token_id=None)
     spec = stats.speculative
     assert spec["gate_stops"] > 0 and spec["tail_forwards"] > 0  # precondition: both kinds of drafted rounds
     assert spec["tail_forwards"] - 1 <= len(widths) <= spec["tail_forwards"]  # the last round is never closed

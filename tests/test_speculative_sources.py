@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_speculative import make_model, make_router, one_thread, speculative  # noqa: F401 (autouse fixture)
+from helpers import speculative, speculative_model, speculative_router
 
 from tide_hf.integrations.draft import EARLY_EXIT, LOOKUP, DraftEstimates, best_draft_length, interpolated_verify
 from tide_hf.integrations.sources import (
@@ -26,6 +26,7 @@ from tide_hf.integrations.sources import (
 REPEATS = 4  # copies of a random phrase in a prompt: the continuation repeats it, lookup drafts pay
 PHRASE = 9  # tokens per phrase
 LOOKUP_ARM = (LOOKUP, 0)  # lookup drafts after a 1-token match
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def repeating(seed: int, rows: int = 1) -> torch.Tensor:
@@ -154,8 +155,8 @@ def test_greedy_identical_to_stock_with_lookup_drafts(gate, monkeypatch):
     monkeypatch.setattr(DraftEstimates, "cost", property(lambda self: self.prior_cost))
     monkeypatch.setattr(DraftEstimates, "verify_costs", property(
         lambda self: {w: 1.0 + (w - 1) / 10 for w in range(2, LOOKUP_MAX_TOKENS + 2)}))
-    model = make_model("random" if gate == "never" else "shallow")
-    router = make_router(model, gate)
+    model = speculative_model("random" if gate == "never" else "shallow")
+    router = speculative_router(model, gate)
     totals = dict.fromkeys((EARLY_EXIT, LOOKUP), 0)
     for seed in range(3):
         ids = repeating(seed)
@@ -175,8 +176,8 @@ def test_greedy_identical_to_stock_with_lookup_drafts(gate, monkeypatch):
 
 
 def test_batch_of_8_identical_per_row():
-    model = make_model("shallow")
-    router = make_router(model, "mixed")
+    model = speculative_model("shallow")
+    router = speculative_router(model, "mixed")
     ids = repeating(5, rows=8)
     mask = torch.ones_like(ids)
     for row in range(8):  # left padding of different widths
@@ -192,8 +193,8 @@ def test_batch_of_8_identical_per_row():
 
 
 def test_sampling_with_lookup_drafts_returns_valid_tokens():
-    model = make_model("random")
-    router = make_router(model, "never")  # lookup drafts only: rounds without draft logits
+    model = speculative_model("random")
+    router = speculative_router(model, "never")  # lookup drafts only: rounds without draft logits
     ids = repeating(2)
     torch.manual_seed(0)
     out, stats = speculative(model, router, ids, max_new_tokens=24, do_sample=True, top_k=4, temperature=0.3,
@@ -203,26 +204,18 @@ def test_sampling_with_lookup_drafts_returns_valid_tokens():
     assert stats.speculative["sources"][LOOKUP]["rounds"] > 0
 
 
-def test_smollm2_grounded_prompt_identical_to_stock():
+def test_smollm2_grounded_prompt_identical_to_stock(smollm2):
     """SmolLM2 asked to repeat a passage (an input-grounded chat prompt): lookup drafts, stock's tokens."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from tide_bench.modes import grounded_prompts
-    from tide_hf.assets import smollm2_path
 
-    try:
-        path = smollm2_path()
-    except FileNotFoundError as exc:
-        pytest.skip(str(exc))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(path)
+    model, tok = smollm2
     passage = torch.tensor(tok("We the people of the United States, in order to form a more perfect union, "
                                "establish justice, insure domestic tranquility, provide for the common defense, "
                                "promote the general welfare, and secure the blessings of liberty.")["input_ids"])
     ids = grounded_prompts(tok, [passage])[0][None]
     with torch.no_grad():
         stock = model.generate(ids, max_new_tokens=32, do_sample=False)
-    out, stats = speculative(model, make_router(model, "always", prior=False), ids, max_new_tokens=32,
+    out, stats = speculative(model, speculative_router(model, "always", prior=False), ids, max_new_tokens=32,
                              do_sample=False, draft_layer=None)
     assert torch.equal(out, stock)
     assert stats.speculative["sources"][LOOKUP]["accepted"] > 0
@@ -235,8 +228,8 @@ def test_only_sources_restricts_the_draft_sources_in_this_thread_and_keeps_the_t
     from tide_hf.errors import TideArgumentError
     from tide_hf.integrations.speculative import only_sources
 
-    model = make_model("shallow")  # layer-4 drafts mostly right: early-exit rounds run where allowed
-    router = make_router(model, "always")
+    model = speculative_model("shallow")  # layer-4 drafts mostly right: early-exit rounds run where allowed
+    router = speculative_router(model, "always")
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]])  # repeats: lookup has matches
     stock = model.generate(ids, max_new_tokens=12, do_sample=False)
     with tide_hf.attach(model, router, mode="speculative", draft_layer=4) as handle:

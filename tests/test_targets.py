@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import ByteTokenizer, inline_record, make_tiny_llama, new_router
+from helpers import CLOSED_PATH, ByteTokenizer, inline_record, make_model, make_tiny_llama, new_router
 
 import tide_hf
 from tide_hf.calibration.thresholds import build_path, exit_index, path_losses
-from tide_hf.errors import TideTargetError
+from tide_hf.errors import TideArgumentError, TideTargetError
 from tide_hf.modeling.targets import binomial_pvalue, normal_pvalue, select
 
 SAVED = torch.tensor([6.0, 2.0], dtype=torch.float64)  # layers saved by an exit at each of two checkpoints
@@ -353,3 +354,47 @@ def test_a_table_no_test_could_produce_is_refused(edit, message) -> None:
     edit(paths)
     with pytest.raises(tide_hf.errors.TideArgumentError, match=message):
         TideRouterConfig(checkpoint_layers=[4, 8], num_hidden_layers=9, exit_paths=paths, exit_head="lens")
+
+
+# -- refusals and odd but valid input ---------------------------------------------------------------------------
+def test_confidence_without_a_target_is_refused() -> None:
+    model = make_model()
+    with pytest.raises(TideArgumentError, match="confidence applies only with a quality target"):
+        tide_hf.attach(model, new_router(model), confidence=0.9,
+                       mode="select")  # no exit paths: no target to apply it to
+
+
+
+def test_a_target_whose_thresholds_open_checkpoints_below_min_layers_is_refused() -> None:
+    model = make_model()
+    path = {**CLOSED_PATH, "thresholds": [[1.0, 1.0], [0.9, 0.8]]}
+    router = new_router(model, exit_paths={"agreement": path})
+    with pytest.raises(TideTargetError, match=r"open checkpoints \[4\], below min_layers=8"):
+        tide_hf.attach(model, router, min_agreement=0.5, min_layers=8,
+                       mode="select")
+    with tide_hf.attach(model, router, min_agreement=0.5, mode="select") as handle:  # the calibrated min_layers
+        assert handle.options.thresholds == {4: 0.9, 8: 0.8}
+
+
+
+def test_old_routers_whose_paths_open_checkpoints_below_their_min_layers_are_told_to_recalibrate() -> None:
+    model = make_model()
+    path = {**CLOSED_PATH, "thresholds": [[1.0, 1.0], [0.9, 0.8]]}
+    router = new_router(model, exit_paths={"agreement": path}, min_layers=8)
+    with pytest.raises(TideTargetError, match="a tide_hf older than the fix that keeps them closed calibrated"):
+        tide_hf.attach(model, router, min_agreement=0.5, mode="select")
+    with tide_hf.attach(model, router, exit_threshold=0.9, mode="select"):
+        pass
+
+
+
+def test_a_target_served_on_other_weights_warns() -> None:
+    """`ignore_fingerprint=True` lets a fine-tune through; its quality target was certified on other weights."""
+    model, other = make_model(seed=0), make_model(seed=1)
+    router = new_router(model, exit_paths={"agreement": CLOSED_PATH}, min_agreement=0.9)
+    with pytest.warns(UserWarning, match="is certified for the weights the router was calibrated on"):
+        tide_hf.attach(other, router, ignore_fingerprint=True, mode="select").detach()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tide_hf.attach(model, router, ignore_fingerprint=True, mode="select").detach()  # the same weights
+        tide_hf.attach(other, router, ignore_fingerprint=True, exit_threshold=0.5, mode="select").detach()  # no target

@@ -5,8 +5,8 @@ hooks and replaced forwards in place), and, with a router that always exits at t
 every decoded token exiting there: select and skip mode then give the tokens the model's head picks from that
 checkpoint's state (a plain forward, read by hand), speculative mode stock's tokens with every step's draft gate
 open. A refused cell raises its `TideError` at attach, naming the model, the mode and the way out, and leaves the
-model as found. The table's first column, what a plain `attach(model, router)` serves, is checked too: speculative mode, else skip
-mode with kv="recompute", else select mode, with a `ModeFallbackWarning`.
+model as found. The table's first column, what a plain `attach(model, router)` serves, is checked too: speculative
+mode, else skip mode with kv="recompute", else select mode, with a `ModeFallbackWarning`.
 """
 
 from __future__ import annotations

@@ -12,7 +12,17 @@ import math
 
 import pytest
 import torch
-from helpers import NEW, NUM_LAYERS, counter, left_padded, snapshot, speculative, speculative_model, speculative_router
+from helpers import (
+    NEW,
+    NUM_LAYERS,
+    counter,
+    left_padded,
+    make_tiny_llama,
+    snapshot,
+    speculative,
+    speculative_model,
+    speculative_router,
+)
 from transformers import (
     DynamicCache,
     GPT2Config,
@@ -24,7 +34,6 @@ from transformers import (
 )
 
 import tide_hf
-from tide_bench.easy import make_near_identity
 from tide_hf import TideRouter, TideRouterConfig
 from tide_hf.compat import CACHE_KWARG
 from tide_hf.errors import TideUnsupportedError
@@ -370,7 +379,7 @@ def test_the_draft_layer_follows_what_drafting_measured_on_this_model() -> None:
     from tide_hf.integrations.sources import resolve_draft_layer
 
     model = make_tiny_llama(num_layers=17, hidden=HIDDEN, seed=0)  # checkpoints 4, 8, 12, 16
-    router = make_router(model, "always")
+    router = speculative_router(model, "always")
     router.config.metrics = {"4": {"label_rates": {"top1": 0.5}}, "8": {"label_rates": {"top1": 0.95}}}
     adapter = tide_hf.modeling.get_adapter(model)
     with tide_hf.attach(model, router, mode="speculative") as handle:

@@ -194,13 +194,14 @@ def drafts(stats: Any) -> dict[str, Any] | None:
 
 def compare(model: Any, tokenizer: Any, router: TideRouter, prompt: str, new_tokens: int, repeats: int,
             mode: str | None = None) -> dict[str, Any]:
-    """Stock and TIDE (attached with `mode`; None: attach's default), each on eager and on the fast linear path, on the same prompt:
+    """Stock and TIDE (attached with `mode`; None: attach's default), each on eager and on the fast linear path,
+    on the same prompt:
     their texts, tokens/s (each timed `repeats` times, interleaved in `RUNS` order after one warm-up each, so
     drifts of the machine's speed reach all alike), layers per token and agreement."""
     inputs = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                            return_tensors="pt", return_dict=True)
     num_layers = get_adapter(model).num_layers
-    for _, _, fast, tide in RUNS:  # warm-up: first-call costs (kernel builds, packing) out of the timing
+    for *_, fast, tide in RUNS:  # warm-up: first-call costs (kernel builds, packing) out of the timing
         with run_setup(model, router, fast, tide, mode):
             model.generate(**inputs, max_new_tokens=2, do_sample=False)
     speeds: dict[str, list[float]] = {name: [] for name, *_ in RUNS}
@@ -216,7 +217,7 @@ def compare(model: Any, tokenizer: Any, router: TideRouter, prompt: str, new_tok
         top1 = teacher_forced_top1(model, inputs, tokens["stock"])
     stock = tokens["stock"]
     runs = {}
-    for name, label, fast, tide in RUNS:
+    for name, label, *_ in RUNS:
         n = min(len(stock), len(tokens[name]))
         same = (stock[:n] == tokens[name][:n]).tolist()
         runs[name] = {"label": label, "text": tokenizer.decode(tokens[name], skip_special_tokens=True),

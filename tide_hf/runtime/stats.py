@@ -128,7 +128,8 @@ class ExitStats:
         self.decode = self.decode or PhaseStats(self.num_layers)
 
     def as_dict(self) -> dict:
-        return {"num_layers": self.num_layers, "checkpoints": self.checkpoints, "mode": self.mode, "reason": self.reason,
+        return {"num_layers": self.num_layers, "checkpoints": self.checkpoints, "mode": self.mode,
+                "reason": self.reason,
                 "prefill": self.prefill.as_dict(), "decode": self.decode.as_dict(),
                 **({"speculative": self.speculative} if self.speculative is not None else {})}
 

@@ -169,13 +169,15 @@ def test_a_per_call_router_compiles_without_graph_breaks_and_other_threads_stay_
     router.config.exit_threshold, router.config.exit_paths = 0.5, {}  # per-call options: this global threshold
     static = dict(cache_implementation="static")
     stock = greedy(model, ids, mask, 8, **static)
-    eager = greedy(model, ids, mask, 8, tide=router, **static)
+    skip = tide_hf.TideConfig(mode="skip")  # (attach's default, speculative, gives stock's tokens)
+    eager = greedy(model, ids, mask, 8, tide=router, tide_config=skip, **static)
     assert not torch.equal(eager, stock)  # the router changes the output: the comparisons below mean something
     torch._dynamo.reset()
     counters.clear()
-    assert torch.equal(greedy(model, ids, mask, 8, tide=router, compile_config=compiled(), **static), eager)
+    assert torch.equal(greedy(model, ids, mask, 8, tide=router, tide_config=skip, compile_config=compiled(),
+                              **static), eager)
     assert not counters["graph_break"]
-    handle = attach_for_call(model, router)  # as while a per-call generate runs in this thread
+    handle = attach_for_call(model, router, skip)  # as while a per-call generate runs in this thread
     try:
         other = {}
         thread = threading.Thread(target=lambda: other.setdefault(

@@ -442,6 +442,35 @@ def word_tokenizer():
 PROMPT = "w17 w200 w33 w150 w9"
 
 
+def test_tide_config_chooses_the_options_a_per_call_router_is_attached_with(word_tokenizer):
+    """`tide_config=` sets what `tide=<router>` attaches for the call (skip mode here: exits, unlike the default's
+    stock tokens), in `generate` and through a pipeline; it is refused where nothing attaches for the call. (The
+    keyword is enabled for the whole suite: conftest.)"""
+    model = make_model()
+    model.generation_config.eos_token_id = None
+    enc = word_tokenizer(PROMPT, return_tensors="pt")
+    router = mixed_router(model, enc["input_ids"], enc["attention_mask"], exit_threshold=0.5)
+    skip = tide_hf.TideConfig(mode="skip")
+    stock = model.generate(**enc, max_new_tokens=NEW, do_sample=False)
+    with tide_hf.attach(model, router, config=skip):
+        attached = model.generate(**enc, max_new_tokens=NEW, do_sample=False)
+    assert not torch.equal(attached, stock)
+    per_call = model.generate(**enc, max_new_tokens=NEW, do_sample=False, tide=router, tide_config=skip)
+    assert torch.equal(per_call, attached) and tide_hf.last_stats(model).mode == "skip"
+    assert tide_hf.get_handle(model) is None
+    default = model.generate(**enc, max_new_tokens=NEW, do_sample=False, tide=router)
+    assert torch.equal(default, stock) and tide_hf.last_stats(model).mode == "speculative"
+    pipe = pipeline("text-generation", model=model, tokenizer=word_tokenizer)
+    out = pipe(PROMPT, max_new_tokens=NEW, do_sample=False, return_tensors=True, tide=router, tide_config=skip)
+    assert out[0]["generated_token_ids"] == attached[0].tolist()
+    with pytest.raises(TideArgumentError, match="tide=None attaches nothing"):
+        model.generate(**enc, max_new_tokens=NEW, tide_config=skip)
+    with pytest.raises(TideArgumentTypeError, match="tide_config= takes a tide_hf.TideConfig, got dict"):
+        model.generate(**enc, max_new_tokens=NEW, tide=router, tide_config={"mode": "skip"})
+    with tide_hf.attach(model, router), pytest.raises(TideArgumentError, match="serves its own options"):
+        model.generate(**enc, max_new_tokens=NEW, tide=router, tide_config=skip)
+
+
 def test_pipeline_tide_keyword(word_tokenizer, tmp_path):
     model = make_model()
     model.generation_config.eos_token_id = None

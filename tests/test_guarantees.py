@@ -133,9 +133,10 @@ def test_tide_folder_is_never_stale(tmp_path) -> None:
     model = make_tiny_llama()
     folder = tmp_path / "router"
     ids = torch.randint(3, 256, (1, 4))
-    kwargs = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0}
+    kwargs = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0,
+              "tide_config": tide_hf.TideConfig(mode="skip")}  # (attach's default, speculative, exits nothing)
     constant_router(model, 30.0).save_pretrained(folder)
-    model.generate(ids, **kwargs, tide=str(folder), )
+    model.generate(ids, **kwargs, tide=str(folder))
     assert tide_hf.last_stats(model).decode.exit_rate == 1.0
     constant_router(model, -30.0).save_pretrained(folder, overwrite=True)
     model.generate(ids, **kwargs, tide=str(folder))
@@ -259,20 +260,22 @@ def test_per_call_tide_is_scoped_to_its_thread() -> None:
     kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     always, never = constant_router(model, 30.0), constant_router(model, -30.0)
     stock = model.generate(ids, **kwargs)
-    alone = model.generate(ids, **kwargs, tide=always)
+    skip = tide_hf.TideConfig(mode="skip")  # (attach's default, speculative, gives stock's tokens: no leak would show)
+    alone = model.generate(ids, **kwargs, tide=always, tide_config=skip)
     alone_stats = tide_hf.last_stats(model).as_dict()
     assert not torch.equal(alone, stock)  # the router changes the output: a leak would show
     before = hooks(model)
 
     pause = PauseOnce()
     thread, result = _in_thread(lambda: model.generate(
-        ids, **kwargs, tide=always, logits_processor=LogitsProcessorList([pause])))
+        ids, **kwargs, tide=always, tide_config=skip, logits_processor=LogitsProcessorList([pause])))
     assert pause.paused.wait(120)
     try:
         assert torch.equal(model.generate(ids, **kwargs), stock)  # another thread: stock, although A is attached
         with torch.no_grad():  # a plain forward in another thread: stock too, and no stats of its own
             assert tide_hf.get_handle(model) is None
-        other = model.generate(ids, **kwargs, tide=never)  # a second router meanwhile: no "already attached"
+        # a second router meanwhile: no "already attached"
+        other = model.generate(ids, **kwargs, tide=never, tide_config=skip)
         assert torch.equal(other, stock)  # never exits = stock, and A's hooks did not act here
     finally:
         pause.resume.set()

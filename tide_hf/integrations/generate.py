@@ -30,7 +30,7 @@ from transformers import GenerationMixin, LogitsProcessorList
 from ..compat import cache_in, merged_generation_config
 from ..errors import TideArgumentError, TideArgumentTypeError
 from ..modeling import TideRouter
-from ..runtime import Patches, TideHandle, attach_for_call, get_handle
+from ..runtime import Patches, TideConfig, TideHandle, attach_for_call, get_handle
 from .processor import TideLogitsProcessor
 from .speculative import generate as speculative_generate
 
@@ -158,9 +158,17 @@ def same_router(a: TideRouter, b: TideRouter) -> bool:
     return known[1]
 
 
-def dispatch(original: Callable, model: Any, args: tuple, kwargs: dict, tide: Any) -> Any:
-    """One `generate` call on `model` with its `tide=` value, `original` being the generate beneath TIDE's."""
+def dispatch(original: Callable, model: Any, args: tuple, kwargs: dict, tide: Any, config: Any = None) -> Any:
+    """One `generate` call on `model` with its `tide=` and `tide_config=` values, `original` being the generate
+    beneath TIDE's. `tide_config` (a `TideConfig`) is what a router given as `tide=` is attached with for the call;
+    it is refused where no router attaches for the call (it would be ignored)."""
     handle = get_handle(model)
+    if config is not None and not isinstance(config, TideConfig):
+        raise TideArgumentTypeError(f"tide_config= takes a tide_hf.TideConfig, got {type(config).__name__}")
+    if config is not None and (tide in (True, False, None) or handle is not None):
+        raise TideArgumentError("tide_config= applies where tide=<router> attaches for this call; "
+                                + ("this model has a router attached, which serves its own options: detach it first"
+                                   if handle is not None else f"tide={tide!r} attaches nothing"))
     if tide is False or (tide is None and (handle is None or handle.is_disabled())):
         if handle is None:
             return original(model, *args, **kwargs)
@@ -176,11 +184,16 @@ def dispatch(original: Callable, model: Any, args: tuple, kwargs: dict, tide: An
     if handle is not None and same_router(handle.router, router):
         with handle.turns.shared():
             return _run(handle, original, model, args, kwargs)
-    handle = attach_for_call(model, router)  # this thread only; refused if another router is attached
+    handle = attach_for_call(model, router, config)  # this thread only; refused if another router is attached
     try:
         return _run(handle, original, model, args, kwargs)
     finally:
         handle.detach()
+
+
+def keywords(tide: Any, config: Any) -> dict[str, Any]:
+    """The TIDE keywords of a call as given (a keyword left out stays out), for the generate beneath."""
+    return {name: value for name, value in (("tide", tide), ("tide_config", config)) if value is not None}
 
 
 def enable_generate_keyword() -> None:
@@ -198,10 +211,10 @@ def enable_generate_keyword() -> None:
     original = GenerationMixin.generate
 
     @functools.wraps(original)
-    def generate(self, *args: Any, tide: Any = None, **kwargs: Any) -> Any:
+    def generate(self, *args: Any, tide: Any = None, tide_config: Any = None, **kwargs: Any) -> Any:
         if _CURRENT[0] is not generate:  # uninstalled, but kept inside a wrapper that another library put on top
-            return original(self, *args, **kwargs, **({} if tide is None else {"tide": tide}))
-        return dispatch(original, self, args, kwargs, tide)
+            return original(self, *args, **kwargs, **keywords(tide, tide_config))
+        return dispatch(original, self, args, kwargs, tide, tide_config)
 
     _INSTALLED.set_attr(GenerationMixin, "generate", generate)
     _CURRENT[0] = generate
@@ -215,11 +228,11 @@ def wire_generate(handle: TideHandle) -> None:
     stock = type(model).generate
 
     @functools.wraps(stock)
-    def generate(self: Any, *args: Any, tide: Any = None, **kwargs: Any) -> Any:
+    def generate(self: Any, *args: Any, tide: Any = None, tide_config: Any = None, **kwargs: Any) -> Any:
         method = type(self).generate
         if _INSTALLED and method is _CURRENT[0]:  # the keyword is enabled: its wrapper serves this call
-            return method(self, *args, **kwargs, **({} if tide is None else {"tide": tide}))
-        return dispatch(method, self, args, kwargs, tide)
+            return method(self, *args, **kwargs, **keywords(tide, tide_config))
+        return dispatch(method, self, args, kwargs, tide, tide_config)
 
     handle.patch_attribute(model, "generate", types.MethodType(generate, model))
 

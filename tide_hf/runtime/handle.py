@@ -336,8 +336,9 @@ def hook_model(handle_class: type[TideHandle], model: nn.Module, router: TideRou
     return handle
 
 
-def attach_for_call(model: nn.Module, router: TideRouter) -> TideHandle:
-    """Attach `router` (its calibrated options) for one call in the calling thread only (`generate(tide=router)`).
+def attach_for_call(model: nn.Module, router: TideRouter, request: TideConfig | None = None) -> TideHandle:
+    """Attach `router` with `request` (None: attach's defaults) for one call in the calling thread only
+    (`generate(tide=router, tide_config=request)`).
 
     Other threads see the stock model, and any number of such calls may run on one model at once, each
     detaching only its own hooks. Refused while an `attach` (which acts in every thread) is in place.
@@ -346,7 +347,7 @@ def attach_for_call(model: nn.Module, router: TideRouter) -> TideHandle:
         if get_handle(model) is not None:
             raise TideArgumentError("a different TIDE router is already attached to this model; use tide=True, "
                                     "or detach it before passing another router")
-        handle = _build(model, router, TideConfig(), owner=threading.get_ident())
+        handle = _build(model, router, request or TideConfig(), owner=threading.get_ident())
         registry.register_call(model, handle)
     return handle
 

@@ -260,8 +260,8 @@ def why_slower(result: dict[str, Any]) -> str:
             return f"why TIDE is slower here: it ran stock generate ({d['fallback']}), plus its own checks"
         rounds = sum(d["rounds"].values())
         return (f"why TIDE is slower here: it drafted in {rounds} rounds beside {d['plain_steps']} plain steps, and "
-                f"{d['accepted']} of {d['drafted']} drafted tokens were accepted; a verification forward over "
-                "several tokens costs more than one step where the linear layers are not the fast path's")
+                f"{d['accepted']} of {d['drafted']} drafted tokens were accepted; a rejected draft still costs its "
+                "verification, a forward over several tokens")
     saved = 1 - t["layers"] / n
     text = (f"why TIDE is slower here: {t['exit_rate']:.0%} of tokens exited, so at most {saved:.0%} of the layer "
             "runs were skipped in their own step")

@@ -71,6 +71,14 @@ def worker(router_path: str, new_tokens: int) -> dict:
     return {"module": str(Path(tide_hf.__file__).parent), "ratios": ratios}
 
 
+def commit(path: str) -> str:
+    """The commit a checkout is at (with "+changes" where its tracked files differ from it)."""
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=path, capture_output=True, text=True, check=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=path, capture_output=True,
+                           text=True, check=True)
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--router", required=True, help="a router folder both commits can load")
@@ -102,7 +110,8 @@ def main() -> None:
                        "old_median": statistics.median(r[case] for r in runs[old]),
                        "new_median": statistics.median(r[case] for r in runs[new]),
                        "ranges_overlap": ranges[old][0] <= ranges[new][1] and ranges[new][0] <= ranges[old][1]}
-    record = {"command": " ".join(sys.argv), "checkouts": {"old": old, "new": new}, "reps": args.reps,
+    record = {"command": " ".join(sys.argv), "checkouts": {"old": old, "new": new},
+              "commits": {"old": commit(old), "new": commit(new)}, "reps": args.reps,
               "new_tokens": args.new_tokens, "cases": cases}
     text = json.dumps(record, indent=2)
     if args.out:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -95,6 +95,35 @@ def results_folder(args: Any, reads_text: bool = True) -> Path:
 def load_routers(args: Any) -> dict[str, TideRouter]:
     """The --router routers by the names they were given, loaded before the model (a bad one fails first)."""
     return {name: TideRouter.from_pretrained(name) for name in args.router or []}
+
+
+class TextSetup(NamedTuple):
+    """What a section measured on held-out text starts from (`text_setup`)."""
+
+    out: Path  # the checked results folder
+    routers: dict[str, TideRouter]
+    model: Any
+    tokenizer: Any
+    pad_id: int
+    prompts: list
+    chunks: list
+    result: dict  # the result's header, which the section adds its figures to
+
+    @property
+    def router(self) -> TideRouter:
+        """The router of a section that takes one."""
+        (router,) = self.routers.values()
+        return router
+
+
+def text_setup(args: Any) -> TextSetup:
+    """The results folder and the routers (checked and loaded before the model: a bad one fails first), the model
+    and tokenizer, then `text_run`'s prompts, chunks and header."""
+    from tide_hf.assets import load_model
+
+    out, routers = results_folder(args), load_routers(args)
+    model, tokenizer = load_model(args.model, args.dtype)
+    return TextSetup(out, routers, model, tokenizer, *text_run(args, tokenizer, routers, model))
 
 
 def text_run(args: Any, tokenizer: Any, routers: dict[str, TideRouter], model: Any) -> tuple[int, list, list, dict]:

@@ -49,19 +49,16 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from tide_hf.assets import default_dataset, load_model
+    from tide_hf.assets import default_dataset
 
     from ..baselines import run_baselines
-    from ..bench import load_routers, results_folder, text_run, write_result
+    from ..bench import text_setup, write_result
     from ..plots import pareto
     from ..tables import format_baselines
 
-    out, routers = results_folder(args), load_routers(args)
-    (router,) = routers.values()
-    model, tokenizer = load_model(args.model, args.dtype)
-    pad_id, prompts, chunks, result = text_run(args, tokenizer, routers, model)
-    result.update(run_baselines(model, tokenizer, router, default_dataset(args.dataset), prompts, chunks, pad_id,
-                                args))
-    out.mkdir(parents=True, exist_ok=True)
-    print("Pareto plot:", pareto(result, out / "pareto.png"))
-    return write_result(out, "baselines", result, format_baselines)
+    s = text_setup(args)
+    s.result.update(run_baselines(s.model, s.tokenizer, s.router, default_dataset(args.dataset), s.prompts, s.chunks,
+                                  s.pad_id, args))
+    s.out.mkdir(parents=True, exist_ok=True)
+    print("Pareto plot:", pareto(s.result, s.out / "pareto.png"))
+    return write_result(s.out, "baselines", s.result, format_baselines)

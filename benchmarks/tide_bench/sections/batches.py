@@ -46,18 +46,13 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from tide_hf.assets import load_model
-
     from ..batches import run_batches
-    from ..bench import load_routers, results_folder, text_run, write_result
+    from ..bench import text_setup, write_result
     from ..measure import check_exit_depths
     from ..tables import format_batches
 
-    out, routers = results_folder(args), load_routers(args)
-    (router,) = routers.values()
-    model, tokenizer = load_model(args.model, args.dtype)
-    pad_id, prompts, chunks, result = text_run(args, tokenizer, routers, model)
+    s = text_setup(args)
     if args.forced_depth is not None:
-        check_exit_depths([args.forced_depth], router.config.checkpoint_layers, "--forced-depth")
-    result.update(run_batches(model, router, prompts, chunks, pad_id, args))
-    return write_result(out, "batches", result, format_batches)
+        check_exit_depths([args.forced_depth], s.router.config.checkpoint_layers, "--forced-depth")
+    s.result.update(run_batches(s.model, s.router, s.prompts, s.chunks, s.pad_id, args))
+    return write_result(s.out, "batches", s.result, format_batches)

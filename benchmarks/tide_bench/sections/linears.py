@@ -38,15 +38,10 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from tide_hf.assets import load_model
-
-    from ..bench import load_routers, results_folder, text_run, write_result
+    from ..bench import text_setup, write_result
     from ..linears import run_linears
     from ..tables import format_linears
 
-    out, routers = results_folder(args), load_routers(args)
-    (router,) = routers.values()
-    model, tokenizer = load_model(args.model, args.dtype)
-    pad_id, prompts, _, result = text_run(args, tokenizer, routers, model)
-    result.update(run_linears(model, router, prompts, pad_id, args))
-    return write_result(out, "linears", result, format_linears)
+    s = text_setup(args)
+    s.result.update(run_linears(s.model, s.router, s.prompts, s.pad_id, args))
+    return write_result(s.out, "linears", s.result, format_linears)

@@ -43,16 +43,12 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from tide_hf.assets import load_model
-
-    from ..bench import load_routers, overhead, quality, results_folder, text_run, write_result
+    from ..bench import overhead, quality, text_setup, write_result
     from ..tables import format_table
 
-    out, routers = results_folder(args), load_routers(args)
-    model, tokenizer = load_model(args.model, args.dtype)
-    pad_id, prompts, chunks, result = text_run(args, tokenizer, routers, model)
-    result["overhead"] = overhead(model, next(iter(routers.values())), prompts, pad_id, args.batch_sizes,
-                                  args.new_tokens, args.reps)
-    result["quality"] = quality(model, routers, args.thresholds, prompts, chunks, pad_id, args.quality_batch_size,
-                                args.new_tokens)
-    return write_result(out, "bench", result, format_table)
+    s = text_setup(args)
+    s.result["overhead"] = overhead(s.model, next(iter(s.routers.values())), s.prompts, s.pad_id, args.batch_sizes,
+                                    args.new_tokens, args.reps)
+    s.result["quality"] = quality(s.model, s.routers, args.thresholds, s.prompts, s.chunks, s.pad_id,
+                                  args.quality_batch_size, args.new_tokens)
+    return write_result(s.out, "bench", s.result, format_table)

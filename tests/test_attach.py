@@ -31,6 +31,7 @@ from helpers import (
 )
 
 import tide_hf
+import tide_hf.calibration  # (not imported by `import tide_hf`: its lazy API loads it on first use)
 from tide_hf import TideRouter
 from tide_hf.errors import (
     TideArgumentError,

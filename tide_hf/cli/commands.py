@@ -12,7 +12,13 @@ import sys
 import warnings
 from contextlib import redirect_stderr, redirect_stdout
 
-from . import analyze, bench, calibrate, demo, env
+# each command's module by its own name: the package (whose __init__ imports this module) is not needed here
+import tide_hf.cli.analyze as analyze
+import tide_hf.cli.bench as bench
+import tide_hf.cli.calibrate as calibrate
+import tide_hf.cli.demo as demo
+import tide_hf.cli.env as env
+
 from .arguments import check_router_paths
 from .checks import command_name
 from .values import CPU, HelpFormatter

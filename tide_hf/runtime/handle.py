@@ -27,14 +27,23 @@ from ..errors import TideArgumentError, TideArgumentTypeError, TideUnsupportedEr
 from ..kernels import norm_router_scores
 from ..modeling import ModelAdapter, TideRouter, check_model, get_adapter, layer_output
 from ..record import CLOSED
-from . import registry
 from .batching import commit_packed, decode_positions, guard_continuous_batching
 from .compiled import install_compiled_call
 from .modes import resolve_mode
 from .options import TideConfig, TideOptions
 from .pairing import WeightsWatch, place_routers, refuse_pickling
 from .patching import Patches
-from .registry import detach, get_handle, last_stats  # (also here: their import path before registry.py)
+from .registry import (  # detach, get_handle, last_stats: also here, their import path before registry.py
+    LOCK,
+    check_free,
+    detach,
+    get_handle,
+    last_stats,
+    publish_stats,
+    register,
+    register_call,
+    unregister,
+)
 from .session import Session, Step, new_step
 from .skip.kv import KVRecompute
 from .skip.segments import SegmentedDecoding
@@ -120,7 +129,7 @@ class TideHandle:
     @property
     def last_stats(self) -> ExitStats | None:
         """Exit statistics of the latest generate call or forward on this model (continuous batching: so far)."""
-        return registry.last_stats(self.model)
+        return last_stats(self.model)
 
     def _new_session(self, generating: bool, eos: torch.Tensor | None = None) -> Session:
         if not torch.compiler.is_compiling():  # the model may have been cast, moved or loaded since the last call
@@ -145,7 +154,7 @@ class TideHandle:
         finally:  # (a forward interrupted by a BaseException, e.g. Ctrl-C, skips `_end`: its step is dropped here)
             self.commit(session, None)
             self._local.session, self._local.step = outer, None
-            registry.publish_stats(self.model, session.stats)
+            publish_stats(self.model, session.stats)
 
     @contextmanager
     def disabled(self) -> Iterator[None]:
@@ -213,14 +222,14 @@ class TideHandle:
             return
         session = self._local.session
         if step.packed is not None:  # counted and published now: continuous batching has no call end of its own
-            registry.publish_stats(self.model, commit_packed(session, step, self.num_layers))
+            publish_stats(self.model, commit_packed(session, step, self.num_layers))
             return
         session.pending.append(step)
         if getattr(self._local, "auto", False):
             self._local.auto = False
             self._local.session = None
             self.commit(session, None)
-            registry.publish_stats(self.model, session.stats)
+            publish_stats(self.model, session.stats)
             if output is not None:  # a plain forward returns a complete cache: tokens kv="recompute" parked catch up
                 made = cache_in(output) if isinstance(output, dict) else None  # (a cache the model made itself)
                 self.complete_cache(step.cache if step.cache is not None else made)
@@ -309,9 +318,9 @@ class TideHandle:
 
         Only this handle's own: the hooks of a concurrent per-call attach on the same model stay.
         """
-        with registry.LOCK:
+        with LOCK:
             self._patches.restore()
-            registry.unregister(self.model, self)
+            unregister(self.model, self)
 
 
 def hook_model(handle_class: type[TideHandle], model: nn.Module, router: TideRouter | str | os.PathLike,
@@ -329,10 +338,10 @@ def hook_model(handle_class: type[TideHandle], model: nn.Module, router: TideRou
     else:
         raise TideArgumentTypeError(f"router must be a TideRouter, a router folder or a Hub repo id; got "
                                     f"{type(router).__name__}")
-    with registry.LOCK:
-        registry.check_free(model)
+    with LOCK:
+        check_free(model)
         handle = _build(model, router, request, ignore_fingerprint=ignore_fingerprint, handle_class=handle_class)
-        registry.register(model, handle)
+        register(model, handle)
     return handle
 
 
@@ -343,12 +352,12 @@ def attach_for_call(model: nn.Module, router: TideRouter, request: TideConfig | 
     Other threads see the stock model, and any number of such calls may run on one model at once, each
     detaching only its own hooks. Refused while an `attach` (which acts in every thread) is in place.
     """
-    with registry.LOCK:
+    with LOCK:
         if get_handle(model) is not None:
             raise TideArgumentError("a different TIDE router is already attached to this model; use tide=True, "
                                     "or detach it before passing another router")
         handle = _build(model, router, request or TideConfig(), owner=threading.get_ident())
-        registry.register_call(model, handle)
+        register_call(model, handle)
     return handle
 
 

@@ -43,7 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "ratios against stock, what each step did, agreement with stock. Other settings: tide-hf "
                     "calibrate.\n\n"
                     "example: tide-hf demo --prompt 'What should Congress do about taxes?'\n"
-                    f"time {CPU}: ~4 min the first time (model conversion, calibration), then ~30 s (measured: 31 s)")
+                    f"time {CPU}: ~4 min the first time (model conversion, calibration), then ~30 s")
     g = p.add_argument_group("generation")
     g.add_argument("--prompt", default="What should Congress do about the economy?", help="the user message")
     g.add_argument("--max-new-tokens", type=positive_int, default=48, metavar="N", help="tokens generated per answer")

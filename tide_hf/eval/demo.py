@@ -16,7 +16,6 @@ import os
 import shutil
 import statistics
 import time
-import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -34,7 +33,7 @@ from ..integrations import attach
 from ..kernels import build_in_background
 from ..modeling import TideRouter, get_adapter
 from ..modeling.files import check_save_target
-from ..runtime import LinearPathWarning, fast_linears
+from ..runtime import fast_linears
 from .tables import percent
 
 # Options that change what the demo shows, not the router it calibrates (left out of the cache key).
@@ -174,10 +173,8 @@ def run_setup(model: Any, router: TideRouter, fast: bool, tide: bool, mode: str 
     """The model as one of the demo's runs uses it: on the fast linear path or not, TIDE attached or not (the
     handle, else None); everything undone afterwards."""
     with ExitStack() as stack:
-        if fast:
-            with warnings.catch_warnings():  # layers left eager are named once by the first run's warning
-                warnings.simplefilter("ignore", LinearPathWarning)
-                stack.enter_context(fast_linears(model))
+        if fast:  # (a LinearPathWarning for layers left eager shows once: Python's default filter)
+            stack.enter_context(fast_linears(model))
         yield stack.enter_context(attach(model, router, **mode_option(mode))) if tide else None
 
 
@@ -195,9 +192,8 @@ def drafts(stats: Any) -> dict[str, Any] | None:
 def compare(model: Any, tokenizer: Any, router: TideRouter, prompt: str, new_tokens: int, repeats: int,
             mode: str | None = None) -> dict[str, Any]:
     """Stock and TIDE (attached with `mode`; None: attach's default), each on eager and on the fast linear path,
-    on the same prompt:
-    their texts, tokens/s (each timed `repeats` times, interleaved in `RUNS` order after one warm-up each, so
-    drifts of the machine's speed reach all alike), layers per token and agreement."""
+    on the same prompt: their texts, tokens/s (each timed `repeats` times, interleaved in `RUNS` order after one
+    warm-up each, so drifts of the machine's speed reach all alike), what each step did and agreement."""
     inputs = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                            return_tensors="pt", return_dict=True)
     num_layers = get_adapter(model).num_layers

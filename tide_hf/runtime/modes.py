@@ -97,7 +97,7 @@ def resolve_mode(model: nn.Module, adapter: ModelAdapter, router: TideRouter, re
         if not refusals:
             return dataclasses.replace(options, auto=True, reason=why[mode]), plan
         saves = " (every layer runs; no compute saved)" if mode == "select" else ""
-        reason = f"attach's default: {' nor '.join(refusals)} can serve {type(model).__name__}"
+        reason = f"attach's default: {type(model).__name__} refused {' and '.join(refusals)}"
         warnings.warn(f"tide_hf: attach runs mode='{mode}'{saves} on {type(model).__name__}: {reason}",
                       ModeFallbackWarning, stacklevel=caller_stacklevel())
         return dataclasses.replace(options, auto=True, reason=reason), plan

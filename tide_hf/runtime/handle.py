@@ -234,13 +234,15 @@ class TideHandle:
                 made = cache_in(output) if isinstance(output, dict) else None  # (a cache the model made itself)
                 self.complete_cache(step.cache if step.cache is not None else made)
 
-    @torch.no_grad()
     def score(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """Router score in [0, 1] of each position of `hidden` (..., H) at checkpoint `layer`.
 
         The fused norm + router kernel when the model's final norm is a known kind, else the model's own
         norm module followed by the router MLP (the two agree; `tests/test_kernels.py` checks it).
         """
+        if torch.is_grad_enabled():  # (a no_grad context on every call costs more than the check: generate has none)
+            with torch.no_grad():
+                return self.score(layer, hidden)
         spec = self._norm_specs[layer]
         if spec is None:
             return torch.sigmoid(self.router.logit(layer, self.adapter.normed(hidden).float()))
@@ -273,16 +275,20 @@ class TideHandle:
                     f"checkpoint layer {layer} got {tuple(hidden.shape[:2])} (rows, positions) where the model's "
                     f"forward got {tuple(step.exit_layer.shape)}: a forward pre-hook registered on the model after "
                     "attach changed its inputs; register it before attach")
-            fresh = step.exit_layer == self.num_layers
             scores = self.score(layer, hidden)
-            if self.host_reads_free and not torch.compiler.is_compiling() \
-                    and not bool((fresh & (scores >= threshold).to(fresh.device)).any()):
-                if self._skipper is not None:  # nothing exits here: no exit state to make
-                    self._skipper.decide(step, layer, self.num_layers)
-                return
+            if self.host_reads_free and not torch.compiler.is_compiling():  # one host read, free on the CPU
+                passing = scores >= threshold
+                if step.exited:  # positions that exited at an earlier checkpoint do not exit again
+                    passing = passing & (step.exit_layer == self.num_layers).to(passing.device)
+                if not bool(passing.any()):  # nothing exits here: no exit state to make, no new decision
+                    if self._skipper is not None and not step.skip.decided:
+                        self._skipper.decide(step, layer, self.num_layers)
+                    return
+            fresh = step.exit_layer == self.num_layers
             exits = fresh & self.exit_mask(scores, hidden, threshold).to(fresh.device)
             # Device-side writes only (no `exits.any()`, no row indices): select mode never waits for an accelerator.
             step.exit_layer = step.exit_layer.masked_fill(exits, layer)
+            step.exited = True
             # (speculative mode never swaps exit states in: no exit head to run there)
             state = hidden if self.options.mode == "speculative" else self.exit_state(layer, hidden)
             states = step.exit_state

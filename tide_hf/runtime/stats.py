@@ -13,8 +13,8 @@ import torch
 class PhaseStats:
     """Exit layers of the tokens of one phase (prefill or decode); `num_layers` means no exit.
 
-    Counts accumulate on the device the exit decisions live on, so counting a step never waits for the
-    device (no host sync per forward); they are read back once, when a property is first used.
+    A step's decisions are kept as they are and counted when a figure is first read: counting them costs no
+    tensor work per step, and never waits for the device (no host sync per forward).
     """
 
     num_layers: int
@@ -23,30 +23,42 @@ class PhaseStats:
     # kv="recompute": layer runs made up in this phase for positions earlier steps parked (rows x positions, padding
     # and finished rows included: the work the forwards did, beyond each step's own depth)
     recomputed: int = 0
+    _pending: list = field(default_factory=list, repr=False)  # (exit layers, executed, keep) not counted yet
 
     def add(self, exit_layers: torch.Tensor, executed: int | torch.Tensor, keep: torch.Tensor | None = None,
             recomputed: int = 0) -> None:
         """Count the per-token exit layers `exit_layers` where `keep` (default: all), each token having run
         `executed` layers (one number, or one per token), and `recomputed` layer runs made up for earlier tokens.
-        Device-side only: no host sync."""
+        Kept until a figure is read (`_count`)."""
         self.recomputed += recomputed
-        layers = exit_layers.reshape(-1)
-        weights = torch.ones_like(layers) if keep is None else keep.reshape(-1).to(layers.device, torch.long)
+        self._pending.append((exit_layers, executed, keep))
+
+    def _count(self) -> None:
+        """Fold the steps kept by `add` into the per-layer counts, on the device their decisions live on."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        device = pending[0][0].device if self._exits is None else self._exits.device
+        layers, executed, weights = [], [], []
+        for exit_layers, ran, keep in pending:
+            flat = exit_layers.reshape(-1).to(device)
+            layers.append(flat)
+            executed.append(ran.reshape(-1).to(device) if isinstance(ran, torch.Tensor) else torch.full_like(flat, ran))
+            weights.append(torch.ones_like(flat) if keep is None else keep.reshape(-1).to(device, torch.long))
         if self._exits is None:
-            self._exits = torch.zeros(self.num_layers + 1, dtype=torch.long, device=layers.device)
+            self._exits = torch.zeros(self.num_layers + 1, dtype=torch.long, device=device)
             self._executed = torch.zeros_like(self._exits)
-        self._exits.scatter_add_(0, layers.to(self._exits.device), weights.to(self._exits.device))
-        if isinstance(executed, torch.Tensor):
-            self._executed.scatter_add_(0, executed.reshape(-1).to(self._executed.device),
-                                        weights.to(self._executed.device))
-        else:
-            self._executed[executed] += weights.sum().to(self._executed.device)
+        weight = torch.cat(weights)
+        self._exits.scatter_add_(0, torch.cat(layers), weight)
+        self._executed.scatter_add_(0, torch.cat(executed).to(torch.long), weight)
 
     def merge(self, other: PhaseStats) -> None:
         """Add the counts of `other` (same model) to these."""
+        self._pending.extend(other._pending)
         self.recomputed += other.recomputed
         if other._exits is None:
             return
+        self._count()
         if self._exits is None:
             self._exits, self._executed = other._exits.clone(), other._executed.clone()
             return
@@ -56,11 +68,13 @@ class PhaseStats:
     @property
     def exits(self) -> Counter:
         """layer -> tokens that left after it (read from the device)."""
+        self._count()
         return _counter(self._exits)
 
     @property
     def executed(self) -> Counter:
         """layers really run -> tokens (read from the device)."""
+        self._count()
         return _counter(self._executed)
 
     @property

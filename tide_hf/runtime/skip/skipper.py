@@ -81,6 +81,7 @@ class LayerSkipper:
         read); else gather the positions still running for them (`compaction.py`). Under `kv="recompute"` the
         whole batch runs until every row has exited: the layers a stopped position skips still run for it (at
         the next step, or now with its batch), so setting it aside saves no work."""
+        step.skip.decided = True  # (what follows depends on the exits so far only)
         running = step.valid.to(step.exit_layer.device) & (step.exit_layer == num_layers)
         if not bool(running.any()):  # skip mode's one host read per checkpoint reached ...
             step.skip.all_exited_at = layer

@@ -145,8 +145,9 @@ class TideRouter(PreTrainedModel):
             return None
         nll = self.held_out_test_nll.detach().to("cpu", torch.float32).clone()
         nll[~self.held_out_test_has_next.cpu()] = float("nan")
-        return HeldOut(order_scores=self.held_out_order_scores, test_scores=self.held_out_test_scores,
-                       test_mismatch=self.held_out_test_mismatch.bool(), test_nll=nll)
+        return HeldOut(order_scores=self.held_out_order_scores.detach().cpu().clone(),  # copies: the buffers stay
+                       test_scores=self.held_out_test_scores.detach().cpu().clone(),  # as calibration wrote them
+                       test_mismatch=self.held_out_test_mismatch.detach().cpu().bool().clone(), test_nll=nll)
 
     @staticmethod
     def draft_vocab_length(coverage: dict[str, float]) -> int:

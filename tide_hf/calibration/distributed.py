@@ -197,8 +197,8 @@ def train_on_main(train: Callable[..., None], router: TideRouter, data: Any, *, 
                                     test_nll=torch.zeros(n_test, k)))
     device = _comm_device(state)
     with torch.no_grad():
-        for tensor in router.state_dict().values():
-            wire = tensor.to(device)
+        for tensor in router.state_dict().values():  # (bool buffers travel as bytes: not every backend sends bool)
+            wire = tensor.to(device, torch.uint8 if tensor.dtype == torch.bool else tensor.dtype)
             dist.broadcast(wire, src=0)
             tensor.copy_(wire)
 

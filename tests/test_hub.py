@@ -45,6 +45,8 @@ ROUTER_KWARGS: dict[str, Any] = {
     "exit_paths": {"agreement": {"thresholds": [[1.0, 1.0, 1.0], [1.0, 0.625, 1.0], [0.75, 0.625, 0.5]],
                                  "errors": [0, 3, 40], "n": 1000, "nll_sum": [0.0, 1.5, 30.25],
                                  "nll_sumsq": [0.0, 2.0, 60.5], "n_next": 990}},
+    # the held-out scores the weights keep (validation, threshold tokens): they must come back with the tensors
+    "held_out_tokens": [6, 5],
 }
 # Keys that legitimately differ between an in-memory config and one read back from a repo.
 VOLATILE_CONFIG_KEYS = {"_name_or_path", "_commit_hash", "architectures", "transformers_version", "dtype"}
@@ -60,6 +62,19 @@ def _dump(model: torch.nn.Module, out: Path, name: str) -> None:
     (out / f"{name}.json").write_text(json.dumps(meta))
 
 
+def _set_held_out(router: torch.nn.Module) -> None:
+    """Random held-out scores and losses of ROUTER_KWARGS' sizes (one token without a next token)."""
+    from tide_hf.modeling.targets import HeldOut
+
+    gen = torch.Generator().manual_seed(0)
+    (n_order, n_test), k = ROUTER_KWARGS["held_out_tokens"], len(ROUTER_KWARGS["checkpoint_layers"])
+    nll = torch.randn(n_test, k, generator=gen)
+    nll[-1] = float("nan")
+    router.set_held_out(HeldOut(order_scores=torch.rand(n_order, k, generator=gen),
+                                test_scores=torch.rand(n_test, k, generator=gen),
+                                test_mismatch=torch.rand(n_test, k, generator=gen) > 0.5, test_nll=nll))
+
+
 def _worker(mode: str, out_dir: str) -> None:
     """`push_pull`: push a fresh router, then load it back twice (fresh caches). `offline`: load from cache only."""
     import transformers
@@ -70,6 +85,7 @@ def _worker(mode: str, out_dir: str) -> None:
     if mode == "push_pull":
         torch.manual_seed(0)
         router = tide_hf.TideRouter(tide_hf.TideRouterConfig(**ROUTER_KWARGS))
+        _set_held_out(router)
         _dump(router, out, "original")
         (out / "commit.txt").write_text(router.push_to_hub(REPO_ID).oid)
         _dump(tide_hf.TideRouter.from_pretrained(REPO_ID), out, "tide")  # into $HF_HUB_CACHE
@@ -171,7 +187,10 @@ def pushed(hub: HubServer, workdir: Path) -> Path:
 
 def test_push_then_pull_round_trips(hub: HubServer, pushed: Path) -> None:
     original, meta = _loaded(pushed, "original")
-    assert len(original) == 4 * len(ROUTER_KWARGS["checkpoint_layers"])
+    from tide_hf.modeling.router import HELD_OUT_BUFFERS
+
+    assert len(original) == 4 * len(ROUTER_KWARGS["checkpoint_layers"]) + len(HELD_OUT_BUFFERS)
+    assert set(HELD_OUT_BUFFERS) <= set(original) and bool(original["held_out_order_scores"].any())
     _assert_router(pushed, "tide", original, meta["config"])
     _assert_router(pushed, "auto", original, meta["config"])
 

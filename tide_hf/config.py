@@ -13,7 +13,7 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from .errors import TideArgumentError, TideArgumentTypeError, TideRouterFileError
-from .record import RECORD_KEY, check_coverage, check_exit_paths, flatten_record, nest_record
+from .record import RECORD_KEY, check_coverage, check_exit_paths, check_held_out_tokens, flatten_record, nest_record
 from .settings import (
     CONTINUATIONS,
     EXIT_HEADS,
@@ -142,6 +142,9 @@ class TideRouterConfig(PretrainedConfig):
         check_min_layers(self.min_layers, self.num_hidden_layers)
         check_coverage(self.draft_vocab_coverage)
         check_exit_paths(self.exit_paths, len(self.checkpoint_layers))
+        check_held_out_tokens(self.held_out_tokens)
+        if self.held_out_tokens is not None:
+            self.held_out_tokens = list(self.held_out_tokens)
         if not -SEED_BOUND <= self.seed < 2 * SEED_BOUND:
             raise TideArgumentError(f"seed must be in [-2**63, 2**64), what torch.manual_seed takes, got {self.seed}")
         for name in ("metrics", "calibration_seconds"):

@@ -19,14 +19,15 @@ SECTIONS = {
     # what the router was made from: the base model (checked at attach), the text and how it was sampled
     "provenance": ("base_model_name_or_path", "base_model_revision", "base_architecture", "base_model_type",
                    "base_fingerprint", "dataset", "unique_documents", "num_samples", "seq_len"),
-    # what calibration measured: per-checkpoint metrics, the exit paths quality targets select from, the
-    # draft vocabulary's coverage, the seconds each stage took
-    "results": ("metrics", "exit_paths", "draft_vocab_coverage", "calibration_seconds"),
+    # what calibration measured: per-checkpoint metrics, the exit paths quality targets select from, the sizes of
+    # the held-out scores the weights keep, the draft vocabulary's coverage, the seconds each stage took
+    "results": ("metrics", "exit_paths", "held_out_tokens", "draft_vocab_coverage", "calibration_seconds"),
 }
 # Exit paths for quality targets (see `tide_hf.modeling.targets`): top-1 agreement, perplexity change.
 PATH_KINDS = ("agreement", "perplexity")
 CLOSED = 1.0  # a per-checkpoint threshold that never exits (every exit path starts with all of them closed)
 SUMSQ_SLACK = 1e-9  # relative rounding a stored table's NLL sums may carry (fp64 sums written as JSON)
+HELD_OUT_SPLITS = ("validation", "threshold")  # held_out_tokens' order: the ordering split, then the test split
 RECORD_FIELDS = frozenset(name for names in SECTIONS.values() for name in names)
 
 
@@ -73,6 +74,18 @@ def check_coverage(coverage: Any) -> None:
             raise TideArgumentError(f"draft_vocab_coverage: sizes must be positive integers written as strings, "
                                     f"got {size!r}")
         check_real(f"draft_vocab_coverage[{size!r}]", share, low=0.0, high=1.0)
+
+
+def check_held_out_tokens(value: Any) -> None:
+    """`held_out_tokens`: None (no held-out scores kept) or [validation tokens, threshold tokens], the rows of the
+    held-out matrices the weights keep (`TideRouter.held_out`)."""
+    if value is None:
+        return
+    if not isinstance(value, (list, tuple)) or len(value) != len(HELD_OUT_SPLITS):
+        raise TideArgumentTypeError(f"held_out_tokens must be None or a list of two token counts "
+                                    f"[{', '.join(HELD_OUT_SPLITS)}], got {value!r}")
+    for name, count in zip(HELD_OUT_SPLITS, value):
+        check_int(f"held_out_tokens ({name})", count, minimum=0)
 
 
 def check_exit_paths(paths: Any, num_checkpoints: int) -> None:

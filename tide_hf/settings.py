@@ -159,6 +159,9 @@ class RouterFields:
     exit_paths: dict[str, Any] = setting(factory=dict, help="the calibrated exit paths per kind ('agreement', "
                                          "'perplexity'): threshold vectors and the held-out losses quality targets "
                                          "are certified with (tide_hf.modeling.targets)")
+    held_out_tokens: list[int] | None = setting(help="[validation, threshold] tokens whose router scores and losses "
+                                                "the weights keep (held_out_*), to price exits and re-select "
+                                                "thresholds at attach (None: none kept)")
     draft_vocab_coverage: dict[str, float] = setting(factory=dict, help="candidate sizes n (as strings) -> "
                                                      "held-out share of tokens whose final top-1 is among the n "
                                                      "tokens the model predicted most often (speculative drafts "

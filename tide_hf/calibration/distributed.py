@@ -25,6 +25,7 @@ from torch import nn
 
 from ..errors import TideDistributedError
 from ..modeling import TideRouter
+from ..modeling.targets import HeldOut
 
 if TYPE_CHECKING:
     from accelerate import PartialState
@@ -161,8 +162,9 @@ def _broadcast_bytes(payload: bytes, state: PartialState) -> bytes:
 
 def train_on_main(train: Callable[..., None], router: TideRouter, data: Any, *, progress: bool) -> None:
     """`train(router, data, progress=progress)` in the main process only; then every process holds the main
-    process's router parameters and buffers, `config.metrics`, `config.exit_paths` and
-    `config.draft_vocab_coverage`. An error in training is raised in every process."""
+    process's router parameters and buffers (the held-out scores among them), `config.metrics`,
+    `config.exit_paths`, `config.held_out_tokens` and `config.draft_vocab_coverage`. An error in training is
+    raised in every process."""
     state = _state()
     if state is None:
         train(router, data, progress=progress)
@@ -175,6 +177,7 @@ def train_on_main(train: Callable[..., None], router: TideRouter, data: Any, *, 
             failure = exc
     report = {"metrics": router.config.metrics, "exit_paths": router.config.exit_paths,
               "draft_vocab_coverage": router.config.draft_vocab_coverage,
+              "held_out_tokens": router.config.held_out_tokens,
               "error": None if failure is None else f"{type(failure).__name__}: {failure}"}
     report = json.loads(_broadcast_bytes(json.dumps(report).encode(), state))
     if failure is not None:
@@ -186,10 +189,16 @@ def train_on_main(train: Callable[..., None], router: TideRouter, data: Any, *, 
     if report["draft_vocab_coverage"] and not state.is_main_process:  # the ranking itself comes with the tensors
         coverage = report["draft_vocab_coverage"]
         router.set_draft_vocab(torch.zeros(router.draft_vocab_length(coverage), dtype=torch.long), coverage)
+    if report["held_out_tokens"] is not None and not state.is_main_process:  # sized here, filled by the tensors
+        n_order, n_test = report["held_out_tokens"]
+        k = len(router.checkpoint_layers)
+        router.set_held_out(HeldOut(order_scores=torch.zeros(n_order, k), test_scores=torch.zeros(n_test, k),
+                                    test_mismatch=torch.zeros(n_test, k, dtype=torch.bool),
+                                    test_nll=torch.zeros(n_test, k)))
     device = _comm_device(state)
     with torch.no_grad():
-        for tensor in router.state_dict().values():
-            wire = tensor.to(device)
+        for tensor in router.state_dict().values():  # (bool buffers travel as bytes: not every backend sends bool)
+            wire = tensor.to(device, torch.uint8 if tensor.dtype == torch.bool else tensor.dtype)
             dist.broadcast(wire, src=0)
             tensor.copy_(wire)
 

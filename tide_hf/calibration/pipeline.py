@@ -34,7 +34,7 @@ from .distributed import is_main_process, main_process_first, train_on_main
 from .heads import fit_exit_heads
 from .labels import Collected, collect, label
 from .samples import make_samples, pad_token_id
-from .thresholds import fit_exit_paths
+from .thresholds import fit_exit_paths, held_out_scores
 from .training import check_splits, train_routers
 from .vocab import fit_draft_vocab
 
@@ -98,7 +98,8 @@ def check_context(model: nn.Module, seq_len: int, what: str | None = None) -> No
 _DERIVED_FIELDS = frozenset({"hidden_size", "num_hidden_layers", "base_model_name_or_path", "base_model_revision",
                              "unique_documents",
                              "base_architecture", "base_model_type", "base_fingerprint", "seq_len",
-                             "draft_vocab_coverage", "metrics", "exit_paths", "calibration_seconds"})
+                             "draft_vocab_coverage", "metrics", "exit_paths", "held_out_tokens",
+                             "calibration_seconds"})
 
 
 def check_calibrate_args(*, num_samples: Any, seq_len: Any, batch_size: Any, config_kwargs: dict[str, Any]) -> None:
@@ -118,8 +119,8 @@ def fit(router: TideRouter, data: Collected, *, adapter: ModelAdapter, device: t
         progress: bool = True) -> None:
     """Fit the exit heads, label the kept tokens with them (the model's head, `adapter`, on `device`), rank the
     draft vocabulary, train the routers on `device` (default: where the features are), then calibrate their exit
-    paths for quality targets (`config.exit_paths`), scoring the held-out tokens there too; the router ends where
-    it was."""
+    paths for quality targets (`config.exit_paths`), scoring the held-out tokens there too, and keep those scores
+    with the router (`TideRouter.held_out`); the router ends where it was."""
     check_splits(data, router.config)
     home = router.device
     work = torch.device(device) if device is not None else home
@@ -131,7 +132,9 @@ def fit(router: TideRouter, data: Collected, *, adapter: ModelAdapter, device: t
         vocab_size = adapter.logits(data.final[:1].to(work, next(adapter.lm_head.parameters()).dtype)).shape[-1]
         fit_draft_vocab(router, data, vocab_size)
         train_routers(router, data, device=device, progress=progress)
-        router.config.exit_paths = fit_exit_paths(router, data)
+        held_out = held_out_scores(router, data)
+        router.config.exit_paths = fit_exit_paths(router, data, held_out)
+        router.set_held_out(held_out)
     finally:
         router.to(home)
 

@@ -9,6 +9,9 @@ checkpoint whose score reaches its threshold). The agreement path counts top-1 m
 perplexity path is ordered by KL(final || exit), the expected change in next-token NLL (the observed change is
 heavy-tailed, and ordering by it follows the validation samples' noise), and tested with the observed change.
 Because the ordering never sees the threshold samples, testing along it is valid.
+
+The scores and losses both splits give (`HeldOut`, `held_out_scores`) are kept with the router, so attach can
+price exits and re-select thresholds without the calibration data (`tide_hf.modeling.targets.reselect`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 
 from ..config import TideRouterConfig
 from ..modeling import TideRouter
+from ..modeling.targets import HeldOut, exit_index, path_losses
 from ..record import CLOSED
 from .labels import Collected
 
@@ -29,12 +33,6 @@ DECIMALS = 6  # thresholds are rounded before they are evaluated, so the stored 
 def down(value: float) -> float:
     """`value` rounded down to DECIMALS: a threshold at a score quantile keeps the tokens at that score."""
     return math.floor(value * 10**DECIMALS) / 10**DECIMALS
-
-
-def exit_index(scores: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
-    """Per token, the first checkpoint (column) whose score reaches its threshold; K (columns) for none."""
-    fires = (scores >= thresholds) & (thresholds < CLOSED)
-    return torch.where(fires.any(1), fires.int().argmax(1), scores.shape[1])
 
 
 def _totals(scores: torch.Tensor, loss: torch.Tensor, saved: torch.Tensor, thresholds: torch.Tensor
@@ -83,51 +81,50 @@ def build_path(scores: torch.Tensor, loss: torch.Tensor, saved: torch.Tensor, gr
         path.append(current.tolist())
 
 
-def path_losses(path: list[list[float]], scores: torch.Tensor, mismatch: torch.Tensor, nll: torch.Tensor
-                ) -> dict[str, Any]:
-    """Losses of every path point on held-out tokens: top-1 mismatches and the NLL change's sum and sum of
-    squares (tokens without a next token count for agreement only)."""
-    n = scores.shape[0]
-    mismatch = torch.cat([mismatch.float(), mismatch.new_zeros(n, 1).float()], 1)
-    has_next = ~nll.isnan().any(1)
-    change = torch.cat([torch.nan_to_num(nll.double()), nll.new_zeros(n, 1).double()], 1)[has_next]
-    errors, sums, squares = [], [], []
-    for point in path:
-        first = exit_index(scores, torch.tensor(point, dtype=scores.dtype))
-        errors.append(int(mismatch.gather(1, first[:, None]).sum()))
-        taken = change.gather(1, first[has_next][:, None]).squeeze(1)
-        sums.append(float(taken.sum()))
-        squares.append(float((taken * taken).sum()))
-    return {"thresholds": path, "errors": errors, "n": n, "nll_sum": sums, "nll_sumsq": squares,
-            "n_next": int(has_next.sum())}
+def splits(data: Collected) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, test) token masks: the validation tokens the paths are ordered on, the threshold tokens they are
+    tested on."""
+    return data.is_val & ~data.is_test, data.is_test
 
 
 @torch.no_grad()
-def fit_exit_paths(router: TideRouter, data: Collected) -> dict[str, Any]:
+def held_out_scores(router: TideRouter, data: Collected) -> HeldOut:
+    """`router`'s scores on the ordering split and its scores, top-1 mismatches and NLL changes on the test split,
+    as the paths use them and the router keeps them (`TideRouter.set_held_out`)."""
+    layers = list(router.config.checkpoint_layers)
+    order, test = splits(data)
+
+    def scores(rows: torch.Tensor) -> torch.Tensor:
+        return torch.stack([torch.sigmoid(router.logit(k, data.features[k][rows])).float().cpu() for k in layers], 1)
+
+    nll = torch.stack([data.nll[k][test] for k in layers], 1).float().cpu()
+    # as `path_losses` reads them: a row with a NaN has no next token; an infinite change is the largest finite one
+    nll = torch.nan_to_num(nll, nan=math.nan, posinf=torch.finfo(nll.dtype).max, neginf=torch.finfo(nll.dtype).min)
+    nll[nll.isnan().any(1)] = math.nan
+    return HeldOut(order_scores=scores(order), test_scores=scores(test),
+                   test_mismatch=torch.stack([~data.top1[k][test] for k in layers], 1).cpu(), test_nll=nll)
+
+
+@torch.no_grad()
+def fit_exit_paths(router: TideRouter, data: Collected, held_out: HeldOut | None = None) -> dict[str, Any]:
     """The agreement and perplexity paths of `router` (ordered on validation tokens, tested on threshold ones);
-    checkpoints below `min_layers` or with a never-firing router stay closed on both."""
+    checkpoints below `min_layers` or with a never-firing router stay closed on both. `held_out`: the router's
+    `held_out_scores(router, data)` when the caller has them (the losses are counted on exactly those)."""
     cfg: TideRouterConfig = router.config
     layers = list(cfg.checkpoint_layers)
-    order, test = data.is_val & ~data.is_test, data.is_test
-
-    def matrices(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        scores = torch.stack([torch.sigmoid(router.logit(k, data.features[k][rows])).float().cpu() for k in layers], 1)
-        mismatch = torch.stack([~data.top1[k][rows] for k in layers], 1)
-        nll = torch.stack([data.nll[k][rows] for k in layers], 1)
-        return scores, mismatch, nll
-
+    order, _ = splits(data)
+    held_out = held_out_scores(router, data) if held_out is None else held_out
     saved = torch.tensor([cfg.num_hidden_layers - k for k in layers], dtype=torch.float64)
     # A checkpoint whose training label had no positive gets a never-firing constant router (`training.py`): it
     # stays closed (its constant score as a threshold would exit every token there, a fixed depth, not a router)
     train = ~data.is_val
     silent = {k for k in layers if bool(train.any()) and not bool(data.labels(k, cfg)[train].any())}
     served = [k >= cfg.min_layers and k not in silent for k in layers]
-    scores_o, mismatch_o, _ = matrices(order)
-    scores_t, mismatch_t, nll_t = matrices(test)
+    scores_o = held_out.order_scores
+    mismatch_o = torch.stack([~data.top1[k][order] for k in layers], 1)
     kl_order = torch.stack([data.kl[k][order] for k in layers], 1).double()  # computed for every held-out token
+    tested = (held_out.test_scores, held_out.test_mismatch, held_out.test_nll)
     return {
-        "agreement": path_losses(build_path(scores_o, mismatch_o.double(), saved, cfg.path_grid, served),
-                                 scores_t, mismatch_t, nll_t),
-        "perplexity": path_losses(build_path(scores_o, kl_order, saved, cfg.path_grid, served),
-                                  scores_t, mismatch_t, nll_t),
+        "agreement": path_losses(build_path(scores_o, mismatch_o.double(), saved, cfg.path_grid, served), *tested),
+        "perplexity": path_losses(build_path(scores_o, kl_order, saved, cfg.path_grid, served), *tested),
     }

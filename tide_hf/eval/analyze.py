@@ -27,12 +27,11 @@ from ..assets import default_dataset, load_model
 from ..calibration import held_out_texts, load_texts, make_samples, pad_right, pad_token_id
 from ..calibration.labels import LABEL_CHUNK_ROWS, FinalDistribution
 from ..calibration.pipeline import check_context
-from ..calibration.thresholds import exit_index
 from ..config import default_checkpoints
 from ..errors import TideArgumentError, TideDataError
 from ..modeling import ModelAdapter, TideRouter, check_head, get_adapter, layer_output
 from ..modeling.files import check_results_folder
-from ..modeling.targets import select
+from ..modeling.targets import exit_index, select
 from ..values import check_real
 from .plots import convergence as plot_convergence
 from .plots import efficiency as plot_efficiency

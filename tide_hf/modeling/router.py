@@ -32,9 +32,16 @@ from .files import (
 from .fingerprint import fingerprint_version, model_fingerprint
 from .hub import check_repo_id, push_folder
 from .quiet import quiet_hf
+from .targets import HeldOut
 
 # router -> (its config's fields, its weights' shapes) at the last `check_consistent(reuse=True)` that passed
 _CONSISTENT: weakref.WeakKeyDictionary[nn.Module, tuple[dict, dict]] = weakref.WeakKeyDictionary()
+
+# The held-out matrices' buffers (model.safetensors keys), rows first: the ordering split's, then the test split's.
+# The NLL changes are stored with 0 where a token has no next token (`held_out_test_has_next` says where), so the file
+# holds finite values only; `TideRouter.held_out` puts the NaN rows back.
+HELD_OUT_BUFFERS = ("held_out_order_scores", "held_out_test_scores", "held_out_test_mismatch", "held_out_test_nll",
+                    "held_out_test_has_next")
 
 # save_pretrained(push_to_hub=True)'s keywords that go to the push, not to the save (as in transformers)
 PUSH_KEYWORDS = ("repo_id", "commit_message", "commit_description", "private", "token", "revision", "create_pr")
@@ -73,7 +80,8 @@ class TideRouter(PreTrainedModel):
     representation in calibration and at serving time. With `config.exit_head == "linear"` the router also holds
     one exit head (`ExitHead`, an affine hidden -> hidden map) per checkpoint: what an exited token's logits
     are made from (`exit_state`, `exit_logits`). With a calibrated `config.draft_vocab_coverage` it holds the
-    draft vocabulary too: `draft_vocab`, token ids in order of how often they were the final top-1.
+    draft vocabulary too: `draft_vocab`, token ids in order of how often they were the final top-1. With
+    `config.held_out_tokens` it keeps calibration's held-out scores and losses as buffers (`held_out`).
 
     Args:
         config: the routers' architecture, settings and calibration record (`TideRouterConfig`).
@@ -100,7 +108,46 @@ class TideRouter(PreTrainedModel):
         if config.draft_vocab_coverage:
             length = self.draft_vocab_length(config.draft_vocab_coverage)
             self.register_buffer("draft_vocab", torch.zeros(length, dtype=torch.long))
+        if config.held_out_tokens is not None:  # zeros of the stored sizes: from_pretrained fills them
+            n_order, n_test = config.held_out_tokens
+            k = len(config.checkpoint_layers)
+            self.register_held_out(torch.zeros(n_order, k), torch.zeros(n_test, k),
+                                   torch.zeros(n_test, k, dtype=torch.bool), torch.zeros(n_test, k),
+                                   torch.zeros(n_test, dtype=torch.bool))
         self.post_init()
+
+    def register_held_out(self, order_scores: torch.Tensor, test_scores: torch.Tensor, test_mismatch: torch.Tensor,
+                          test_nll: torch.Tensor, test_has_next: torch.Tensor) -> None:
+        """Register the held-out matrices as persistent buffers (saved in model.safetensors, never trained); NaN-free
+        `test_nll` with `test_has_next` saying which rows have a next token."""
+        tensors = (order_scores, test_scores, test_mismatch, test_nll, test_has_next)
+        for name, tensor in zip(HELD_OUT_BUFFERS, tensors, strict=True):
+            self.register_buffer(name, tensor)
+
+    def set_held_out(self, held_out: HeldOut) -> None:
+        """Keep calibration's held-out scores and losses with the router (`held_out`), sized in its config
+        (`held_out_tokens`), so attach can price exits and re-select thresholds."""
+        if not isinstance(held_out, HeldOut):
+            raise TideArgumentTypeError(f"held_out must be a HeldOut, got {type(held_out).__name__}")
+        held_out.check_checkpoints(self.checkpoint_layers)
+        device = next(self.parameters()).device
+        nll = held_out.test_nll
+        self.register_held_out(*(t.to(device).clone() for t in (
+            held_out.order_scores, held_out.test_scores, held_out.test_mismatch, torch.nan_to_num(nll, nan=0.0),
+            ~nll.isnan().any(1))))
+        self.config.held_out_tokens = [held_out.order_scores.shape[0], held_out.test_scores.shape[0]]
+
+    @property
+    def held_out(self) -> HeldOut | None:
+        """Calibration's held-out scores and losses (CPU, float32; `tide_hf.modeling.targets.HeldOut`), what exits
+        are priced and thresholds re-selected with at attach; None for a router calibrated before they were kept."""
+        if self.config.held_out_tokens is None:
+            return None
+        nll = self.held_out_test_nll.detach().to("cpu", torch.float32).clone()
+        nll[~self.held_out_test_has_next.cpu()] = float("nan")
+        return HeldOut(order_scores=self.held_out_order_scores.detach().cpu().clone(),  # copies: the buffers stay
+                       test_scores=self.held_out_test_scores.detach().cpu().clone(),  # as calibration wrote them
+                       test_mismatch=self.held_out_test_mismatch.detach().cpu().bool().clone(), test_nll=nll)
 
     @staticmethod
     def draft_vocab_length(coverage: dict[str, float]) -> int:

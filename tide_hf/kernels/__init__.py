@@ -7,7 +7,7 @@ PyTorch path and reads a model's final norm into a `NormSpec`.
 from __future__ import annotations
 
 from .build import active_backend, build_in_background, kernel_build_error
-from .ops import gather_rows, norm_router_scores, scatter_rows_
+from .ops import bind_router_scores, gather_rows, norm_router_scores, scatter_rows_
 from .reference import NORM_KINDS, NormSpec, apply_norm, norm_router_scores_reference, norm_spec
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "NormSpec",
     "active_backend",
     "apply_norm",
+    "bind_router_scores",
     "build_in_background",
     "gather_rows",
     "kernel_build_error",

@@ -12,6 +12,8 @@ when it is built (see `build.py`), else the PyTorch reference (`reference.py`); 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..errors import TideIndexError
@@ -95,6 +97,26 @@ def norm_router_scores(
     op = norm_router_scores_op if torch.compiler.is_compiling() else scores_impl
     scores = op(flat, NORM_KINDS[spec.kind], spec.weight, spec.bias, spec.eps, w1, b1, w2, b2)
     return scores.reshape(hidden.shape[:-1])
+
+
+def bind_router_scores(spec: NormSpec, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor
+                       ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`norm_router_scores` with these weights, its checks done once: a decode step scores every open checkpoint,
+    and on a small model the Python around the kernel costs as much as the kernel. Eager calls with the kernel's
+    dtypes go straight to the extension built for the weights' device (looked up now: `TIDE_HF_NO_KERNELS` is
+    read when bound); anything else (autograd, another dtype, a compiled graph) takes `norm_router_scores`."""
+    ext = extension(flavour_of(w1.device))
+    if (ext is None or spec.kind not in NORM_KINDS
+            or not w1.dtype == b1.dtype == w2.dtype == b2.dtype == torch.float32):
+        return lambda hidden: norm_router_scores(hidden, spec, w1, b1, w2, b2)
+    args = (NORM_KINDS[spec.kind], spec.weight, spec.bias, spec.eps, w1, b1, w2, b2)
+    weights = [t for t in (w1, b1, w2, b2, spec.weight, spec.bias) if t is not None]
+
+    def scores(hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.dtype not in KERNEL_DTYPES or torch.compiler.is_compiling() or _autograd(hidden, *weights):
+            return norm_router_scores(hidden, spec, w1, b1, w2, b2)
+        return ext.norm_router_scores(hidden.reshape(-1, hidden.shape[-1]), *args).reshape(hidden.shape[:-1])
+    return scores
 
 
 def check_rows(index: torch.Tensor, rows: int) -> None:

@@ -12,8 +12,10 @@ beyond its layers' outputs: no `output_hidden_states`, no second forward.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,11 +26,15 @@ from torch import nn
 
 from ..compat import cache_in, is_paged
 from ..errors import TideArgumentError, TideArgumentTypeError, TideUnsupportedError
-from ..kernels import norm_router_scores
+from ..kernels import bind_router_scores
 from ..modeling import ModelAdapter, TideRouter, check_model, get_adapter, layer_output
+from ..modeling.fingerprint import remembered
 from ..record import CLOSED
 from .batching import commit_packed, decode_positions, guard_continuous_batching
+from . import costs, pricing
+from .aside import StepAside, new_report
 from .compiled import install_compiled_call
+from .costs import StepCosts
 from .modes import resolve_mode
 from .options import TideConfig, TideOptions
 from .pairing import WeightsWatch, place_routers, refuse_pickling
@@ -69,12 +75,15 @@ class TideHandle:
         # no exit state. On an accelerator select mode reads nothing (a read waits for the device).
         self.host_reads_free = all(p.device.type == "cpu" for p in adapter.layers.parameters())
         self.checkpoints = [k for k in router.checkpoint_layers if k >= options.min_layers]
-        self.open_checkpoints = [k for k in self.checkpoints if options.threshold(k) < CLOSED]  # those that can exit
+        # checkpoint -> its exit threshold, read at every call (pricing's measurement forces exits through it)
+        self.thresholds = {k: options.threshold(k) for k in self.checkpoints}
+        self.open_checkpoints = [k for k in self.checkpoints if self.thresholds[k] < CLOSED]  # those that can exit
         self.turns = Turns(options.mode == "speculative")  # a speculative call runs alone (`turns.py`)
         self._local = threading.local()
         self._local.owner = owner is not None  # set in the owner's thread only (`_bypassed`)
         self._waiting: weakref.WeakKeyDictionary[Any, KVRecompute] = weakref.WeakKeyDictionary()
         self._norm_specs = place_routers(router, adapter)
+        self._scorers = self._bind_scorers()
         self._patches = Patches()
         self._patches.set_attr(model, "__reduce_ex__", refuse_pickling)  # pickle and copy look it up on the instance
         if owner is None:  # attached in every thread: continuous batching (no thread's call scopes it) is checked
@@ -84,10 +93,13 @@ class TideHandle:
         for k in self.checkpoints:
             self._patches.hook(adapter.layers[k - 1].register_forward_hook(self._checkpoint_hook(k)))
         self._patches.hook(adapter.layers[-1].register_forward_hook(self._final_hook))
-        self._skipper = None if skip_plan is None else LayerSkipper(
+        self._skipper = None if skip_plan is None or not self.open_checkpoints else LayerSkipper(
             adapter.layers, self.open_checkpoints[0], skip_plan, options.kv, self, self._patches)
+        # priced skip mode on the CPU times its decode steps against plain ones (`aside.py`)
+        self._aside = StepAside() if self._skipper is not None and options.priced and "costs" in options.priced \
+            and self.host_reads_free else None
         breaks = None if self._skipper is None else SegmentedDecoding.unsupported(adapter.layers)
-        thresholds = {k: options.threshold(k) for k in self.open_checkpoints}
+        thresholds = {k: self.thresholds[k] for k in self.open_checkpoints}
         segments = SegmentedDecoding(model, adapter.layers, thresholds, options.kv, self, self._skipper,
                                      self._patches) if self._skipper is not None and breaks is None else None
         # transformers' compiled decoding steps: graphs of TIDE's own (skip mode: per segment of layers, or `breaks`)
@@ -135,10 +147,12 @@ class TideHandle:
         if not torch.compiler.is_compiling():  # the model may have been cast, moved or loaded since the last call
             if self._watch.check():  # a cast or a move: the norm's formula and the routers' devices follow it
                 self._norm_specs = place_routers(self.router, self.adapter)
+            self._scorers = self._bind_scorers()  # (the router's weights as they are now)
             if self._skipper is not None and self._skipper.fused is not None:
                 self._skipper.fused.refresh()
         stats = ExitStats(self.num_layers, list(self.router.checkpoint_layers), mode=self.options.mode,
-                          reason=self.options.reason)
+                          reason=self.options.reason, pricing=self.options.priced,
+                          aside=new_report() if self._aside is not None and generating else None)
         return Session(stats, generating, eos)
 
     @contextmanager
@@ -211,16 +225,23 @@ class TideHandle:
         if tokens is None:  # neither ids nor embeddings: the model itself will refuse this forward
             self._local.step = None
             return
-        self._local.step = new_step(session, tokens, kwargs.get("attention_mask"), self.num_layers,
-                                    running=self._skipper is not None and self.options.kv == "recompute",
-                                    skipping=self._skipper is not None,
-                                    cache=cache_in(kwargs), packed=decode_positions(kwargs, tokens) if packed else None)
+        step = self._local.step = new_step(
+            session, tokens, kwargs.get("attention_mask"), self.num_layers,
+            running=self._skipper is not None and self.options.kv == "recompute", skipping=self._skipper is not None,
+            cache=cache_in(kwargs), packed=decode_positions(kwargs, tokens) if packed else None)
+        if session.stats.aside is not None and session.started_decode and not packed \
+                and not torch.compiler.is_compiling():
+            waiting = self._waiting.get(step.cache) if step.cache is not None else None
+            step.plain = self._aside.plain_next(catching_up=waiting is not None and bool(waiting.pending))
+            step.started = time.perf_counter()
 
     def _end(self, _module: nn.Module, _args: tuple, _kwargs: dict, output: Any) -> None:
         step, self._local.step = getattr(self._local, "step", None), None
         if step is None:
             return
         session = self._local.session
+        if step.started is not None:
+            self._aside.record(time.perf_counter() - step.started, step.plain, session.stats.aside)
         if step.packed is not None:  # counted and published now: continuous batching has no call end of its own
             publish_stats(self.model, commit_packed(session, step, self.num_layers))
             return
@@ -243,11 +264,19 @@ class TideHandle:
         if torch.is_grad_enabled():  # (a no_grad context on every call costs more than the check: generate has none)
             with torch.no_grad():
                 return self.score(layer, hidden)
-        spec = self._norm_specs[layer]
-        if spec is None:
+        scorer = self._scorers[layer]
+        if scorer is None:
             return torch.sigmoid(self.router.logit(layer, self.adapter.normed(hidden).float()))
-        mlp = self.router.routers[str(layer)]
-        return norm_router_scores(hidden, spec, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias)
+        return scorer(hidden)
+
+    def _bind_scorers(self) -> dict[int, Callable[[torch.Tensor], torch.Tensor] | None]:
+        """Per checkpoint, the fused scorer bound to its router's weights (None: the model's own norm runs first)."""
+        scorers = {}
+        for layer, spec in self._norm_specs.items():
+            mlp = self.router.routers[str(layer)]
+            scorers[layer] = None if spec is None else bind_router_scores(
+                spec, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias)
+        return scorers
 
     def exit_state(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """What the final norm and head read for a position exiting at `layer` (`TideRouter.exit_state`)."""
@@ -262,11 +291,10 @@ class TideHandle:
         return ok & torch.isfinite(hidden).all(-1).to(ok.device)
 
     def _checkpoint_hook(self, layer: int) -> Callable[[nn.Module, tuple, Any], None]:
-        threshold = self.options.threshold(layer)
-
         def hook(_module: nn.Module, _args: tuple, output: Any) -> None:
             step = getattr(self._local, "step", None)
-            if step is None or threshold >= CLOSED or step.all_exited or step.segmented \
+            threshold = self.thresholds[layer]
+            if step is None or threshold >= CLOSED or step.all_exited or step.segmented or step.plain \
                     or not self._active() or self._local.session.full_depth:
                 return  # (skip mode: once every row has exited, later checkpoints have nothing to decide)
             hidden = layer_output(output)
@@ -373,5 +401,30 @@ def _build(model: nn.Module, router: TideRouter, request: TideConfig, *, ignore_
     adapter = get_adapter(model)
     router.check_compatible(model, ignore_fingerprint=ignore_fingerprint, adapter=adapter)
     options, plan = resolve_mode(model, adapter, router, request)
+    if pricing.applies(options):
+        options = pricing.unpriced(options, router) or pricing.price(
+            options, router, step_costs(model, router, options, adapter, plan, handle_class, ignore_fingerprint))
     return handle_class(model, router, options, adapter, owner=owner, skip_plan=plan,
                         ignore_fingerprint=ignore_fingerprint)
+
+
+def step_costs(model: nn.Module, router: TideRouter, options: TideOptions, adapter: ModelAdapter,
+               plan: SkipPlan | None, handle_class: type[TideHandle], ignore_fingerprint: bool) -> StepCosts:
+    """The costs pricing reads (`costs.measure`), remembered per model state, cache policy and thread count: a
+    handle of this thread alone forces exits at the timed checkpoints, then goes; `last_stats` is left as it was."""
+    timed = pricing.timed_checkpoints(router, options)
+
+    def measured() -> StepCosts:
+        forced = {k: costs.FORCED if k in timed else CLOSED for k in router.checkpoint_layers}
+        probe = handle_class(model, router, dataclasses.replace(options, thresholds=forced), adapter,
+                             owner=threading.get_ident(), skip_plan=plan, ignore_fingerprint=ignore_fingerprint)
+        previous = last_stats(model)
+        try:
+            return costs.measure(model, probe, adapter.layers, timed)
+        finally:
+            probe.detach()
+            publish_stats(model, previous)
+
+    scorer = (router.config.router_bottleneck_dim, router.config.exit_head, router.config.exit_head_rank)
+    key = ("step costs", options.kv, tuple(timed), torch.get_num_threads(), scorer)
+    return remembered(model, key, measured)

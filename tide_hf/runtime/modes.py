@@ -86,7 +86,7 @@ def resolve_mode(model: nn.Module, adapter: ModelAdapter, router: TideRouter, re
            "skip": f"attach's default with {', '.join(given)} given: tokens exit at a quality target"}
     refusals: list[str] = []
     for mode in dict.fromkeys(("skip" if given else "speculative", "skip", "select")):
-        asked = {**fields, "mode": mode, **({"kv": None} if mode == "select" else {})}
+        asked = {**fields, "mode": mode, **({"kv": None, "pricing": None} if mode == "select" else {})}
         try:
             options, plan = checked(model, adapter, router, asked)
         except TideUnsupportedError as err:

@@ -22,7 +22,8 @@ from ..modeling.targets import check_served, select
 
 AUTO_MODE = "auto"  # attach's default: speculative mode (lossless) where the model allows it (`runtime/modes.py`)
 # TideConfig fields that ask for exits at a quality target: given under mode "auto", they choose skip mode
-EXIT_SETTINGS = ("min_agreement", "max_perplexity_increase", "confidence", "exit_threshold", "min_layers", "kv")
+EXIT_SETTINGS = ("min_agreement", "max_perplexity_increase", "confidence", "exit_threshold", "min_layers", "kv",
+                 "pricing")
 # options attach took once -> why they went and what to do instead (named, not "unknown option")
 REMOVED_OPTIONS = {"park_rows": "batches ran slower with it on a router's own decisions (0.73x stock at batch 8, "
                                 "against 0.98x without it); kv='recompute' gives the same tokens, so drop it"}
@@ -52,6 +53,10 @@ class TideConfig:
             in batches).
         draft_layer: speculative mode: the checkpoint drafts are made at (None: chosen per call by what drafting
             measured on this model, by the router's calibration figures until then).
+        pricing: skip mode at a quality target: close the checkpoints whose exits cost more than they save on this
+            model and linear path (costs measured once per attach, cached per model), the thresholds of the others
+            selected again for the target. None (the default): where the router keeps its held-out scores; True:
+            refuse a router without them; False: serve every checkpoint the target opens.
 
     Example:
         >>> import tide_hf
@@ -68,6 +73,7 @@ class TideConfig:
     min_layers: int | None = None
     kv: str | None = None
     draft_layer: int | None = None
+    pricing: bool | None = None
 
     @classmethod
     def merged(cls, config: TideConfig | None, options: dict[str, Any]) -> TideConfig:
@@ -100,6 +106,16 @@ def mode_kv(mode: Any, kv: str | None, draft_layer: int | None) -> str:
     return DEFAULT_KV if kv is None else kv
 
 
+def check_pricing(mode: Any, pricing: Any) -> None:
+    """Refuse a `pricing` that is not None / True / False, or one given to a mode that never reads it (select mode
+    saves nothing to price; speculative mode's output is stock's)."""
+    if pricing is not None and not isinstance(pricing, bool):
+        raise TideArgumentTypeError(f"pricing must be True, False or None, got {pricing!r}")
+    if pricing is not None and mode not in ("skip", AUTO_MODE):
+        raise TideArgumentError(f"pricing={pricing!r} applies to mode='skip' only (it closes checkpoints whose exits "
+                                f"do not save time); mode={mode!r} skips no layer")
+
+
 @dataclass(frozen=True)
 class TideOptions:
     """Serving options of one attach: how eagerly tokens exit and what an exit saves.
@@ -114,7 +130,8 @@ class TideOptions:
     verifies every draft at full depth (lossless). `kv`: how skip mode fills the cache of the layers it did
     not run. `draft_layer`: the checkpoint speculative mode drafts at (None: chosen per call, `resolve_draft_layer`).
     `auto`: the mode was chosen by attach's default (mode "auto"), not asked for; `reason`: why this mode
-    serves, in words (`last_stats` repeats it).
+    serves, in words (`last_stats` repeats it). `pricing`: as `TideConfig.pricing`; `priced`: what pricing measured
+    and decided (`runtime/pricing.py`; None where it did not run).
     """
 
     exit_threshold: float = DEFAULT_EXIT_THRESHOLD  # (`resolve` takes both from the router's config)
@@ -126,6 +143,8 @@ class TideOptions:
     target: dict[str, float] | None = None
     auto: bool = False
     reason: str = "asked for"
+    pricing: bool | None = None
+    priced: dict[str, Any] | None = None
 
     @classmethod
     def resolve(cls, cfg: Any, *, min_agreement: float | None = None, max_perplexity_increase: float | None = None,
@@ -136,6 +155,7 @@ class TideOptions:
         (per-checkpoint thresholds from the router's exit paths, `tide_hf.modeling.targets`); else the router's
         default target; else, for routers calibrated before exit paths existed, the router's global `exit_threshold`."""
         rest = {**rest, "kv": mode_kv(rest.get("mode", "select"), rest.get("kv"), rest.get("draft_layer"))}
+        check_pricing(rest.get("mode", "select"), rest.get("pricing"))
         if exit_threshold is not None:  # any real number (a Fraction, a numpy float) is served as a float
             check_threshold(exit_threshold)
             exit_threshold = float(exit_threshold)

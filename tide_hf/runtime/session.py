@@ -47,6 +47,8 @@ class Step:
     exit_layer: torch.Tensor  # long, num_layers where the token did not exit
     exit_state: torch.Tensor | None = None  # hidden state at the exit checkpoint
     exited: bool = False  # some position may have exited (a checkpoint wrote `exit_layer`)
+    plain: bool = False  # decide no exits: a step-aside probe, or a step while stepped aside (`aside.py`)
+    started: float | None = None  # perf_counter() at the forward's start, where step aside times it
     cache: Any = None  # the cache this forward writes
     mask2d: torch.Tensor | None = None  # the call's (batch, length) attention mask, when it has one
     counted: bool = True  # a forward of the call's own decoding stream (see `Session.stream`)

@@ -105,6 +105,26 @@ class PhaseStats:
                 "exits": {int(k): int(v) for k, v in sorted(self.exits.items())}}
 
 
+def pricing_line(record: dict) -> str:
+    """What pricing decided, in words (`ExitStats.pricing`)."""
+    if "costs" not in record:
+        return record.get("note", "did not run")
+    costs = record["costs"]
+    saves = ", ".join(f"L{k} {v:.1f} ms" for k, v in costs["exit_saves_ms"].items())
+    closed = ", ".join(f"L{k}" for k in record["closed"]) or "none"
+    return (f"closed {closed} (an exit saves {saves}; scoring a checkpoint costs {costs['score_ms']:.2f} ms, "
+            f"a plain step {costs['plain_step_ms']:.1f} ms)")
+
+
+def aside_line(report: dict) -> str:
+    """Step aside's counters, in words (`ExitStats.aside`)."""
+    probe = report["last_probe_ms"]
+    timed = "" if probe is None else \
+        f"; last probe: TIDE steps {probe['tide_step']:.1f} ms, plain {probe['plain_step']:.1f} ms"
+    return (f"stepped aside {report['stepped_aside']} time(s) in {report['probes']} probe(s); "
+            f"{report['plain_steps']} of {report['plain_steps'] + report['tide_steps']} decode steps ran plain{timed}")
+
+
 def _counter(counts: torch.Tensor | None) -> Counter:
     return Counter() if counts is None else Counter({k: v for k, v in enumerate(counts.tolist()) if v})
 
@@ -122,6 +142,11 @@ class ExitStats:
         speculative: speculative mode's counters (drafted, accepted, rounds, fallback), else None.
         mode: the mode that served the call ("select", "skip" or "speculative").
         reason: why that mode served it (attach's default or the mode asked for).
+        pricing: skip mode at a quality target: the checkpoints pricing closed ("closed"), the costs it measured
+            ("costs", milliseconds) and each open checkpoint's value before ("value_ms_per_token"); None where
+            pricing did not run.
+        aside: priced skip mode on the CPU: decode steps run with TIDE and plain, probes, times TIDE stepped aside
+            and the last probe's mean step times (`runtime/aside.py`); None elsewhere.
 
     Example:
         >>> handle = tide_hf.attach(model, router)  # doctest: +SKIP
@@ -136,6 +161,8 @@ class ExitStats:
     speculative: dict | None = None  # speculative mode: drafting counters of the call
     mode: str = "select"
     reason: str = "asked for"
+    pricing: dict | None = None
+    aside: dict | None = None
 
     def __post_init__(self) -> None:
         self.prefill = self.prefill or PhaseStats(self.num_layers)
@@ -143,7 +170,8 @@ class ExitStats:
 
     def as_dict(self) -> dict:
         return {"num_layers": self.num_layers, "checkpoints": self.checkpoints, "mode": self.mode,
-                "reason": self.reason,
+                "reason": self.reason, **({"pricing": self.pricing} if self.pricing is not None else {}),
+                **({"aside": self.aside} if self.aside is not None else {}),
                 "prefill": self.prefill.as_dict(), "decode": self.decode.as_dict(),
                 **({"speculative": self.speculative} if self.speculative is not None else {})}
 
@@ -151,6 +179,10 @@ class ExitStats:
         """A few lines a person can read: the mode and why, exit rate and mean depth per phase, exits per
         checkpoint."""
         lines = [f"mode    {self.mode}: {self.reason}"]
+        if self.pricing is not None:
+            lines.append(f"pricing {pricing_line(self.pricing)}")
+        if self.aside is not None:
+            lines.append(f"aside   {aside_line(self.aside)}")
         for name, phase in (("prefill", self.prefill), ("decode", self.decode)):
             per_layer = ", ".join(f"L{k}: {phase.exits.get(k, 0)}" for k in self.checkpoints)
             lines.append(

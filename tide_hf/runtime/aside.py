@@ -30,7 +30,7 @@ class StepAside:
     tide_s: list[float] = field(default_factory=list)  # this window's TIDE step times
     plain_s: list[float] = field(default_factory=list)  # this probe's plain step times
     aside_left: int = 0  # plain steps still to run before TIDE is timed again
-    window: int = WINDOW  # TIDE steps timed before the next probe
+    window: int = field(default_factory=lambda: WINDOW)  # TIDE steps timed before the next probe (read now)
     deferred: int = 0  # steps the due probe has waited
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

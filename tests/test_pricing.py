@@ -1,0 +1,152 @@
+"""Skip mode prices its exits: the costs it measures once per model, the checkpoints it closes (the others'
+thresholds selected again, the quality target still held on held-out text), stepping aside where plain steps
+are faster, and pricing off serving exactly the target's thresholds."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from helpers import make_tiny_llama
+
+import tide_hf
+import tide_hf.runtime.aside as aside
+import tide_hf.runtime.costs as costs
+from tide_bench.easy import make_near_identity
+from tide_hf.errors import TideArgumentError, TideArgumentTypeError, TideTargetError
+from tide_hf.modeling.targets import exit_shares, reselect, select
+from tide_hf.record import CLOSED
+from tide_hf.runtime.costs import StepCosts
+
+CONFIDENCE = 0.9
+TARGET = 0.8  # an agreement the near-identity model certifies at several checkpoints
+# An exit saves 1 ms at checkpoint 2 and loses 1 ms at 8 (interpolated: it stops paying past 5); scoring is cheap.
+FIXED = StepCosts(plain_step_s=1e-3, saving_s={2: 1e-3, 8: -1e-3}, score_s=1e-6, measure_s=0.0)
+
+
+@pytest.fixture(scope="module")
+def calibrated():
+    """(model, router, held-out samples): a tiny Llama whose layers after 2 barely write, so exits certify at its
+    checkpoints 2, 4, 6 and 8; the router calibrated on other samples than the held-out ones."""
+    model = make_near_identity(make_tiny_llama(), 2, scale=0.3)
+    gen = torch.Generator().manual_seed(0)
+    samples = [torch.randint(3, 256, (32,), generator=gen) for _ in range(200)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        router = tide_hf.calibration.calibrate_tokens(model, samples[:160], num_epochs=2, router_bottleneck_dim=16,
+                                                      checkpoint_interval=2, progress=False)
+    return model, router, torch.stack(samples[160:])
+
+
+@pytest.fixture
+def fixed_costs(monkeypatch):
+    """Measuring returns `FIXED` (and counts its calls): pricing's decisions no longer depend on the machine."""
+    calls = []
+    monkeypatch.setattr(costs, "measure", lambda model, handle, layers, timed: calls.append(timed) or FIXED)
+    return calls
+
+
+def test_pricing_off_serves_the_targets_thresholds_exactly(calibrated) -> None:
+    model, router, _ = calibrated
+    cfg = router.config
+    with tide_hf.attach(copy.deepcopy(model), router, mode="skip", min_agreement=TARGET, pricing=False) as handle:
+        assert handle.options.thresholds == select(cfg.exit_paths, cfg.checkpoint_layers, min_agreement=TARGET,
+                                                   confidence=cfg.confidence)
+        assert handle.thresholds == handle.options.thresholds and handle.options.priced is None
+        handle.model(input_ids=torch.tensor([[5, 6, 7]]))
+        assert handle.last_stats.pricing is None and handle.last_stats.aside is None
+
+
+def test_closing_checkpoints_reselects_the_others_and_every_open_one_pays(calibrated, fixed_costs) -> None:
+    model, router, _ = calibrated
+    cfg, held = router.config, router.held_out
+    before = select(cfg.exit_paths, cfg.checkpoint_layers, min_agreement=TARGET, confidence=cfg.confidence)
+    with tide_hf.attach(copy.deepcopy(model), router, mode="skip", min_agreement=TARGET) as handle:
+        priced, thresholds = handle.options.priced, handle.options.thresholds
+    assert fixed_costs == [[2, 8]]  # the first and last checkpoint a token may exit at
+    closed = priced["closed"]
+    assert closed and all(thresholds[k] == CLOSED for k in closed)
+    assert priced["thresholds_before"] == before
+    assert thresholds == reselect(cfg.exit_paths, held, cfg.checkpoint_layers, set(closed), min_agreement=TARGET,
+                                  confidence=cfg.confidence)
+    assert thresholds != {k: CLOSED if k in closed else t for k, t in before.items()}  # selected again
+    exits, reach = exit_shares(held.order_scores, thresholds, cfg.checkpoint_layers)
+    for k, t in thresholds.items():  # by hand: each open checkpoint saves more than its scoring costs
+        if t < CLOSED:
+            saving = 1e-3 - (k - 2) * (2e-3 / 6)
+            assert exits[k] * saving - reach[k] * FIXED.score_s >= 0, k
+
+
+def test_the_target_holds_on_held_out_text_with_pricing_on(calibrated, fixed_costs) -> None:
+    """Teacher-forced on held-out samples: skip mode's output (exits at the priced, re-selected thresholds) agrees
+    with the model's own top-1 on at least the target's share of positions, and some positions exited."""
+    model, router, held_out = calibrated
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        stock = model(input_ids=held_out).logits.argmax(-1)
+        with tide_hf.attach(model, router, mode="skip", min_agreement=TARGET) as handle:
+            served = model(input_ids=held_out).logits.argmax(-1)
+            exits = handle.last_stats.prefill
+    assert handle.options.priced["closed"] and exits.exit_rate > 0.0
+    assert float((served == stock).float().mean()) >= TARGET
+
+
+def test_costs_are_measured_once_per_model_on_the_real_model(calibrated) -> None:
+    model, router, _ = calibrated
+    model = copy.deepcopy(model)
+    first = tide_hf.attach(model, router, mode="skip", min_agreement=TARGET)
+    measured = first.options.priced["costs"]
+    first.detach()
+    assert measured["plain_step_ms"] > 0 and measured["score_ms"] > 0 and sorted(measured["exit_saves_ms"]) == [2, 8]
+    with tide_hf.attach(model, router, mode="skip", min_agreement=TARGET) as again:
+        assert again.options.priced["costs"] == measured  # remembered, not measured again
+    assert tide_hf.last_stats(model) is None  # measuring left no stats of its own
+
+
+def test_stepping_aside_is_reported_and_its_steps_exit_nowhere(calibrated, fixed_costs, monkeypatch) -> None:
+    """TIDE's steps timed as slower than plain ones: after a window and a probe, the call steps aside; its plain
+    steps decide no exits, and `last_stats` counts them."""
+    model, router, _ = calibrated
+    monkeypatch.setattr(aside, "WINDOW", 2)
+    monkeypatch.setattr(aside, "PROBES", 1)
+    monkeypatch.setattr(aside, "ASIDE", 100)
+    monkeypatch.setattr(aside, "MAX_DEFER", 0)  # (this model exits at nearly every step: probes would wait)
+    real = aside.StepAside.record
+    monkeypatch.setattr(aside.StepAside, "record", lambda self, seconds, plain, report:
+                        real(self, seconds if plain else seconds + 1.0, plain, report))  # TIDE "1 s slower"
+    model = copy.deepcopy(model)
+    with tide_hf.attach(model, router, mode="skip", min_agreement=TARGET) as handle:
+        model.generate(input_ids=torch.tensor([[5, 6, 7, 8]]), max_new_tokens=12, do_sample=False)
+        stats = handle.last_stats
+    report = stats.aside
+    assert report["stepped_aside"] == 1 and report["probes"] == 1
+    assert report["tide_steps"] == 2 and report["plain_steps"] == 9  # 11 decode steps: 2 timed, 1 probe, 8 aside
+    assert sum(n for k, n in stats.decode.exits.items() if k < stats.num_layers) <= report["tide_steps"]
+    assert "stepped aside 1 time(s)" in stats.summary()
+
+
+def test_pricing_reports_and_refuses_what_it_cannot_do(calibrated, fixed_costs) -> None:
+    model, router, _ = calibrated
+    model = copy.deepcopy(model)
+    with tide_hf.attach(model, router, mode="skip", min_agreement=TARGET) as handle:
+        model(input_ids=torch.tensor([[5, 6, 7]]))
+        assert handle.last_stats.summary().splitlines()[1].startswith("pricing closed L")
+        assert handle.last_stats.as_dict()["pricing"]["closed"] == handle.options.priced["closed"]
+    config = copy.deepcopy(router.config)  # the same router as one calibrated before held-out scores were kept
+    config.held_out_tokens = None
+    older = tide_hf.TideRouter(config)
+    older.load_state_dict({k: v for k, v in router.state_dict().items() if not k.startswith("held_out")})
+    with pytest.raises(TideTargetError, match="pricing=False"):
+        tide_hf.attach(model, older, mode="skip", min_agreement=TARGET, pricing=True)
+    with tide_hf.attach(model, older, mode="skip", min_agreement=TARGET) as unpriced:  # the default: said, served
+        assert unpriced.options.priced["closed"] == [] and "no held-out scores" in unpriced.options.priced["note"]
+        assert unpriced.thresholds == select(config.exit_paths, config.checkpoint_layers, min_agreement=TARGET,
+                                             confidence=config.confidence)
+    with pytest.raises(TideArgumentError, match="mode='skip' only"):
+        tide_hf.attach(model, router, mode="select", pricing=True)
+    with pytest.raises(TideArgumentTypeError, match="pricing must be True, False or None"):
+        tide_hf.attach(model, router, mode="skip", pricing="yes")
+    with tide_hf.attach(model, router, mode="skip", exit_threshold=0.9) as explicit:  # a threshold given: as given
+        assert explicit.options.priced is None and explicit.thresholds == dict.fromkeys([2, 4, 6, 8], 0.9)

@@ -5,9 +5,7 @@ mode="skip", min_agreement=TARGET)` (pricing and step aside on, kv="recompute") 
 interleaved prompt by prompt, at batch 1 and at one batch of all prompts, on open prose (held-out documents) and
 on grounded prompts (asking to repeat a held-out passage). Ratios are stock seconds over TIDE seconds per
 repetition, against stock on the same path. Beside them: layers run per decode token, TIDE's pricing and step
-aside, and top-1 agreement with the model given stock's prefix (one teacher-forced forward of prompt and stock's
-continuation, skip mode deciding every position: under kv="recompute" each exit sees the exact cache, as in
-decoding). Then select mode at the router's own target (every layer runs) and a repeated attach + detach.
+aside, and top-1 agreement with the model given stock's prefix (stock's continuation fed one token at a time). Then select mode at the router's own target (every layer runs) and a repeated attach + detach.
 
     python benchmarks/skip_pays.py --router ROUTER --out skip-pays.json   # ~12 min on 2 CPU cores
 """
@@ -29,6 +27,7 @@ from tide_bench.measure import evaluation_text, generate, left_pad
 from tide_bench.modes import grounded_prompts
 from tide_hf.assets import default_dataset, load_model
 from tide_hf.calibration import pad_token_id
+from tide_hf.compat import cache_in, with_cache
 
 ATTACH_REPEATS = 6  # attach + detach timed this many times (the first measures the costs)
 
@@ -58,16 +57,18 @@ def ratios(model, batches: list[dict], new_tokens: int, reps: int) -> tuple[dict
 
 @torch.no_grad()
 def agreement(model, prompts: list[torch.Tensor], pad: int, new_tokens: int) -> dict:
-    """Top-1 agreement of the attached skip mode with stock's greedy tokens, given stock's prefix, over every
-    continuation position of `prompts` (batch 1 each)."""
+    """Top-1 agreement of the attached skip mode with stock's greedy tokens, given stock's prefix: each prompt's
+    stock continuation fed one token at a time (decode steps of one row, each exit deciding as in serving), every
+    step's top-1 compared with stock's next token."""
     agree = total = 0
     for prompt in prompts:
-        batch = left_pad([prompt], pad)
-        continuation = generate(model, batch, new_tokens, tide=False)[0]
-        ids = torch.cat([batch["input_ids"], continuation], 1)
-        logits = model(input_ids=ids).logits[0, prompt.numel() - 1 : -1]  # TIDE attached: its exits decide
-        agree += int((logits.argmax(-1) == continuation[0]).sum())
-        total += continuation.numel()
+        continuation = generate(model, left_pad([prompt], pad), new_tokens, tide=False)[0][0]
+        out = model(input_ids=prompt[None], use_cache=True)
+        for position in range(continuation.numel()):
+            agree += int(out.logits[0, -1].argmax() == continuation[position])
+            total += 1
+            token = continuation[position : position + 1][None]
+            out = model(**with_cache({"input_ids": token, "use_cache": True}, cache_in(out)))
     return {"agreement": agree / total, "tokens": total}
 
 

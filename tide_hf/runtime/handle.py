@@ -95,9 +95,13 @@ class TideHandle:
         self._patches.hook(adapter.layers[-1].register_forward_hook(self._final_hook))
         self._skipper = None if skip_plan is None or not self.open_checkpoints else LayerSkipper(
             adapter.layers, self.open_checkpoints[0], skip_plan, options.kv, self, self._patches)
-        # priced skip mode on the CPU times its decode steps against plain ones (`aside.py`)
-        self._aside = StepAside() if self._skipper is not None and options.priced and "costs" in options.priced \
-            and self.host_reads_free else None
+        priced = self._skipper is not None and options.priced is not None and "costs" in options.priced
+        # Priced skip mode with kv="recompute" takes exits only where they stop a step's layers: a position that
+        # exits while another runs on saves nothing (the step runs whole) and would change its token. The exits
+        # taken are a subset of the target's rule, each at the same checkpoint, so the target still holds.
+        self.whole_steps = priced and options.kv == "recompute"
+        # priced skip mode on the CPU times its decode steps against plain ones, per batch size (`aside.py`)
+        self._aside: dict[int, StepAside] | None = {} if priced and self.host_reads_free else None
         breaks = None if self._skipper is None else SegmentedDecoding.unsupported(adapter.layers)
         thresholds = {k: self.thresholds[k] for k in self.open_checkpoints}
         segments = SegmentedDecoding(model, adapter.layers, thresholds, options.kv, self, self._skipper,
@@ -232,7 +236,8 @@ class TideHandle:
         if session.stats.aside is not None and session.started_decode and not packed \
                 and not torch.compiler.is_compiling():
             waiting = self._waiting.get(step.cache) if step.cache is not None else None
-            step.plain = self._aside.plain_next(catching_up=waiting is not None and bool(waiting.pending))
+            schedule = self._aside.setdefault(step.exit_layer.shape[0], StepAside())
+            step.plain = schedule.plain_next(catching_up=waiting is not None and bool(waiting.pending))
             step.started = time.perf_counter()
 
     def _end(self, _module: nn.Module, _args: tuple, _kwargs: dict, output: Any) -> None:
@@ -241,7 +246,8 @@ class TideHandle:
             return
         session = self._local.session
         if step.started is not None:
-            self._aside.record(time.perf_counter() - step.started, step.plain, session.stats.aside)
+            self._aside[step.exit_layer.shape[0]].record(time.perf_counter() - step.started, step.plain,
+                                                          session.stats.aside)
         if step.packed is not None:  # counted and published now: continuous batching has no call end of its own
             publish_stats(self.model, commit_packed(session, step, self.num_layers))
             return
@@ -295,8 +301,9 @@ class TideHandle:
             step = getattr(self._local, "step", None)
             threshold = self.thresholds[layer]
             if step is None or threshold >= CLOSED or step.all_exited or step.segmented or step.plain \
-                    or not self._active() or self._local.session.full_depth:
-                return  # (skip mode: once every row has exited, later checkpoints have nothing to decide)
+                    or (step.skip is not None and step.skip.settled) or not self._active() \
+                    or self._local.session.full_depth:
+                return  # (skip mode: once every row has exited, or one stays, later checkpoints decide nothing)
             hidden = layer_output(output)
             if hidden.shape[:2] != step.exit_layer.shape:
                 raise TideUnsupportedError(
@@ -314,6 +321,11 @@ class TideHandle:
                     return
             fresh = step.exit_layer == self.num_layers
             exits = fresh & self.exit_mask(scores, hidden, threshold).to(fresh.device)
+            if self.whole_steps and not bool((exits | ~(fresh & step.valid.to(fresh.device))).all()):
+                step.skip.settled = True  # some running position stays: no exit can stop this step's layers
+                if not step.skip.decided:
+                    self._skipper.decide(step, layer, self.num_layers)
+                return
             # Device-side writes only (no `exits.any()`, no row indices): select mode never waits for an accelerator.
             step.exit_layer = step.exit_layer.masked_fill(exits, layer)
             step.exited = True

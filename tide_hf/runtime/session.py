@@ -29,6 +29,7 @@ class SkipState:
     stopped: torch.Tensor | int = 0  # (rows, positions): layers a position did not run beyond `skipped`
     recomputed: int = 0  # kv="recompute": layer x position runs of earlier steps' waiting tokens in this forward
     decided: bool = False  # `compaction` / `all_exited_at` follow the exits so far (no exit since the last decision)
+    settled: bool = False  # exits only where they stop the step (`TideHandle.whole_steps`): one position stays
 
 
 @dataclass

@@ -137,6 +137,7 @@ TIDE_INLINE void normalize_row_impl(const scalar_t* x, int64_t H, const NormArgs
   ATTR void dot_rows_##NAME(const float* w, const float* const* z, int64_t n, float* out) {                  \
     dot_rows_impl(w, z, n, out);                                                                             \
   }                                                                                                          \
+  ATTR float dot_##NAME(const float* a, const float* b, int64_t n) { return dot_impl(a, b, n); }             \
   template <typename scalar_t>                                                                               \
   ATTR void normalize_rows_##NAME(const scalar_t* x, int64_t rows, int64_t H, const NormArgs& a, float* z) { \
     for (int64_t i = 0; i < rows; ++i) normalize_row_impl<scalar_t>(x + i * H, H, a, z + i * H);             \
@@ -220,6 +221,10 @@ at::Tensor norm_router_scores(const at::Tensor& hidden, int64_t kind, const std:
     at::parallel_for(0, blocks * B, std::max<int64_t>(1, kGrainWork / (H * kRowBlock)), [&](int64_t lo, int64_t hi) {
       for (int64_t p = lo; p < hi; ++p) {
         const int64_t i0 = (p / B) * kRowBlock, j = p % B, rows = std::min<int64_t>(kRowBlock, N - i0);
+        if (rows == 1) {  // one row (a decode step of one sequence): one dot, the same sums as a block's row
+          hp[i0 * B + j] = b1p[j] + TIDE_ISA_CALL(dot, w1p + j * H, zp + i0 * H, H);
+          continue;
+        }
         const float* z[kRowBlock];
         float d[kRowBlock];
         for (int64_t r = 0; r < kRowBlock; ++r) z[r] = zp + (i0 + std::min(r, rows - 1)) * H;

@@ -314,6 +314,9 @@ def print_comparison(result: dict[str, Any]) -> None:
     if first is not None:
         print(f"TIDE's first token that differs from stock's: token {first + 1}")
     print(f"top-1 agreement of TIDE given stock's prefix: {result['top1']:.0%}")
+    for line in result["stats"].summary().splitlines()[1:]:  # skip mode's pricing and step aside, where they ran
+        if line.startswith(("pricing", "aside")):
+            print(f"TIDE {line}")
     if result["tide"]["tok_s"] < result["stock"]["tok_s"]:
         print(f"\n{why_slower(result)}")
     if result["mode"] != "speculative":
@@ -325,6 +328,7 @@ def demo_record(result: dict[str, Any], seconds: dict[str, float], reused: bool,
     """What the demo measured, as JSON: the comparison (without the stats object), the wall seconds of each phase
     and whether the router came from the cache (the docs cite the demo's figures from this file)."""
     record = {k: v for k, v in result.items() if k != "stats"}
+    record.update(pricing=result["stats"].pricing, aside=result["stats"].aside)
     return {"command": command, "torch_threads": torch.get_num_threads(), "router_reused": reused,
             "seconds": seconds, **record}
 

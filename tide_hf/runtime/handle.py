@@ -82,6 +82,17 @@ class TideHandle:
         self._local = threading.local()
         self._local.owner = owner is not None  # set in the owner's thread only (`_bypassed`)
         self._waiting: weakref.WeakKeyDictionary[Any, KVRecompute] = weakref.WeakKeyDictionary()
+        priced = skip_plan is not None and bool(self.open_checkpoints) and options.priced is not None \
+            and "costs" in options.priced
+        # Priced skip mode with kv="recompute" takes exits only where they stop a step's layers: a position that
+        # exits while another runs on saves nothing (the step runs whole) and would change its token. The exits
+        # taken are a subset of the target's rule, each at the same checkpoint, so the target still holds.
+        self.whole_steps = priced and options.kv == "recompute"
+        # priced skip mode on the CPU times its decode steps against plain ones, per batch size (`aside.py`); the
+        # schedules outlive the handle, per model state (read before any patch) and thresholds, as the costs do
+        thresholds = tuple(sorted(self.thresholds.items()))
+        self._aside: dict[int, StepAside] | None = remembered(
+            model, ("step aside", options.kv, thresholds), dict) if priced and self.host_reads_free else None
         self._norm_specs = place_routers(router, adapter)
         self._scorers = self._bind_scorers()
         self._patches = Patches()
@@ -95,13 +106,6 @@ class TideHandle:
         self._patches.hook(adapter.layers[-1].register_forward_hook(self._final_hook))
         self._skipper = None if skip_plan is None or not self.open_checkpoints else LayerSkipper(
             adapter.layers, self.open_checkpoints[0], skip_plan, options.kv, self, self._patches)
-        priced = self._skipper is not None and options.priced is not None and "costs" in options.priced
-        # Priced skip mode with kv="recompute" takes exits only where they stop a step's layers: a position that
-        # exits while another runs on saves nothing (the step runs whole) and would change its token. The exits
-        # taken are a subset of the target's rule, each at the same checkpoint, so the target still holds.
-        self.whole_steps = priced and options.kv == "recompute"
-        # priced skip mode on the CPU times its decode steps against plain ones, per batch size (`aside.py`)
-        self._aside: dict[int, StepAside] | None = {} if priced and self.host_reads_free else None
         breaks = None if self._skipper is None else SegmentedDecoding.unsupported(adapter.layers)
         thresholds = {k: self.thresholds[k] for k in self.open_checkpoints}
         segments = SegmentedDecoding(model, adapter.layers, thresholds, options.kv, self, self._skipper,

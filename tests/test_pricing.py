@@ -161,3 +161,22 @@ def test_pricing_reports_and_refuses_what_it_cannot_do(calibrated, fixed_costs) 
         tide_hf.attach(model, router, mode="skip", pricing="yes")
     with tide_hf.attach(model, router, mode="skip", exit_threshold=0.9) as explicit:  # a threshold given: as given
         assert explicit.options.priced is None and explicit.thresholds == dict.fromkeys([2, 4, 6, 8], 0.9)
+
+
+def test_a_step_too_wide_for_an_exit_to_pay_runs_plain(calibrated, fixed_costs) -> None:
+    """kv="recompute" skips a step's layers only where every position exits: a prefill of 4 rows x 8 tokens cannot
+    pay (`pricing.pays_at`), so it runs as stock (the same logits, no exit); one-token steps still exit."""
+    model, router, held_out = calibrated
+    model = copy.deepcopy(model)
+    wide = held_out[:4, :8]
+    with torch.no_grad():
+        stock = model(input_ids=wide).logits
+        with tide_hf.attach(model, router, mode="skip", min_agreement=TARGET) as handle:
+            assert handle.whole_steps
+            served = model(input_ids=wide).logits
+            assert handle.last_stats.prefill.exit_rate == 0.0
+            exited = 0
+            for token in held_out[0, :16]:
+                model(input_ids=token.reshape(1, 1))
+                exited += handle.last_stats.prefill.exit_rate > 0
+    assert torch.equal(served, stock) and exited > 0

@@ -72,5 +72,7 @@ class StepAside:
 
 
 def new_report() -> dict[str, Any]:
-    """A call's step-aside counters, as `last_stats.aside` shows them."""
-    return {"tide_steps": 0, "plain_steps": 0, "probes": 0, "stepped_aside": 0, "last_probe_ms": None}
+    """A call's step-aside counters, as `last_stats.aside` shows them; "priced_plain" counts the steps (prefill
+    included) that ran plain, untimed, because no exit could pay at their width (`pricing.pays_at`)."""
+    return {"tide_steps": 0, "plain_steps": 0, "probes": 0, "stepped_aside": 0, "last_probe_ms": None,
+            "priced_plain": 0}

@@ -88,6 +88,7 @@ class TideHandle:
         # exits while another runs on saves nothing (the step runs whole) and would change its token. The exits
         # taken are a subset of the target's rule, each at the same checkpoint, so the target still holds.
         self.whole_steps = priced and options.kv == "recompute"
+        self._paying: dict[int, bool] = {}  # positions of a step -> whether an exit can pay there (`_pays`)
         # priced skip mode on the CPU times its decode steps against plain ones, per batch size (`aside.py`); the
         # schedules outlive the handle, per model state (read before any patch) and thresholds, as the costs do
         thresholds = tuple(sorted(self.thresholds.items()))
@@ -191,6 +192,12 @@ class TideHandle:
         """Inside `disabled()` in this thread (a nested `generate`, as stock assisted decoding's, runs stock too)."""
         return getattr(self._local, "disabled", False)
 
+    def _pays(self, positions: int) -> bool:
+        """Whether an exit can pay in a step of `positions` (rows x tokens): `pricing.pays_at`, kept per count."""
+        if positions not in self._paying:
+            self._paying[positions] = pricing.pays_at(self.options.priced, positions)
+        return self._paying[positions]
+
     def _bypassed(self) -> bool:
         if self.owner is not None and not getattr(self._local, "owner", False):
             return True  # a per-call attach is invisible to every other thread (a thread-local flag, which
@@ -237,7 +244,11 @@ class TideHandle:
             session, tokens, kwargs.get("attention_mask"), self.num_layers,
             running=self._skipper is not None and self.options.kv == "recompute", skipping=self._skipper is not None,
             cache=cache_in(kwargs), packed=decode_positions(kwargs, tokens) if packed else None)
-        if session.stats.aside is not None and session.started_decode and not packed \
+        if self.whole_steps and not self._pays(step.exit_layer.numel()):
+            step.plain = True  # no exit can stop this step: every position would have to exit (`pricing.pays_at`)
+            if session.stats.aside is not None:
+                session.stats.aside["priced_plain"] += 1
+        elif session.stats.aside is not None and session.started_decode and not packed \
                 and not torch.compiler.is_compiling():
             waiting = self._waiting.get(step.cache) if step.cache is not None else None
             schedule = self._aside.setdefault(step.exit_layer.shape[0], StepAside())

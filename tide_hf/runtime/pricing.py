@@ -36,9 +36,10 @@ _PRICED: weakref.WeakKeyDictionary[TideRouter, dict[tuple, tuple[StepCosts, Tide
 
 
 def applies(options: TideOptions) -> bool:
-    """Pricing runs for skip mode at a quality target with `pricing` not False (an explicit `exit_threshold` is
-    served as given)."""
-    return options.mode == "skip" and options.target is not None and options.pricing is not False
+    """Pricing runs for skip mode at a quality target that opens a checkpoint, with `pricing` not False (an
+    explicit `exit_threshold` is served as given)."""
+    return options.mode == "skip" and options.target is not None and options.pricing is not False \
+        and any(t < CLOSED for t in (options.thresholds or {}).values())
 
 
 def unpriced(options: TideOptions, router: TideRouter) -> TideOptions | None:
@@ -97,9 +98,24 @@ def decide(options: TideOptions, router: TideRouter, costs: StepCosts) -> TideOp
                               max_perplexity_increase=target.get("max_perplexity_increase"),
                               confidence=target["confidence"])
         check_served(thresholds, options.min_layers, cfg.min_layers)
+    exits, reach = exit_shares(held.order_scores, thresholds, checkpoints)
     record: dict[str, Any] = {
         "closed": sorted(closed), "costs": costs.as_dict(),
         "value_ms_per_token": {k: 1e3 * v for k, v in sorted(first.items())},
         "thresholds_before": dict(sorted((options.thresholds or {}).items())),
+        "exit_shares": {k: exits[k] for k, t in sorted(thresholds.items()) if t < CLOSED},
+        "reach_shares": {k: reach[k] for k, t in sorted(thresholds.items()) if t < CLOSED},
     }
     return dataclasses.replace(options, thresholds=thresholds, priced=record)
+
+
+def pays_at(priced: dict[str, Any], positions: int) -> bool:
+    """Whether exits can pay in a step of `positions` (rows x tokens) under kv="recompute", where a step skips
+    layers only when every position exits at one checkpoint: with positions taken as independent, an open
+    checkpoint's exit share to that power times its saving must beat its reach share to that power times a
+    scoring (one position: the values `price` kept open)."""
+    costs = priced["costs"]  # (milliseconds: only their ratios matter here)
+    step = StepCosts(plain_step_s=costs["plain_step_ms"], score_s=costs["score_ms"], measure_s=costs["measure_ms"],
+                     saving_s={int(k): v for k, v in costs["exit_saves_ms"].items()})
+    return any(share ** positions * step.saving(k) - priced["reach_shares"][k] ** positions * step.score_s > 0.0
+               for k, share in priced["exit_shares"].items())

@@ -122,7 +122,8 @@ def aside_line(report: dict) -> str:
     timed = "" if probe is None else \
         f"; last probe: TIDE steps {probe['tide_step']:.1f} ms, plain {probe['plain_step']:.1f} ms"
     return (f"stepped aside {report['stepped_aside']} time(s) in {report['probes']} probe(s); "
-            f"{report['plain_steps']} of {report['plain_steps'] + report['tide_steps']} decode steps ran plain{timed}")
+            f"{report['plain_steps']} of {report['plain_steps'] + report['tide_steps']} timed decode steps ran plain"
+            f"{timed}; {report['priced_plain']} step(s) too wide for an exit to pay ran plain")
 
 
 def _counter(counts: torch.Tensor | None) -> Counter:

@@ -244,15 +244,19 @@ class TideHandle:
             session, tokens, kwargs.get("attention_mask"), self.num_layers,
             running=self._skipper is not None and self.options.kv == "recompute", skipping=self._skipper is not None,
             cache=cache_in(kwargs), packed=decode_positions(kwargs, tokens) if packed else None)
-        if self.whole_steps and not self._pays(step.exit_layer.numel()):
+        if self.whole_steps and not torch.compiler.is_compiling() and not self._pays(step.exit_layer.numel()):
             step.plain = True  # no exit can stop this step: every position would have to exit (`pricing.pays_at`)
+            waiting = self._waiting.get(step.cache) if step.cache is not None else None
+            step.skip.pass_through = waiting is None or not waiting.pending
             if session.stats.aside is not None:
                 session.stats.aside["priced_plain"] += 1
         elif session.stats.aside is not None and session.started_decode and not packed \
                 and not torch.compiler.is_compiling():
             waiting = self._waiting.get(step.cache) if step.cache is not None else None
+            catching_up = waiting is not None and bool(waiting.pending)
             schedule = self._aside.setdefault(step.exit_layer.shape[0], StepAside())
-            step.plain = schedule.plain_next(catching_up=waiting is not None and bool(waiting.pending))
+            step.plain = schedule.plain_next(catching_up=catching_up)
+            step.skip.pass_through = step.plain and not catching_up
             step.started = time.perf_counter()
 
     def _end(self, _module: nn.Module, _args: tuple, _kwargs: dict, output: Any) -> None:
@@ -315,7 +319,7 @@ class TideHandle:
         def hook(_module: nn.Module, _args: tuple, output: Any) -> None:
             step = getattr(self._local, "step", None)
             threshold = self.thresholds[layer]
-            if step is None or threshold >= CLOSED or step.all_exited or step.segmented or step.plain \
+            if step is None or step.plain or threshold >= CLOSED or step.all_exited or step.segmented \
                     or (step.skip is not None and step.skip.settled) or not self._active() \
                     or self._local.session.full_depth:
                 return  # (skip mode: once every row has exited, or one stays, later checkpoints decide nothing)

@@ -9,8 +9,9 @@ ordered on, never the split that certifies it):
 
 While a checkpoint's value is below zero, the one of lowest value is closed and the thresholds of the others are
 selected again for the target with that checkpoint held closed (`reselect`: Learn-then-Test on the held-out
-threshold split, so the target keeps its guarantee). Values assume one row: at several rows under
-kv="recompute" a step skips layers only where every row exits.
+threshold split, so the target keeps its guarantee). Values are for a step of one position. Under
+kv="recompute" a step of several (a batch, a prompt) skips layers only where every position exits: `pays_at`
+prices that, and the handle runs a step plain where nothing can pay at its width.
 """
 
 from __future__ import annotations

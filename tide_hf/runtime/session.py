@@ -30,6 +30,7 @@ class SkipState:
     recomputed: int = 0  # kv="recompute": layer x position runs of earlier steps' waiting tokens in this forward
     decided: bool = False  # `compaction` / `all_exited_at` follow the exits so far (no exit since the last decision)
     settled: bool = False  # exits only where they stop the step (`TideHandle.whole_steps`): one position stays
+    pass_through: bool = False  # a plain step with no token of its cache waiting: every layer runs as it is
 
 
 @dataclass

@@ -34,6 +34,7 @@ from ..kernels import build_in_background
 from ..modeling import TideRouter, get_adapter
 from ..modeling.files import check_save_target
 from ..runtime import fast_linears
+from ..runtime.stats import aside_line, pricing_line
 from .tables import percent
 
 # Options that change what the demo shows, not the router it calibrates (left out of the cache key).
@@ -230,7 +231,8 @@ def compare(model: Any, tokenizer: Any, router: TideRouter, prompt: str, new_tok
     stats, options = handles["tide"]
     return {**runs, "pair_ratios": runs["tide"]["vs_stock"], "num_layers": num_layers,
             "same_tokens": runs["tide"]["same_tokens"], "first_difference": runs["tide"]["first_difference"],
-            "top1": top1, "stats": stats, "target": options.target, "mode": options.mode,
+            "top1": top1, "stats": stats, "pricing": stats.pricing, "aside": stats.aside,
+            "target": options.target, "mode": options.mode,
             "reason": options.reason, "kv": options.kv, "calibration_text": router.config.dataset}
 
 
@@ -314,9 +316,10 @@ def print_comparison(result: dict[str, Any]) -> None:
     if first is not None:
         print(f"TIDE's first token that differs from stock's: token {first + 1}")
     print(f"top-1 agreement of TIDE given stock's prefix: {result['top1']:.0%}")
-    for line in result["stats"].summary().splitlines()[1:]:  # skip mode's pricing and step aside, where they ran
-        if line.startswith(("pricing", "aside")):
-            print(f"TIDE {line}")
+    if result.get("pricing") is not None:  # skip mode at a quality target: what pricing and step aside did
+        print(f"TIDE pricing: {pricing_line(result['pricing'])}")
+    if result.get("aside") is not None:
+        print(f"TIDE step aside: {aside_line(result['aside'])}")
     if result["tide"]["tok_s"] < result["stock"]["tok_s"]:
         print(f"\n{why_slower(result)}")
     if result["mode"] != "speculative":
@@ -328,7 +331,6 @@ def demo_record(result: dict[str, Any], seconds: dict[str, float], reused: bool,
     """What the demo measured, as JSON: the comparison (without the stats object), the wall seconds of each phase
     and whether the router came from the cache (the docs cite the demo's figures from this file)."""
     record = {k: v for k, v in result.items() if k != "stats"}
-    record.update(pricing=result["stats"].pricing, aside=result["stats"].aside)
     return {"command": command, "torch_threads": torch.get_num_threads(), "router_reused": reused,
             "seconds": seconds, **record}
 

@@ -5,9 +5,10 @@ mode="skip", min_agreement=TARGET)` (pricing and step aside on, kv="recompute") 
 interleaved prompt by prompt, at batch 1 and at one batch of all prompts, on open prose (held-out documents) and
 on grounded prompts (asking to repeat a held-out passage). Ratios are stock seconds over TIDE seconds per
 repetition, against stock on the same path. Beside them: layers run per decode token, TIDE's pricing and step
-aside, and top-1 agreement with the model given stock's prefix (stock's continuation fed one token at a time). Then select mode at the router's own target (every layer runs) and a repeated attach + detach.
+aside, and top-1 agreement with the model given stock's prefix (stock's continuation fed one token at a time).
+Then select mode at the router's own target (every layer runs) and a repeated attach + detach.
 
-    python benchmarks/skip_pays.py --router ROUTER --out skip-pays.json   # ~12 min on 2 CPU cores
+    python benchmarks/skip_pays.py --router ROUTER --out skip-pays.json   # ~18 min on 2 CPU cores
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Step aside when exits do not pay: skip mode's probes of a plain step against TIDE's.
 
-Pricing (`pricing.py`) prices exits once, for one row, before any call. What it cannot see is what a call meets:
-a batch whose rows rarely exit together (under kv="recompute" a step skips layers only where every row exits),
-longer contexts, a busier machine. So while a priced skip mode decodes, every `WINDOW` of its decode steps is
-followed by `PROBES` plain steps (no exit decided, every layer run); each probe TIDE wins doubles the window
-(up to `MAX_WINDOW`). Where TIDE's steps took longer than the plain ones on average, the next `ASIDE`
-decode steps run plain (no scoring, no exits), then TIDE is timed again over a `WINDOW`. A plain step gives stock's token for its row, so stepping aside never lowers quality; it does make
-which tokens exit depend on the timings (`pricing=False` turns it off with pricing). Timed on the CPU only: on an
-accelerator reading the clock per step would wait for the device.
+Pricing (`pricing.py`) prices exits once, before any call, from costs measured on one row. What it cannot see is
+what a call meets: longer contexts, other text, a busier machine. So while a priced skip mode decodes, every
+`WINDOW` of its decode steps is followed by `PROBES` plain steps (no exit decided, every layer run); each probe
+TIDE wins doubles the window (up to `MAX_WINDOW`). Where TIDE's steps took longer than the plain ones on average,
+the next `ASIDE` decode steps run plain (no scoring, no exits), then TIDE is timed again over a `WINDOW`. Each
+batch size keeps its own schedule. A plain step gives the full model's token for its row, so stepping aside never
+lowers quality; it does make which tokens exit depend on the timings (`pricing=False` turns it off with pricing).
+Timed on the CPU only: on an accelerator reading the clock per step would wait for the device.
 """
 
 from __future__ import annotations

@@ -24,15 +24,17 @@ from typing import Any
 import torch
 from torch import nn
 
+import tide_hf.runtime.costs as costs  # (by name, not `from . import`: not the runtime package)
+import tide_hf.runtime.pricing as pricing
+
 from ..compat import cache_in, is_paged
 from ..errors import TideArgumentError, TideArgumentTypeError, TideUnsupportedError
 from ..kernels import bind_router_scores
 from ..modeling import ModelAdapter, TideRouter, check_model, get_adapter, layer_output
 from ..modeling.fingerprint import remembered
 from ..record import CLOSED
-from .batching import commit_packed, decode_positions, guard_continuous_batching
-from . import costs, pricing
 from .aside import StepAside, new_report
+from .batching import commit_packed, decode_positions, guard_continuous_batching
 from .compiled import install_compiled_call
 from .costs import StepCosts
 from .modes import resolve_mode

@@ -100,7 +100,6 @@ BENCH_TABLES = RESULTS
 # (page, a snippet of the line that holds the figure); the snippet holds the figure.
 NOT_MEASURED = [
     ("docs/concepts/choosing-a-mode.md", "The default target is 95 %"),
-    ("docs/concepts/choosing-a-mode.md", "do not mean 18 % less compute"),  # 1 - 24.51 / 30, arithmetic
     ("docs/concepts/how-it-works.md", "the MACs of 9 % of a layer on SmolLM2 and 8 % on"),
     ("docs/concepts/quality-targets.md", "so 97 % per-token agreement"),
     ("docs/getting-started.md", "Quality target >= 95 % top-1 agreement with stock, held with 90 % confidence"),

@@ -28,6 +28,7 @@ from transformers.generation.streamers import BaseStreamer
 from ..assets import DEFAULT_MODEL, DEFAULT_TEXT, cache_dir, default_dataset, load_model
 from ..calibration.command import calibrate_from_args, print_metrics
 from ..calibration.distributed import is_main_process, process_device
+from ..compat import cache_in, with_cache
 from ..errors import PlottingUnavailable, TideArgumentError
 from ..integrations import attach
 from ..kernels import build_in_background
@@ -149,13 +150,17 @@ def timed_generate(model: Any, inputs: dict, new_tokens: int, desc: str) -> tupl
 
 
 def teacher_forced_top1(model: Any, inputs: dict, reference: torch.Tensor) -> float:
-    """Share of stock's generated tokens that the attached model also ranks first, each given stock's prefix."""
-    ids = torch.cat([inputs["input_ids"][0], reference]).unsqueeze(0)
+    """Share of stock's generated tokens that the attached model also ranks first, each given stock's prefix: the
+    prompt, then stock's tokens fed one at a time, so each token is decided in a decode step of its own, as in
+    generation (skip mode takes exits only where they stop a step: a whole sequence at once would exit none)."""
+    agree = 0
     with torch.no_grad():
-        logits = model(input_ids=ids, use_cache=False).logits[0]
-    start = inputs["input_ids"].shape[1]
-    predicted = logits[start - 1 : start - 1 + len(reference)].argmax(-1)
-    return float((predicted == reference).float().mean())
+        out = model(input_ids=inputs["input_ids"][:1], use_cache=True)
+        for position, token in enumerate(reference):
+            agree += int(out.logits[0, -1].argmax() == token)
+            if position + 1 < len(reference):
+                out = model(**with_cache({"input_ids": token.reshape(1, 1), "use_cache": True}, cache_in(out)))
+    return agree / max(len(reference), 1)
 
 
 # The demo's runs, timed in this order in each repeat: (name, label, on the fast linear path, TIDE attached)

@@ -27,8 +27,7 @@ from ..record import CLOSED
 from .costs import StepCosts
 from .options import TideOptions
 
-NO_HELD_OUT = ("the router keeps no held-out scores (calibrated before they were kept): every checkpoint the "
-               "target opens serves; recalibrate to price them")
+NO_HELD_OUT = "the router keeps no held-out scores (calibrated before they were kept)"
 
 
 # router -> (request, costs) -> the priced options: attaching again re-selects nothing
@@ -49,9 +48,9 @@ def unpriced(options: TideOptions, router: TideRouter) -> TideOptions | None:
     if router.held_out is not None:
         return None
     if options.pricing:
-        raise TideTargetError(f"pricing=True: {NO_HELD_OUT.split(':')[0]}; recalibrate it, or attach with "
-                              "pricing=False")
-    return dataclasses.replace(options, priced={"closed": [], "note": NO_HELD_OUT})
+        raise TideTargetError(f"pricing=True: {NO_HELD_OUT}; recalibrate it, or attach with pricing=False")
+    note = f"{NO_HELD_OUT}: every checkpoint the target opens serves; recalibrate to price them"
+    return dataclasses.replace(options, priced={"closed": [], "note": note})
 
 
 def timed_checkpoints(router: TideRouter, options: TideOptions) -> list[int]:

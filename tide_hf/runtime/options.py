@@ -54,9 +54,11 @@ class TideConfig:
         draft_layer: speculative mode: the checkpoint drafts are made at (None: chosen per call by what drafting
             measured on this model, by the router's calibration figures until then).
         pricing: skip mode at a quality target: close the checkpoints whose exits cost more than they save on this
-            model and linear path (costs measured once per attach, cached per model), the thresholds of the others
-            selected again for the target. None (the default): where the router keeps its held-out scores; True:
-            refuse a router without them; False: serve every checkpoint the target opens.
+            model and linear path (costs measured at the first attach on the model, then remembered), the
+            thresholds of the others selected again for the target. With kv="recompute" it also takes exits only
+            where they stop a step's layers, and on the CPU steps aside where plain steps run faster. None (the
+            default): where the router keeps its held-out scores; True: refuse a router without them; False:
+            serve every checkpoint the target opens, as skip mode did before pricing.
 
     Example:
         >>> import tide_hf

@@ -86,19 +86,18 @@ def decide(options: TideOptions, router: TideRouter, costs: StepCosts) -> TideOp
     checkpoints = list(router.checkpoint_layers)
     target = options.target or {}
     thresholds, closed = dict(options.thresholds or {}), []
-    first = values(thresholds, exit_shares(held.order_scores, thresholds, checkpoints), costs)
-    while True:
-        current = values(thresholds, exit_shares(held.order_scores, thresholds, checkpoints), costs)
-        losing = [k for k, v in current.items() if v < 0.0]
-        if not losing:
-            break
+    shares = exit_shares(held.order_scores, thresholds, checkpoints)
+    first = current = values(thresholds, shares, costs)
+    while losing := [k for k, v in current.items() if v < 0.0]:
         closed.append(min(losing, key=current.__getitem__))
         thresholds = reselect(cfg.exit_paths, held, checkpoints, set(closed),
                               min_agreement=target.get("min_agreement"),
                               max_perplexity_increase=target.get("max_perplexity_increase"),
                               confidence=target["confidence"])
         check_served(thresholds, options.min_layers, cfg.min_layers)
-    exits, reach = exit_shares(held.order_scores, thresholds, checkpoints)
+        shares = exit_shares(held.order_scores, thresholds, checkpoints)
+        current = values(thresholds, shares, costs)
+    exits, reach = shares
     record: dict[str, Any] = {
         "closed": sorted(closed), "costs": costs.as_dict(),
         "value_ms_per_token": {k: 1e3 * v for k, v in sorted(first.items())},

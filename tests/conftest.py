@@ -29,6 +29,23 @@ def tiny_llama():
     return make_tiny_llama()
 
 
+@pytest.fixture(scope="session")
+def near_identity_calibration():
+    """(model, router, held-out samples): a tiny Llama whose layers after 2 barely write, so exits certify at every
+    one of its four checkpoints (2, 4, 6, 8); the router calibrated on 160 samples, 40 others held out. Shared:
+    use the model through a copy (`copy.deepcopy`) where a test attaches to it."""
+    from tide_bench.easy import make_near_identity
+
+    model = make_near_identity(make_tiny_llama(), 2, scale=0.3)
+    gen = torch.Generator().manual_seed(0)
+    samples = [torch.randint(3, 256, (32,), generator=gen) for _ in range(200)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        router = tide_hf.calibration.calibrate_tokens(model, samples[:160], num_epochs=2, router_bottleneck_dim=16,
+                                                      checkpoint_interval=2, progress=False)
+    return model, router, torch.stack(samples[160:])
+
+
 @pytest.fixture
 def text_folder(tmp_path: Path) -> Path:
     """A folder of 12 .txt documents (~300 bytes each), one document per file."""

@@ -5,16 +5,13 @@ are faster, and pricing off serving exactly the target's thresholds."""
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
-from helpers import make_tiny_llama
 
 import tide_hf
 import tide_hf.runtime.aside as aside
 import tide_hf.runtime.costs as costs
-from tide_bench.easy import make_near_identity
 from tide_hf.compat import cache_in, with_cache
 from tide_hf.errors import TideArgumentError, TideArgumentTypeError, TideTargetError
 from tide_hf.modeling.targets import exit_shares, reselect, select
@@ -28,18 +25,10 @@ HELD_OUT_ROWS = 10  # held-out samples decoded token by token (320 positions)
 FIXED = StepCosts(plain_step_s=1e-3, saving_s={2: 1e-3, 8: -1e-3}, score_s=1e-6, measure_s=0.0)
 
 
-@pytest.fixture(scope="module")
-def calibrated():
-    """(model, router, held-out samples): a tiny Llama whose layers after 2 barely write, so exits certify at its
-    checkpoints 2, 4, 6 and 8; the router calibrated on other samples than the held-out ones."""
-    model = make_near_identity(make_tiny_llama(), 2, scale=0.3)
-    gen = torch.Generator().manual_seed(0)
-    samples = [torch.randint(3, 256, (32,), generator=gen) for _ in range(200)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        router = tide_hf.calibration.calibrate_tokens(model, samples[:160], num_epochs=2, router_bottleneck_dim=16,
-                                                      checkpoint_interval=2, progress=False)
-    return model, router, torch.stack(samples[160:])
+@pytest.fixture
+def calibrated(near_identity_calibration):
+    """(model, router, held-out samples) of `near_identity_calibration`; tests attach to copies of the model."""
+    return near_identity_calibration
 
 
 @pytest.fixture

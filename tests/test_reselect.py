@@ -5,15 +5,13 @@ thresholds with checkpoints closed, with the same Learn-then-Test guarantee (che
 from __future__ import annotations
 
 import math
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_model, make_tiny_llama, new_router
+from helpers import make_model, new_router
 
 import tide_hf
-from tide_bench.easy import make_near_identity
 from tide_hf.errors import TideArgumentError, TideArgumentTypeError, TideTargetError
 from tide_hf.modeling.targets import HeldOut, exit_shares, path_losses, reselect, select
 from tide_hf.record import CLOSED
@@ -24,17 +22,10 @@ AGREEMENTS = (0.5, 0.7, 0.8, 0.9, 0.95)
 PERPLEXITY_INCREASES = (0.05, 0.2, 1.0)
 
 
-@pytest.fixture(scope="module")
-def calibrated() -> tide_hf.TideRouter:
-    """A router calibrated on a tiny Llama whose layers after 2 barely write (so exits certify at every one of its
-    four checkpoints, 2, 4, 6, 8)."""
-    model = make_near_identity(make_tiny_llama(), 2, scale=0.3)
-    gen = torch.Generator().manual_seed(0)
-    samples = [torch.randint(3, 256, (32,), generator=gen) for _ in range(160)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return tide_hf.calibration.calibrate_tokens(model, samples, num_epochs=2, router_bottleneck_dim=16,
-                                                    checkpoint_interval=2, progress=False)
+@pytest.fixture
+def calibrated(near_identity_calibration) -> tide_hf.TideRouter:
+    """The router of `near_identity_calibration`: exits certify at every one of its four checkpoints, 2, 4, 6, 8."""
+    return near_identity_calibration[1]
 
 
 def by_hand_exits(scores: torch.Tensor, thresholds: list[float]) -> list[int]:
